@@ -1,0 +1,655 @@
+"""Host-wide device leases: no device (or share of its memory) is ever given out twice.
+
+Every campaign on a host shares one SQLite file (WAL mode). A lease is taken in one write
+transaction (BEGIN IMMEDIATE, which serialises writers across processes), renewed by
+heartbeat, released on completion, and reclaimed when its holder's process is gone or its
+heartbeat expired. A holder is the unit: all of its devices come and go together.
+
+The file is never trusted blindly. Each row carries a checksum and the schema, header and
+integrity are checked when a store first opens the file; a file that fails is moved aside
+(kept for inspection), rebuilt empty, and a `LeaseStoreRebuilt` warning is emitted. Live
+holders re-register from their own memory on their next heartbeat, and for one heartbeat
+timeout after a rebuild nobody else may take a lease, so a rebuild cannot hand a device
+that is still in use to a second trial.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import astuple, dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+from training.errors import CampaignError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+_APPLICATION_ID = 0x43414D50  # "CAMP" in the SQLite header: this file is ours
+_BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another campaign's transaction
+_SCHEMA = (
+    "CREATE TABLE meta (key TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL, crc INTEGER NOT NULL) STRICT",
+    "CREATE TABLE leases (holder TEXT NOT NULL, device_id TEXT NOT NULL,"
+    " memory_bytes INTEGER NOT NULL CHECK (memory_bytes > 0), pid INTEGER NOT NULL, pid_start INTEGER,"
+    " acquired_at REAL NOT NULL, heartbeat_at REAL NOT NULL, capacity_bytes INTEGER NOT NULL,"
+    " origin TEXT NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (holder, device_id)) STRICT",
+)
+# SQLite errors that say something about the machine (locks, disk, permissions), not the
+# file's content: they are raised, never answered by rebuilding the file.
+_ENVIRONMENT_ERRORS = {
+    sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN,
+    sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PERM,
+    sqlite3.SQLITE_INTERRUPT,
+}  # fmt: skip
+
+
+class LeaseError(RuntimeError):
+    """A lease could not be had or kept."""
+
+
+class LeaseLost(LeaseError):
+    """The holder's leases were reclaimed (heartbeat expired, or taken after a rebuild)."""
+
+
+class LeaseUnavailable(LeaseError):
+    """`hold` could not take every claimed device now."""
+
+
+class LeaseStoreError(CampaignError):
+    """The lease database cannot be used where it is (path, permissions, disk)."""
+
+
+class LeaseStoreRebuilt(UserWarning):
+    """The lease database was corrupt; it was moved aside and rebuilt."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One device (or a share of its memory) held by one holder (a trial)."""
+
+    holder: str
+    device_id: str
+    memory_bytes: int
+    pid: int  # the process whose life the lease follows
+    pid_start: int | None  # its start time (clock ticks after boot): a reused pid differs
+    acquired_at: float  # wall-clock seconds, comparable across processes
+    heartbeat_at: float
+    capacity_bytes: int = 0  # the device's capacity as the holder saw it
+    origin: str = ""  # "host|boot id|pid namespace" in which `pid` means something
+
+
+@dataclass(slots=True)
+class _Held:
+    """What this process holds, kept to re-register it after the file is rebuilt."""
+
+    claims: dict[str, int]
+    capacity: dict[str, int]
+    pid: int
+    generation: str
+    acquired_at: float
+
+
+class HeldLease:
+    """Yielded by `LeaseStore.hold`: says whether the heartbeat lost the lease."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self._lost: LeaseLost | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def check(self) -> None:
+        """Raises LeaseLost if the lease was reclaimed while held: stop using the devices."""
+        if self._lost is not None:
+            raise self._lost
+
+
+class _Corrupt(Exception):
+    """The file's content cannot be trusted (internal: triggers a rebuild)."""
+
+
+def default_path() -> Path:
+    if env := os.environ.get("CAMPAIGN_LEASE_DB"):
+        return Path(env).expanduser()
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "campaign" / "leases.db"
+
+
+class LeaseStore:
+    """The host's lease file. Cheap to create; every call opens its own connection."""
+
+    def __init__(
+        self,
+        path: Path | str | None = None,
+        heartbeat_timeout_s: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        self.path = Path(path).expanduser() if path is not None else default_path()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._verified = False
+        self._held: dict[str, _Held] = {}
+        self._held_lock = threading.Lock()  # the heartbeat thread renews while callers acquire
+
+    # --- public API ----------------------------------------------------------------------
+
+    def acquire(
+        self, holder: str, claims: Mapping[str, int], capacity: Mapping[str, int], pid: int | None = None
+    ) -> bool:
+        """Leases every claimed device to `holder`, or none; False if any does not fit.
+
+        `claims` maps device id -> bytes wanted; a claim equal to the device's capacity
+        takes it exclusively. A holder may call again to grow or change its claims. For
+        one heartbeat timeout after the file was rebuilt every acquire is refused, so
+        that the holders still running can re-register first.
+        """
+        _check_claims(holder, claims, capacity)
+        pid = os.getpid() if pid is None else pid
+        pid_start = process_start(pid)
+        if pid_start is None and not _pid_exists(pid):
+            raise ValueError(f"pid {pid} is not a running process: a lease must follow a live one")
+        previous = self._held.get(holder)
+        acquired_at = previous.acquired_at if previous else None
+
+        def take(conn: sqlite3.Connection) -> str | None:
+            now = self._clock()
+            live, _ = self._sweep(conn, now)
+            if self._in_grace(conn, now):
+                log.info("lease %s refused: lease file rebuilt, waiting for live holders", holder)
+                return None
+            lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, _this_host())
+            return _generation(conn) if _fit_and_write(conn, live, lease, claims, capacity) else None
+
+        generation = self._run(take)
+        if generation is None:
+            return False
+        with self._held_lock:
+            kept = previous if previous and previous.generation == generation else None
+            self._held[holder] = _Held(
+                {**(kept.claims if kept else {}), **claims},
+                {**(kept.capacity if kept else {}), **capacity},
+                pid,
+                generation,
+                acquired_at or self._clock(),
+            )
+        return True
+
+    def renew(self, holder: str) -> None:
+        """Heartbeat. Re-registers after a rebuild; raises LeaseLost if the leases are gone."""
+        held = self._held.get(holder)
+
+        def beat(conn: sqlite3.Connection) -> str:
+            now = self._clock()
+            generation = _generation(conn)
+            if held is not None and held.generation != generation:
+                return self._reregister(conn, holder, held, now)
+            rows = [r for r in _rows(conn) if r.holder == holder]
+            if not rows or any(_death_reason(r, now, self.heartbeat_timeout_s) for r in rows):
+                raise LeaseLost(f"the leases of {holder} were reclaimed; its devices may be in use elsewhere")
+            _write(conn, [replace(r, heartbeat_at=now) for r in rows])
+            return generation
+
+        generation = self._run(beat)
+        if held is not None:
+            with self._held_lock:
+                held.generation = generation
+
+    def release(self, holder: str) -> None:
+        """Gives back every device of `holder` (nothing happens if it holds none)."""
+        self._run(lambda conn: conn.execute("DELETE FROM leases WHERE holder = ?", (holder,)))
+        with self._held_lock:
+            self._held.pop(holder, None)
+
+    def reclaim(self) -> list[Lease]:
+        """Removes the leases of dead holders (process gone or heartbeat expired); returns them."""
+        removed = self._run(lambda conn: self._sweep(conn, self._clock())[1])
+        for lease in removed:
+            log.info("reclaimed %s from %s (pid %d)", lease.device_id, lease.holder, lease.pid)
+        return removed
+
+    def leases(self) -> list[Lease]:
+        """Every live lease on the host, after reclaiming the dead ones."""
+        return self._run(lambda conn: self._sweep(conn, self._clock())[0])
+
+    def usage(self) -> dict[str, int]:
+        """Leased bytes per device id, after reclaiming the dead holders."""
+        used: dict[str, int] = {}
+        for lease in self.leases():
+            used[lease.device_id] = used.get(lease.device_id, 0) + lease.memory_bytes
+        return used
+
+    @contextmanager
+    def hold(
+        self,
+        holder: str,
+        claims: Mapping[str, int],
+        capacity: Mapping[str, int],
+        heartbeat_s: float | None = None,
+    ) -> Iterator[HeldLease]:
+        """Acquires, renews from a daemon thread while the block runs, then releases.
+
+        Raises LeaseUnavailable if the claims do not fit now. If the heartbeat finds the
+        lease gone, `HeldLease.lost` turns true: the caller should stop using the devices.
+        """
+        if not self.acquire(holder, claims, capacity):
+            raise LeaseUnavailable(f"{holder}: devices {sorted(claims)} are not free now")
+        handle = HeldLease(holder)
+        stop = threading.Event()
+        period = heartbeat_s if heartbeat_s is not None else self.heartbeat_timeout_s / 4
+        thread = threading.Thread(
+            target=self._heartbeat, args=(handle, period, stop), name=f"lease-heartbeat:{holder}", daemon=True
+        )
+        thread.start()
+        try:
+            yield handle
+        finally:
+            stop.set()
+            thread.join()
+            self.release(holder)
+
+    # --- transactions --------------------------------------------------------------------
+
+    def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `op` in one write transaction; a corrupt file is rebuilt and `op` retried."""
+        for attempt in range(2):
+            try:
+                with self._file_lock(exclusive=False), self._connection() as conn:
+                    if not self._verified:
+                        self._prepare(conn)
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        result = op(conn)
+                    except BaseException:
+                        _rollback(conn)
+                        raise
+                    conn.execute("COMMIT")
+                    return result
+            except (_Corrupt, sqlite3.DatabaseError, UnicodeDecodeError) as e:
+                # Until this store has verified the file, any error about its content is
+                # corruption; afterwards only SQLite's own corruption codes are. Text that
+                # is not UTF-8 (in a row, or in SQLite's message quoting a damaged schema)
+                # can only come from damage: this module writes nothing else.
+                if isinstance(e, sqlite3.DatabaseError) and not _is_corruption(e, strict=self._verified):
+                    raise
+                if attempt:
+                    raise LeaseStoreError(
+                        f"lease database {self.path} is still unusable after a rebuild: {e}"
+                    ) from e
+                self._rebuild(str(e))
+        raise AssertionError("unreachable")
+
+    def _sweep(self, conn: sqlite3.Connection, now: float) -> tuple[list[Lease], list[Lease]]:
+        """Deletes dead holders' rows; returns (live leases, removed leases)."""
+        rows = _rows(conn)
+        dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s)}
+        if dead:
+            conn.executemany("DELETE FROM leases WHERE holder = ?", [(h,) for h in dead])
+        return [r for r in rows if r.holder not in dead], [r for r in rows if r.holder in dead]
+
+    def _in_grace(self, conn: sqlite3.Connection, now: float) -> bool:
+        rebuilt_at = _meta(conn).get("rebuilt_at")
+        return rebuilt_at is not None and now - float(rebuilt_at) < self.heartbeat_timeout_s
+
+    def _reregister(self, conn: sqlite3.Connection, holder: str, held: _Held, now: float) -> str:
+        """Puts back a live holder's leases in a rebuilt file, if nobody took them since."""
+        live, _ = self._sweep(conn, now)
+        lease = Lease(
+            holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, _this_host()
+        )
+        if not _fit_and_write(conn, live, lease, held.claims, held.capacity):
+            raise LeaseLost(f"the lease file was rebuilt and {holder}'s devices were taken meanwhile")
+        log.warning("re-registered the leases of %s in the rebuilt lease file", holder)
+        return _generation(conn)
+
+    def _heartbeat(self, handle: HeldLease, period: float, stop: threading.Event) -> None:
+        while not stop.wait(period):
+            try:
+                self.renew(handle.holder)
+            except LeaseLost as e:
+                handle._lost = e
+                log.error("%s", e)
+                return
+            except (sqlite3.Error, LeaseStoreError) as e:
+                # A busy or briefly unwritable file: the next beat tries again; only an
+                # expired heartbeat (judged by others) makes the lease lapse.
+                log.warning("heartbeat of %s failed (%s); retrying", handle.holder, e)
+
+    # --- the file ------------------------------------------------------------------------
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            conn.execute("PRAGMA synchronous = FULL")
+            yield conn
+        finally:
+            conn.close()
+
+    @contextmanager
+    def _file_lock(self, exclusive: bool) -> Iterator[None]:
+        """Shared for every transaction, exclusive to rebuild: no one works on a file
+        while it is being moved aside, and two processes never rebuild in turn."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides who shares it
+        except OSError as e:
+            raise LeaseStoreError(
+                f"cannot use lease database {self.path} ({e}): set CAMPAIGN_LEASE_DB to a writable local path"
+            ) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        """Creates the schema in a new file, or checks an existing one; once per store."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            empty = _app_id(conn) == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone()
+            if empty:
+                _create(conn, {"generation": uuid.uuid4().hex})
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
+        # Outside a transaction, as SQLite requires; WAL lets readers run beside a writer.
+        conn.execute("PRAGMA journal_mode = WAL")
+        _verify(conn)
+        self._verified = True
+
+    def _rebuild(self, reason: str) -> None:
+        with self._file_lock(exclusive=True):
+            if self._healthy():
+                self._verified = False  # someone else rebuilt it while we waited
+                return
+            aside = Path(f"{self.path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                # A stale -wal beside a new file could be replayed into it: move all.
+                if Path(f"{self.path}{suffix}").exists():
+                    os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+            with self._connection() as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                _create(
+                    conn,
+                    {
+                        "generation": uuid.uuid4().hex,
+                        "rebuilt_at": repr(self._clock()),
+                        "moved_to": str(aside),
+                    },
+                )
+                conn.execute("COMMIT")
+                conn.execute("PRAGMA journal_mode = WAL")
+        self._verified = False
+        warnings.warn(
+            LeaseStoreRebuilt(
+                f"lease database {self.path} was corrupt ({reason}); moved to {aside} and rebuilt."
+                f" Live holders re-register on their next heartbeat; new leases wait"
+                f" {self.heartbeat_timeout_s:g}s for them."
+            ),
+            stacklevel=4,
+        )
+
+    def _healthy(self) -> bool:
+        if not self.path.exists():
+            return False
+        try:
+            with self._connection() as conn:
+                _verify(conn)
+            return True
+        except (_Corrupt, UnicodeDecodeError):
+            return False
+        except sqlite3.DatabaseError as e:
+            if _is_corruption(e, strict=False):
+                return False
+            raise
+
+
+# --- rows ---------------------------------------------------------------------------------
+
+
+def _fit_and_write(
+    conn: sqlite3.Connection,
+    live: list[Lease],
+    lease: Lease,
+    claims: Mapping[str, int],
+    capacity: Mapping[str, int],
+) -> bool:
+    """Writes `lease`'s holder's rows for `claims` if every device has room; else nothing.
+
+    A device's capacity is the smallest any holder of it declared, so a campaign that
+    believes a device is smaller (and took it exclusively) is never overfilled by another.
+    """
+    others = [r for r in live if r.holder != lease.holder]
+    for device, claim in claims.items():
+        on_device = [r for r in others if r.device_id == device]
+        room = min([capacity[device], *(r.capacity_bytes for r in on_device)])
+        if sum(r.memory_bytes for r in on_device) + claim > room:
+            return False
+    # The holder is one unit: its other devices take the new pid and heartbeat too.
+    kept = {r.device_id: r for r in live if r.holder == lease.holder}
+    rows = [
+        replace(lease, device_id=d, memory_bytes=kept[d].memory_bytes, capacity_bytes=kept[d].capacity_bytes)
+        for d in kept
+        if d not in claims
+    ]
+    rows += [
+        replace(lease, device_id=d, memory_bytes=c, capacity_bytes=capacity[d]) for d, c in claims.items()
+    ]
+    _write(conn, rows)
+    return True
+
+
+def _write(conn: sqlite3.Connection, rows: list[Lease]) -> None:
+    values = [astuple(_as_stored(r)) for r in rows]
+    conn.executemany(
+        "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [(*v, _crc(v)) for v in values]
+    )
+
+
+def _as_stored(r: Lease) -> Lease:
+    """The lease as SQLite gives it back, so that its checksum matches on reading."""
+    return Lease(
+        str(r.holder), str(r.device_id), int(r.memory_bytes), int(r.pid),
+        None if r.pid_start is None else int(r.pid_start), float(r.acquired_at),
+        float(r.heartbeat_at), int(r.capacity_bytes), str(r.origin),
+    )  # fmt: skip
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    with suppress(sqlite3.Error):  # a broken connection: closing it drops the transaction
+        conn.rollback()
+
+
+def _rows(conn: sqlite3.Connection) -> list[Lease]:
+    out = []
+    for *values, crc in conn.execute("SELECT * FROM leases"):
+        if _crc(tuple(values)) != crc:
+            raise _Corrupt(f"lease row of {values[0]!r} on {values[1]!r} fails its checksum")
+        out.append(Lease(*values))
+    return out
+
+
+def _meta(conn: sqlite3.Connection) -> dict[str, str]:
+    meta = {}
+    for key, value, crc in conn.execute("SELECT key, value, crc FROM meta"):
+        if _crc((key, value)) != crc:
+            raise _Corrupt(f"meta entry {key!r} fails its checksum")
+        meta[key] = value
+    return meta
+
+
+def _generation(conn: sqlite3.Connection) -> str:
+    """A random id given to each new file: a change tells holders the file was rebuilt."""
+    try:
+        return _meta(conn)["generation"]
+    except KeyError:
+        raise _Corrupt("the file has no generation id") from None
+
+
+def _create(conn: sqlite3.Connection, meta: Mapping[str, str]) -> None:
+    for statement in _SCHEMA:
+        conn.execute(statement)
+    conn.executemany("INSERT INTO meta VALUES (?, ?, ?)", [(k, v, _crc((k, v))) for k, v in meta.items()])
+    conn.execute(f"PRAGMA application_id = {_APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _verify(conn: sqlite3.Connection) -> None:
+    """Raises _Corrupt unless the file is our schema, intact, and every row checks out."""
+    try:
+        _check_file(conn)
+    except sqlite3.DatabaseError as e:
+        # The file is already under suspicion: any error that is not about the machine
+        # (even "no such table" from a damaged schema) means its content is not ours.
+        if not _is_corruption(e, strict=False):
+            raise
+        raise _Corrupt(str(e)) from e
+    except ValueError as e:  # a meta value that does not parse, or text that is not UTF-8
+        raise _Corrupt(str(e)) from e
+
+
+def _check_file(conn: sqlite3.Connection) -> None:
+    if _app_id(conn) != _APPLICATION_ID:
+        raise _Corrupt("not a campaign lease database (application id)")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version != SCHEMA_VERSION:
+        raise _Corrupt(f"schema version {version}, expected {SCHEMA_VERSION}")
+    if _schema(conn) != _expected_schema():
+        raise _Corrupt("unexpected tables or indexes")
+    problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+    if problems != ["ok"]:
+        raise _Corrupt(f"integrity check: {problems[0]}")
+    _rows(conn)
+    _generation(conn)
+    float(_meta(conn).get("rebuilt_at", "0"))
+
+
+def _schema(conn: sqlite3.Connection) -> set[tuple]:
+    return set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+
+
+@functools.cache
+def _expected_schema() -> frozenset[tuple]:
+    conn = sqlite3.connect(":memory:")
+    for statement in _SCHEMA:
+        conn.execute(statement)
+    return frozenset(_schema(conn))
+
+
+def _app_id(conn: sqlite3.Connection) -> int:
+    return conn.execute("PRAGMA application_id").fetchone()[0]
+
+
+def _crc(values: tuple) -> int:
+    return zlib.crc32(repr(values).encode())
+
+
+def _is_corruption(e: sqlite3.DatabaseError, strict: bool = True) -> bool:
+    """Strict: only SQLite's own corruption codes. Otherwise (while checking a file that
+    is already suspect) any error that is not about the machine counts as corruption."""
+    code = getattr(e, "sqlite_errorcode", None)
+    primary = code & 0xFF if code is not None else None
+    if strict:
+        return primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+    return primary not in _ENVIRONMENT_ERRORS
+
+
+def _check_claims(holder: str, claims: Mapping[str, int], capacity: Mapping[str, int]) -> None:
+    if not holder:
+        raise ValueError("a lease needs a holder name")
+    if not claims:
+        raise ValueError(f"{holder}: claims no device")
+    for device, claim in claims.items():
+        if device not in capacity:
+            raise ValueError(f"{holder}: no capacity given for device {device!r}")
+        if not 0 < claim <= capacity[device]:
+            raise ValueError(
+                f"{holder}: claim of {claim} bytes on {device!r} is not in 1..{capacity[device]}"
+            )
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+def _death_reason(lease: Lease, now: float, timeout_s: float) -> str | None:
+    """Why `lease`'s holder counts as dead, or None while it may be alive."""
+    if now - lease.heartbeat_at > timeout_s:
+        return "heartbeat expired"
+    host, boot, namespace = (lease.origin.split("|") + ["", "", ""])[:3]
+    here_host, here_boot, here_namespace = _this_host().split("|")
+    if host != here_host:
+        return None  # another machine's pid means nothing here: the heartbeat decides
+    if boot != here_boot:
+        return "host rebooted since"
+    if namespace != here_namespace:
+        return None  # another container's pid: the heartbeat decides
+    if not process_alive(lease.pid, lease.pid_start):
+        return "process gone"
+    return None
+
+
+def process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux), None if unknown."""
+    stat = _proc_stat(pid)
+    return int(stat[19]) if stat else None
+
+
+def process_alive(pid: int, pid_start: int | None) -> bool:
+    """Whether `pid` runs and is the same process that started at `pid_start`."""
+    stat = _proc_stat(pid)
+    if stat is None:
+        return _pid_exists(pid)
+    if stat[0] in ("Z", "X"):  # exited, not yet reaped by its parent
+        return False
+    return pid_start is None or int(stat[19]) == pid_start
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (which may hold spaces)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+@functools.cache
+def _this_host() -> str:
+    def read(path: str, link: bool = False) -> str:
+        try:
+            return os.readlink(path) if link else Path(path).read_text().strip()
+        except OSError:
+            return ""
+
+    boot = read("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}|{boot}|{read('/proc/self/ns/pid', link=True)}"

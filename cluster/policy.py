@@ -1,0 +1,516 @@
+"""Scheduling policies: who holds how many devices on which nodes, decided from plain data.
+
+Every policy is a frozen dataclass of parameters with one pure method,
+`decide(cluster, jobs, now) -> {job id: {node: devices}}`, called on each event (arrival,
+completion, periodic tick). Jobs missing from the result hold nothing. No I/O, no state
+kept between calls: the previous decision is each job's `placement`, so the simulator and
+the live campaign run the same code (DESIGN invariant 5).
+
+- `ElasticPolicy` (ours): resizes jobs within [min, max] devices, weighing speed-up per
+  device, least attained service, resize pauses, locality and starvation.
+- `FifoPolicy`: first in, first out, each job at its requested size, never preempted.
+- `LasPolicy`: Tiresias-like discretized least-attained-service at requested sizes,
+  preemptive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+from cluster.jobs import Cluster, Job, Placement, devices_of, nodes_of, speedup
+
+
+class Policy(Protocol):
+    """What the simulator and the live scheduler call."""
+
+    name: str
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]: ...
+
+
+# ---------------------------------------------------------------- placement on nodes
+
+
+class NodePool:
+    """Free devices per node, with best-fit placement that puts a job on the fewest nodes.
+
+    Nodes are bucketed by free count so that a placement costs O(largest node) rather than
+    O(nodes): the policy must decide in well under a second on thousands of devices.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.names = [n.name for n in cluster.nodes]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.free = [n.size for n in cluster.nodes]
+        self.top = max(self.free, default=0)
+        self.buckets: list[list[int]] = [[] for _ in range(self.top + 1)]
+        for i, f in enumerate(self.free):
+            self.buckets[f].append(i)
+        self.total_free = sum(self.free)
+
+    def _move(self, i: int, delta: int) -> None:
+        bucket = self.buckets[self.free[i]]
+        del bucket[bisect.bisect_left(bucket, i)]
+        self.free[i] += delta
+        bisect.insort(self.buckets[self.free[i]], i)
+        self.total_free += delta
+
+    def take(self, placement: Placement) -> None:
+        for node, count in placement.items():
+            if count:
+                i = self.index[node]
+                assert self.free[i] >= count, f"node {node} has {self.free[i]} free, not {count}"
+                self._move(i, -count)
+
+    def give_back(self, placement: Placement) -> None:
+        for node, count in placement.items():
+            if count:
+                self._move(self.index[node], count)
+
+    def _best_fit(self, count: int, prefer: Sequence[int]) -> int | None:
+        """The node with the fewest free devices that still holds `count` (preferred first)."""
+        fitting = [i for i in prefer if self.free[i] >= count]
+        if fitting:
+            return min(fitting, key=lambda i: (self.free[i], i))
+        for f in range(count, self.top + 1):
+            if self.buckets[f]:
+                return self.buckets[f][0]
+        return None
+
+    def plan(self, count: int, prefer: Sequence[int] = ()) -> dict[str, int] | None:
+        """Where `count` devices would go, without taking them; None if they do not fit.
+
+        One node if any holds them all (best fit); otherwise the fullest-free nodes first,
+        then a best fit for the remainder, which uses the fewest nodes.
+        """
+        if count > self.total_free:
+            return None
+        plan: dict[str, int] = {}
+        used: dict[int, int] = {}
+        remaining = count
+        while remaining:
+            fits = self._best_fit_excluding(remaining, prefer, used)
+            if fits is not None:
+                used[fits] = remaining
+                break
+            i = self._fullest_excluding(prefer, used)
+            used[i] = self.free[i]
+            remaining -= self.free[i]
+        for i, c in used.items():
+            plan[self.names[i]] = c
+        return plan
+
+    def _best_fit_excluding(self, count: int, prefer: Sequence[int], used: dict[int, int]) -> int | None:
+        if not used:
+            return self._best_fit(count, prefer)
+        fitting = [i for i in prefer if self.free[i] >= count and i not in used]
+        if fitting:
+            return min(fitting, key=lambda i: (self.free[i], i))
+        for f in range(count, self.top + 1):
+            for i in self.buckets[f]:
+                if i not in used:
+                    return i
+        return None
+
+    def _fullest_excluding(self, prefer: Sequence[int], used: dict[int, int]) -> int:
+        for f in range(self.top, 0, -1):
+            candidates = [i for i in prefer if self.free[i] == f and i not in used]
+            if candidates:
+                return min(candidates)
+            for i in self.buckets[f]:
+                if i not in used:
+                    return i
+        raise AssertionError("plan() checked total_free first")
+
+    def place(self, count: int, prefer: Sequence[int] = ()) -> dict[str, int] | None:
+        plan = self.plan(count, prefer)
+        if plan is not None:
+            self.take(plan)
+        return plan
+
+    def prefer(self, placement: Placement) -> list[int]:
+        return sorted(self.index[n] for n, c in placement.items() if c)
+
+
+def _shrink_in_place(placement: Placement, devices: int) -> dict[str, int]:
+    """Keep `devices` of a job's devices, on the nodes where it has the most (fewest nodes)."""
+    kept: dict[str, int] = {}
+    for node, count in sorted(placement.items(), key=lambda nc: (-nc[1], nc[0])):
+        if devices <= 0:
+            break
+        if count:
+            kept[node] = min(count, devices)
+            devices -= kept[node]
+    return kept
+
+
+# ---------------------------------------------------------------- baselines
+
+
+@dataclass(frozen=True, slots=True)
+class FifoPolicy:
+    """First in, first out at the requested size; a running job is never touched.
+
+    Strict order: a job that does not fit blocks the ones behind it (no backfilling),
+    unless `backfill` is set.
+    """
+
+    backfill: bool = False
+    name: str = "fifo"
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+        pool = NodePool(cluster)
+        out: dict[str, dict[str, int]] = {}
+        for job in jobs:
+            if job.running:
+                pool.take(job.placement)
+                out[job.id] = dict(job.placement)
+        for job in sorted((j for j in jobs if not j.running), key=lambda j: (j.arrival, j.id)):
+            placed = pool.place(_fixed_size(job))
+            if placed is None:
+                if self.backfill:
+                    continue
+                break
+            out[job.id] = placed
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LasPolicy:
+    """Tiresias-like least attained service at the requested size, preemptive.
+
+    Jobs fall into queues by attained device-time (`thresholds`, device-seconds; the Pollux
+    artifact's Tiresias uses one threshold of 16 GPU-hours); lower queues go first, FIFO
+    within a queue. Jobs run in that order while devices last (a job that does not fit is
+    skipped); a running job keeps its devices unless it is preempted.
+    """
+
+    thresholds: tuple[float, ...] = (16 * 3600.0,)
+    name: str = "las"
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+        order = sorted(jobs, key=lambda j: (bisect.bisect_right(self.thresholds, j.attained), j.arrival, j.id))
+        capacity = cluster.total
+        chosen: list[Job] = []
+        for job in order:
+            size = job.devices if job.running else _fixed_size(job)
+            if size <= capacity:
+                chosen.append(job)
+                capacity -= size
+        pool = NodePool(cluster)
+        out: dict[str, dict[str, int]] = {}
+        for job in chosen:
+            if job.running:
+                pool.take(job.placement)
+                out[job.id] = dict(job.placement)
+        # Largest first packs best; the count check above guarantees everything fits.
+        for job in sorted((j for j in chosen if not j.running), key=lambda j: -_fixed_size(j)):
+            placed = pool.place(_fixed_size(job))
+            assert placed is not None
+            out[job.id] = placed
+        return out
+
+
+def _fixed_size(job: Job) -> int:
+    return min(max(job.requested, job.min_devices), job.max_devices)
+
+
+# ---------------------------------------------------------------- the elastic policy
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticPolicy:
+    """Greedy elastic allocation by weighted marginal speed-up, then locality-aware packing.
+
+    Each job's value of holding n devices is w * S(n): S its predicted speed-up (from its
+    step-time model, packed on the fewest nodes) and w = (1 + attained / las_scale_s) **
+    -las_power a least-attained-service weight, so that young jobs, most of them short in
+    heavy-tailed traces, go first. Devices go one chunk at a time to the job whose concave
+    hull of value gains most per device, so admitting a job at its minimum competes with
+    growing another. Then:
+
+    - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
+      more to it, and a job stays untouched for `min_run_s` after a change (it may grow);
+    - resize cost: a running job grows only if the gain, over a horizon of its run time so
+      far, pays for a `pause_s` pause by at least `min_gain`;
+    - starvation: a job waiting `starvation_s` runs at its minimum before anything else;
+      while it cannot, no job starts or grows, so it runs once protections expire;
+    - locality: jobs go on the fewest nodes (best fit), growing jobs extend in place where
+      that is better, and a spread job sheds devices if fewer nodes would be faster.
+    """
+
+    pause_s: float = 20.0
+    hysteresis: float = 0.3
+    las_scale_s: float = 1800.0
+    las_power: float = 1.0
+    min_run_s: float = 300.0
+    min_gain: float = 0.05
+    min_horizon_s: float = 600.0
+    starvation_s: float = 6 * 3600.0
+    name: str = "elastic"
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+        jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
+        plans = [self._plan(cluster, job, now) for job in jobs]
+        self._admit_starving(cluster, plans)
+        for plan in plans:
+            plan.hull = self._hull(cluster, plan)
+        frozen: set[int] = set()
+        for _ in range(3):
+            sizes = _greedy(plans, cluster.total, frozen)
+            newly = {i for i, p in enumerate(plans) if i not in frozen and not self._worth_resizing(cluster, p, sizes[i])}
+            if not newly:
+                break
+            frozen |= newly
+        else:
+            sizes = _greedy(plans, cluster.total, frozen)
+        return self._place(cluster, plans, sizes)
+
+    # -- sizing -------------------------------------------------------------------
+
+    def _plan(self, cluster: Cluster, job: Job, now: float) -> _JobPlan:
+        current = job.devices
+        weight = (1.0 + job.attained / self.las_scale_s) ** -self.las_power
+        protected = current > 0 and now - (job.since or 0.0) < self.min_run_s
+        starving = current == 0 and now - (job.since or job.arrival) >= self.starvation_s
+        return _JobPlan(job, weight, protected, starving, floor=current if protected else 0)
+
+    def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
+        """Starving jobs, longest waiting first, get their minimum before any greedy choice."""
+        capacity = cluster.total - sum(p.floor for p in plans)
+        blocked = False
+        for plan in sorted((p for p in plans if p.starving), key=lambda p: (p.job.since or 0.0, p.job.id)):
+            if plan.job.min_devices <= capacity:
+                plan.floor = plan.job.min_devices
+                capacity -= plan.floor
+            else:
+                blocked = True
+                break
+        if blocked:
+            # Hold everything still (no start, no growth) until the starving job fits.
+            for plan in plans:
+                if plan.floor == 0:
+                    plan.cap = plan.job.devices
+
+    def _value(self, cluster: Cluster, plan: _JobPlan, n: int) -> float:
+        job = plan.job
+        current = job.devices
+        gain = _speedup_packed(cluster, job, n)
+        if current:
+            kept = min(n, current)
+            keep = speedup(job.model, kept, nodes_of(job.placement)) if kept == current else _speedup_packed(cluster, job, kept)
+            gain += self.hysteresis * keep
+        return plan.weight * gain
+
+    def _hull(self, cluster: Cluster, plan: _JobPlan) -> list[tuple[int, float]]:
+        """The upper concave hull of (devices, value) from the job's floor: the greedy's steps."""
+        job = plan.job
+        top = min(job.max_devices, plan.cap if plan.cap is not None else job.max_devices)
+        if top < max(plan.floor, job.min_devices):
+            plan.points = [(plan.floor, 0.0)]
+            return plan.points
+        base_value = self._value(cluster, plan, plan.floor) if plan.floor else 0.0
+        points = [(plan.floor, base_value)]
+        for n in _candidate_sizes(cluster, max(plan.floor, job.min_devices), top, job.devices):
+            if n > plan.floor:
+                points.append((n, self._value(cluster, plan, n)))
+        plan.points = points
+        return _upper_hull(points)
+
+    def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int) -> bool:
+        """Growing a running job must pay for its pause over its expected remaining run."""
+        job = plan.job
+        current = job.devices
+        if not current or size <= current:
+            return True
+        horizon = max(self.min_horizon_s, job.attained / current)
+        if horizon <= self.pause_s:
+            return False
+        before = speedup(job.model, current, nodes_of(job.placement))
+        after = _speedup_packed(cluster, job, size)
+        return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
+
+    # -- placement ----------------------------------------------------------------
+
+    def _place(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> dict[str, dict[str, int]]:
+        pool = NodePool(cluster)
+        out: dict[str, dict[str, int]] = {}
+        growing: list[int] = []
+        for i, (plan, size) in enumerate(zip(plans, sizes)):
+            current = plan.job.devices
+            if not size or not current:
+                continue
+            if size <= current:
+                out[plan.job.id] = dict(plan.job.placement) if size == current else _shrink_in_place(plan.job.placement, size)
+                pool.take(out[plan.job.id])
+            else:
+                pool.take(plan.job.placement)
+                growing.append(i)
+        starting = [i for i, (p, s) in enumerate(zip(plans, sizes)) if s and not p.job.devices]
+        for i in sorted(growing + starting, key=lambda i: (-sizes[i], i)):
+            job = plans[i].job
+            placed = self._grow(pool, job, sizes[i]) if job.devices else pool.place(sizes[i])
+            assert placed is not None, "the greedy never hands out more than the cluster holds"
+            if placed is not job.placement:
+                placed = self._trim_spread(cluster, pool, job, placed)
+            out[job.id] = dict(placed)
+        self._backfill(pool, plans, sizes, out)
+        return out
+
+    def _grow(self, pool: NodePool, job: Job, size: int) -> Placement:
+        """Extend in place or move whole, whichever spans fewer nodes; keep it if no better."""
+        held = dict(job.placement)
+        extra = size - devices_of(held)
+        extended = dict(held)
+        for i in pool.prefer(held):
+            add = min(pool.free[i], extra)
+            if add:
+                extended[pool.names[i]] += add
+                extra -= add
+        if extra:
+            pool.take({n: extended[n] - held[n] for n in extended})
+            rest = pool.plan(extra)
+            pool.give_back({n: extended[n] - held[n] for n in extended})
+            assert rest is not None
+            for node, count in rest.items():
+                extended[node] = extended.get(node, 0) + count
+        pool.give_back(held)
+        moved = pool.plan(size, pool.prefer(held))
+        assert moved is not None
+        best = moved if nodes_of(moved) < nodes_of(extended) else extended
+        if speedup(job.model, size, nodes_of(best)) <= speedup(job.model, devices_of(held), nodes_of(held)):
+            pool.take(held)
+            return job.placement  # spreading would undo the growth: stay as it is
+        pool.take(best)
+        return best
+
+    def _trim_spread(self, cluster: Cluster, pool: NodePool, job: Job, placed: Placement) -> dict[str, int]:
+        """Drop the nodes that cost a spread job more in network than they add in compute."""
+        if nodes_of(placed) <= cluster.min_nodes(devices_of(placed)):
+            return dict(placed)
+        ranked = sorted(placed.items(), key=lambda nc: (-nc[1], nc[0]))
+        best, best_speed, total = len(ranked), -1.0, 0
+        for k, (_, count) in enumerate(ranked, start=1):
+            total += count
+            if total >= job.min_devices:
+                s = speedup(job.model, total, k)
+                if s > best_speed * (1.0 + 1e-9):
+                    best, best_speed = k, s
+        kept = dict(ranked[:best])
+        pool.give_back({n: c for n, c in ranked[best:]})
+        return kept
+
+    def _backfill(self, pool: NodePool, plans: list[_JobPlan], sizes: list[int], out: dict[str, dict[str, int]]) -> None:
+        """Devices freed by trimming go to waiting jobs at their minimum, on one node."""
+        if any(p.cap is not None for p in plans):
+            return  # a starving job is holding the cluster still
+        waiting = [p for p, s in zip(plans, sizes) if not s and p.job.id not in out]
+        for plan in sorted(waiting, key=lambda p: (-p.weight, p.job.arrival, p.job.id)):
+            if pool.total_free < plan.job.min_devices:
+                continue
+            placed = pool.plan(plan.job.min_devices)
+            if placed is not None and nodes_of(placed) == 1:
+                pool.take(placed)
+                out[plan.job.id] = placed
+
+
+@dataclass(slots=True)
+class _JobPlan:
+    """The elastic policy's working state for one job during one decision."""
+
+    job: Job
+    weight: float
+    protected: bool
+    starving: bool
+    floor: int  # devices it keeps whatever the greedy does
+    cap: int | None = None  # devices it may not exceed (None: its max)
+    points: list[tuple[int, float]] | None = None  # (devices, value) from the floor up
+    hull: list[tuple[int, float]] | None = None  # their upper concave hull
+
+
+def _speedup_packed(cluster: Cluster, job: Job, n: int) -> float:
+    return speedup(job.model, n, cluster.min_nodes(n)) if n else 0.0
+
+
+def _candidate_sizes(cluster: Cluster, low: int, high: int, current: int) -> list[int]:
+    """Sizes worth considering: every size within a node, then whole multiples of a node.
+
+    Beyond four nodes the multiples thin out geometrically: a decision must stay fast
+    when jobs may take hundreds of devices.
+    """
+    node = max(cluster.largest_node, 1)
+    sizes = set(range(low, min(high, node) + 1))
+    k = 2
+    while k * node <= high:
+        if k * node >= low:
+            sizes.add(k * node)
+        k = k + 1 if k < 4 else int(k * 1.5)
+    sizes.update(s for s in (low, high, current) if low <= s <= high)
+    return sorted(sizes)
+
+
+def _upper_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Upper concave hull of points sorted by x, starting at the first point."""
+    hull: list[tuple[int, float]] = []
+    for p in points:
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) >= 0:
+            hull.pop()
+        hull.append(p)
+    # Only rising steps are worth devices.
+    end = max(range(len(hull)), key=lambda i: (hull[i][1], -i))
+    return hull[: end + 1]
+
+
+def _cross(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def _greedy(plans: Sequence[_JobPlan], capacity: int, frozen: Iterable[int]) -> list[int]:
+    """Hand out devices hull step by hull step, best value per device first.
+
+    A step too large for what is left is replaced by the job's best step that still fits,
+    so a nearly full cluster is still filled.
+    """
+    frozen = set(frozen)
+    sizes = [p.floor for p in plans]
+    for i in frozen:
+        sizes[i] = max(sizes[i], plans[i].job.devices)
+    capacity -= sum(sizes)
+    assert capacity >= 0, "floors and frozen sizes fit by construction"
+    hulls = [list(p.hull or ()) for p in plans]
+    heap = [(-_slope(h, 0), i, 0) for i, h in enumerate(hulls) if i not in frozen and len(h) > 1]
+    heapq.heapify(heap)
+    while heap and capacity > 0:
+        _, i, step = heapq.heappop(heap)
+        hull = hulls[i]
+        (n0, v0), (n1, _) = hull[step], hull[step + 1]
+        if n1 - n0 <= capacity:
+            sizes[i] = n1
+            capacity -= n1 - n0
+            if step + 2 < len(hull):
+                heapq.heappush(heap, (-_slope(hull, step + 1), i, step + 1))
+            continue
+        fit = _best_fitting_step(plans[i], n0, v0, capacity)
+        if fit is not None:
+            hull[step + 1 :] = [fit]
+            heapq.heappush(heap, (-_slope(hull, step), i, step))
+    return sizes
+
+
+def _slope(hull: list[tuple[int, float]], step: int) -> float:
+    (n0, v0), (n1, v1) = hull[step], hull[step + 1]
+    return (v1 - v0) / (n1 - n0)
+
+
+def _best_fitting_step(plan: _JobPlan, n0: int, v0: float, capacity: int) -> tuple[int, float] | None:
+    """The candidate size beyond n0 within `capacity` more devices that gains most per device."""
+    assert plan.points is not None
+    best: tuple[int, float] | None = None
+    best_slope = 0.0
+    for n, v in plan.points:
+        if n0 < n <= n0 + capacity and (v - v0) / (n - n0) > best_slope:
+            best, best_slope = (n, v), (v - v0) / (n - n0)
+    return best

@@ -1,0 +1,276 @@
+"""A discrete-event replay of a workload against any policy, on a simulated clock.
+
+Events are job arrivals, completions and periodic ticks; the policy decides on each and
+the simulator applies its decision. Between events every job's speed is constant, so the
+clock jumps from one event to the next and never waits on the wall clock (only the
+policy's own decision time is measured, on the wall clock).
+
+A job holds its devices from the moment it is placed. Each start, resize or restart
+costs `pause_s` in which it holds them without progress (checkpoint, relaunch, restore).
+Its speed is its true step-time curve at its size and number of nodes; the policy sees
+only an `OnlineStepTime` model, started from a prior and fed the (noisy) step times the
+job reports while it runs, as a live trial would. A decision that over-commits a node or
+breaks a gang raises InvalidAllocation: a bug in the policy, never silently repaired.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from cluster.jobs import Cluster, InvalidAllocation, Job, Placement, devices_of, nodes_of, same_placement, validate_allocation
+from cluster.policy import Policy
+from cluster.throughput import OnlineStepTime, prior_from_size
+from cluster.types import StepTimeModel
+from cluster.workloads import WorkloadJob
+
+PriorFn = Callable[[WorkloadJob, Cluster], StepTimeModel]
+
+
+def size_prior(job: WorkloadJob, cluster: Cluster) -> StepTimeModel:
+    """The default prior: from the job's requested size only."""
+    return prior_from_size(job.requested, cluster.largest_node)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    pause_s: float = 20.0  # per start, resize or restart
+    tick_s: float = 60.0  # periodic decisions, besides arrivals and completions
+    report_every_s: float = 600.0  # a running job reports its step time this often
+    noise: float = 0.05  # log-normal sigma of reported step times
+    oracle: bool = False  # give the policy the true curves instead of learned models
+    prior: PriorFn = size_prior
+    max_decisions: int = 2_000_000  # a policy that never lets the workload finish
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """How one job went."""
+
+    id: str
+    arrival: float
+    start: float  # first placement
+    finish: float
+    requested: int
+    resizes: int  # placement changes while running (size or nodes)
+    preemptions: int  # taken off all its devices before finishing
+    device_seconds: float
+
+    @property
+    def completion_time(self) -> float:
+        return self.finish - self.arrival
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    cluster_devices: int
+    jobs: tuple[JobRecord, ...]
+    decision_s: tuple[float, ...]  # wall-clock time of each policy call
+    paused_device_seconds: float
+
+    @property
+    def makespan(self) -> float:
+        return max((j.finish for j in self.jobs), default=0.0) - min((j.arrival for j in self.jobs), default=0.0)
+
+    @property
+    def utilization(self) -> float:
+        """Device-time held by jobs over the cluster's device-time until the last finish."""
+        span = self.makespan * self.cluster_devices
+        return sum(j.device_seconds for j in self.jobs) / span if span else 0.0
+
+    def summary(self) -> dict[str, float]:
+        jct = np.array([j.completion_time for j in self.jobs]) if self.jobs else np.zeros(1)
+        decisions = np.array(self.decision_s) if self.decision_s else np.zeros(1)
+        return {
+            "jobs": float(len(self.jobs)),
+            "avg_jct_s": float(jct.mean()),
+            "median_jct_s": float(np.median(jct)),
+            "p99_jct_s": float(np.percentile(jct, 99)),
+            "makespan_s": self.makespan,
+            "utilization": self.utilization,
+            "resizes": float(sum(j.resizes for j in self.jobs)),
+            "preemptions": float(sum(j.preemptions for j in self.jobs)),
+            "decisions": float(len(self.decision_s)),
+            "decision_mean_ms": float(decisions.mean() * 1e3),
+            "decision_p99_ms": float(np.percentile(decisions, 99) * 1e3),
+        }
+
+
+@dataclass(slots=True)
+class _Live:
+    """A job's state during the simulation."""
+
+    spec: WorkloadJob
+    work: float  # steps to finish
+    model: StepTimeModel  # what the policy sees
+    done: float = 0.0
+    placement: Placement = field(default_factory=dict)
+    since: float = 0.0
+    paused_until: float = 0.0
+    step_s: float = math.inf  # true step time at the current placement
+    attained: float = 0.0
+    start: float = math.nan
+    resizes: int = 0
+    preemptions: int = 0
+    last_report: float = -math.inf
+
+    def finish_at(self, now: float) -> float:
+        if not self.placement:
+            return math.inf
+        return max(now, self.paused_until) + (self.work - self.done) * self.step_s
+
+    def advance(self, start: float, end: float) -> float:
+        """Progress from `start` to `end`; returns the paused device-seconds in between."""
+        n = devices_of(self.placement)
+        if not n:
+            return 0.0
+        self.attained += n * (end - start)
+        running_from = max(start, self.paused_until)
+        if end > running_from:
+            self.done = min(self.work, self.done + (end - running_from) / self.step_s)
+        return n * max(0.0, min(end, self.paused_until) - start)
+
+
+def simulate(
+    cluster: Cluster,
+    workload: Sequence[WorkloadJob],
+    policy: Policy,
+    config: SimConfig = SimConfig(),
+    seed: int = 0,
+) -> SimResult:
+    """Replay `workload` on `cluster` under `policy` until every job has finished."""
+    return _Simulation(cluster, workload, policy, config, seed).run()
+
+
+class _Simulation:
+    def __init__(self, cluster: Cluster, workload: Sequence[WorkloadJob], policy: Policy, config: SimConfig, seed: int) -> None:
+        too_big = [j.id for j in workload if j.min_devices > cluster.total]
+        if too_big:
+            raise ValueError(f"jobs {too_big} need more devices than the cluster has")
+        self.cluster, self.policy, self.config = cluster, policy, config
+        self.rng = random.Random(seed)
+        self.pending = sorted(workload, key=lambda j: (j.arrival, j.id))
+        self.active: dict[str, _Live] = {}
+        self.records: list[JobRecord] = []
+        self.decision_s: list[float] = []
+        self.paused = 0.0
+        self.now = 0.0
+
+    def run(self) -> SimResult:
+        index = 0
+        next_tick = 0.0
+        while index < len(self.pending) or self.active:
+            arrival = self.pending[index].arrival if index < len(self.pending) else math.inf
+            finishes = {job_id: live.finish_at(self.now) for job_id, live in self.active.items()}
+            completion = min(finishes.values(), default=math.inf)
+            tick = next_tick if self.active else math.inf
+            t = min(arrival, completion, tick)
+            self._advance(t)
+            for job_id, at in finishes.items():
+                if at <= t:
+                    self._complete(self.active.pop(job_id))
+            while index < len(self.pending) and self.pending[index].arrival <= t:
+                self._arrive(self.pending[index])
+                index += 1
+            if self.active:
+                self._decide()
+                if not any(live.placement for live in self.active.values()):
+                    # Nothing else can happen but more ticks: the policy would never finish.
+                    raise InvalidAllocation(
+                        f"policy {self.policy.name} left the cluster idle at t={self.now:.0f}s "
+                        f"with {len(self.active)} job(s) waiting: {sorted(self.active)[:5]}"
+                    )
+            next_tick = (math.floor(t / self.config.tick_s) + 1) * self.config.tick_s
+            if len(self.decision_s) > self.config.max_decisions:
+                raise InvalidAllocation(f"policy {self.policy.name} made {len(self.decision_s)} decisions without finishing")
+        return SimResult(
+            self.policy.name, self.cluster.total, tuple(sorted(self.records, key=lambda r: r.id)), tuple(self.decision_s), self.paused
+        )
+
+    def _advance(self, t: float) -> None:
+        for live in self.active.values():
+            self.paused += live.advance(self.now, t)
+        self.now = t
+
+    def _arrive(self, spec: WorkloadJob) -> None:
+        truth = spec.true_model
+        work = spec.duration / truth.step_time(spec.requested, self.cluster.min_nodes(spec.requested))
+        if self.config.oracle:
+            model: StepTimeModel = truth
+        else:
+            model = OnlineStepTime(self.config.prior(spec, self.cluster), spec.max_devices, self.cluster.largest_node)
+        self.active[spec.id] = _Live(spec, work, model, since=spec.arrival)
+
+    def _complete(self, live: _Live) -> None:
+        self.records.append(
+            JobRecord(
+                live.spec.id,
+                live.spec.arrival,
+                live.start,
+                self.now,
+                live.spec.requested,
+                live.resizes,
+                live.preemptions,
+                live.attained,
+            )
+        )
+
+    def _report_step_times(self) -> None:
+        """Running jobs past their pause tell their model how fast they really go."""
+        for live in self.active.values():
+            if not live.placement or live.paused_until > self.now or not isinstance(live.model, OnlineStepTime):
+                continue
+            if live.last_report < live.since or self.now - live.last_report >= self.config.report_every_s:
+                measured = live.step_s * self.rng.lognormvariate(0.0, self.config.noise)
+                live.model.observe(devices_of(live.placement), nodes_of(live.placement), measured)
+                live.last_report = self.now
+
+    def _decide(self) -> None:
+        self._report_step_times()
+        views = [
+            Job(
+                live.spec.id,
+                live.spec.arrival,
+                live.spec.requested,
+                live.spec.min_devices,
+                live.spec.max_devices,
+                live.model,
+                attained=live.attained,
+                placement=live.placement,
+                since=live.since,
+            )
+            for live in self.active.values()
+        ]
+        started = time.perf_counter()
+        allocation = self.policy.decide(self.cluster, views, self.now)
+        self.decision_s.append(time.perf_counter() - started)
+        try:
+            validate_allocation(self.cluster, views, allocation)
+        except InvalidAllocation as e:
+            raise InvalidAllocation(f"policy {self.policy.name} at t={self.now:.1f}s: {e}") from None
+        for job_id, live in self.active.items():
+            self._apply(live, allocation.get(job_id) or {})
+
+    def _apply(self, live: _Live, placement: Placement) -> None:
+        if same_placement(placement, live.placement):
+            return
+        new = {n: c for n, c in placement.items() if c}
+        if live.placement and new:
+            live.resizes += 1
+        elif live.placement:
+            live.preemptions += 1
+        live.placement = new
+        live.since = self.now
+        if new:
+            if math.isnan(live.start):
+                live.start = self.now
+            live.paused_until = self.now + self.config.pause_s
+            live.step_s = live.spec.true_model.step_time(devices_of(new), nodes_of(new))
+        else:
+            live.step_s = math.inf

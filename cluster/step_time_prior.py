@@ -1,0 +1,217 @@
+"""The step-time prior: one DDP training step's time at n devices, predicted from a profile.
+
+Data parallel with the global batch fixed, so each of n devices trains on B/n samples
+(the largest shard when B does not divide: the slowest rank sets the pace).
+
+    step(n) = forward(b) + max(backward(b), end of the last all-reduce) + optimizer(b) + overhead
+
+- forward, backward and optimizer times are affine in the per-device batch b, fitted on the
+  whole steps the profile measured at B, B/2, B/4, B/8 (measured time, not FLOPs over peak:
+  small layers run far below the roofline, and each step has a fixed cost).
+- DDP all-reduces gradients bucket by bucket as backward produces them (last layers first).
+  A bucket is ready once backward has passed its layers (the profile's per-layer backward
+  times say when); its ring all-reduce then costs
+        2(n-1) * hop_latency + 2(n-1)/n * bucket_bytes / bandwidth
+  and all-reduces run one after the other. What ends after backward is exposed.
+- Across nodes the ring runs at the slower of the two links.
+
+Pure: it reads the plain profile data (training.profiler) and imports neither torch nor
+any I/O, so sizing and the simulator can use it anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from training.profiler import DdpProfile, ModelProfile
+
+# DDP's defaults (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb=25): the
+# first bucket is kept small so that communication starts early in backward.
+FIRST_BUCKET_BYTES = 1 * 2**20
+BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class LinkParams:
+    """A link as a ring all-reduce sees it: per-device bandwidth and per-hop latency."""
+
+    bandwidth_bytes_per_s: float
+    hop_latency_s: float
+
+    def allreduce_s(self, buffer_bytes: int, devices: int) -> float:
+        if devices <= 1:
+            return 0.0
+        hops = 2 * (devices - 1)
+        return hops * self.hop_latency_s + hops / devices * buffer_bytes / self.bandwidth_bytes_per_s
+
+    @classmethod
+    def slower(cls, a: "LinkParams", b: "LinkParams") -> "LinkParams":
+        return cls(min(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s), max(a.hop_latency_s, b.hop_latency_s))
+
+
+# Documented defaults, used where nothing was measured:
+# - CPU slots on one node talk through gloo over loopback TCP: about 1 GB/s and 50 us a
+#   hop on an idle host (measure with training.profile_ddp at 2 processes to do better).
+# - GPUs on one node: PCIe 4.0 x16 as NCCL reaches it, about 20 GB/s, 10 us a hop (NVLink
+#   is several times faster: pass a measured link).
+# - Between nodes: 10 Gb Ethernet, about 1.2 GB/s, 50 us a hop.
+DEFAULT_INTRA_NODE = {"cpu": LinkParams(1e9, 50e-6), "cuda": LinkParams(20e9, 10e-6)}
+DEFAULT_INTER_NODE = LinkParams(1.2e9, 50e-6)
+
+
+@dataclass(frozen=True, slots=True)
+class Affine:
+    """seconds = fixed + per_sample * batch, both non-negative."""
+
+    fixed: float
+    per_sample: float
+
+    def __call__(self, batch: float) -> float:
+        return self.fixed + self.per_sample * batch
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, float]]) -> "Affine":
+        """Least squares over (batch, seconds); proportional through one point. A negative
+        coefficient (timing noise) is dropped and the other refitted."""
+        if len(points) == 1 or len({b for b, _ in points}) == 1:
+            b, t = points[0]
+            return cls(0.0, t / b)
+        batches, times = [float(b) for b, _ in points], [t for _, t in points]
+        slope, intercept = statistics.linear_regression(batches, times)
+        if slope < 0:
+            return cls(statistics.fmean(times), 0.0)
+        if intercept < 0:
+            return cls(0.0, sum(times) / sum(batches))
+        return cls(intercept, slope)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    bytes: int
+    ready_fraction: float  # of backward time elapsed when all its gradients exist
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeBreakdown:
+    devices: int
+    nodes: int
+    per_device_batch: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    allreduce_s: float  # sum of the buckets' all-reduce costs
+    exposed_allreduce_s: float  # the part that runs after backward compute
+    overhead_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s + self.exposed_allreduce_s + self.optimizer_s + self.overhead_s
+
+
+def emulate_buckets(layers: Sequence[tuple[int, float]], first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_CAP_BYTES) -> tuple[Bucket, ...]:
+    """DDP's buckets from (gradient bytes, backward seconds) per layer in forward order.
+
+    DDP fills buckets in reverse order of the parameters (the order backward produces
+    them), closing a bucket when it reaches its cap; the first bucket has a smaller cap."""
+    total_backward = sum(t for _, t in layers) or 1.0
+    buckets: list[Bucket] = []
+    filled, elapsed = 0, 0.0
+    for grad_bytes, backward_s in reversed(layers):
+        elapsed += backward_s
+        if grad_bytes == 0:
+            continue
+        filled += grad_bytes
+        if filled >= (first_cap if not buckets else cap):
+            buckets.append(Bucket(filled, elapsed / total_backward))
+            filled = 0
+    if filled:
+        buckets.append(Bucket(filled, 1.0))
+    return tuple(buckets)
+
+
+def measured_buckets(ddp: "DdpProfile", layers: Sequence[tuple[str, float]]) -> tuple[Bucket, ...]:
+    """The buckets DDP actually built, each ready when backward has passed all its layers.
+    `layers` are (name, backward seconds) in forward order; a parameter `a.b.weight` belongs
+    to layer `a.b`; one on no profiled layer is taken as ready at the end of backward."""
+    total = sum(t for _, t in layers) or 1.0
+    done_at, elapsed = {}, 0.0
+    for name, backward_s in reversed(layers):
+        elapsed += backward_s
+        done_at[name] = elapsed / total
+    return tuple(
+        Bucket(b.bytes, max((done_at.get(p.rpartition(".")[0], 1.0) for p in b.params), default=1.0))
+        for b in sorted(ddp.buckets, key=lambda b: b.index)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileStepTimeModel:
+    """cluster.types.StepTimeModel from a per-layer profile (and a DDP measurement if any)."""
+
+    global_batch: int
+    forward: Affine
+    backward: Affine
+    optimizer: Affine
+    buckets: tuple[Bucket, ...]
+    intra_node: LinkParams
+    inter_node: LinkParams
+    overhead_s: float = 0.0  # per step, any world size: DDP's own bookkeeping
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: "ModelProfile",
+        ddp: "DdpProfile | None" = None,
+        *,
+        intra_node: LinkParams | None = None,
+        inter_node: LinkParams | None = None,
+        overhead_s: float = 0.0,
+    ) -> "ProfileStepTimeModel":
+        """Build the prior. Links, in order of preference: given, measured by `ddp`'s probe
+        (at 2+ processes), the documented defaults for the profile's device kind."""
+        scaling = profile.scaling
+        if ddp is not None and ddp.link is not None and intra_node is None:
+            hops = 2 * (ddp.link.world_size - 1)
+            intra_node = LinkParams(ddp.link.bandwidth_bytes_per_s, ddp.link.latency_s / hops)
+        kind = "cuda" if profile.device.startswith("cuda") else "cpu"
+        if ddp is not None and ddp.buckets:
+            buckets = measured_buckets(ddp, [(l.name, l.backward_s) for l in profile.layers])
+        else:
+            buckets = emulate_buckets([(l.gradient_bytes, l.backward_s) for l in profile.layers])
+            missing = profile.gradient_bytes - sum(b.bytes for b in buckets)  # parameters outside leaf layers
+            if missing > 0:
+                buckets += (Bucket(missing, 1.0),)
+        return cls(
+            global_batch=profile.batch_size,
+            forward=Affine.fit([(s.batch_size, s.forward_s) for s in scaling]),
+            backward=Affine.fit([(s.batch_size, s.backward_s) for s in scaling]),
+            optimizer=Affine.fit([(s.batch_size, s.optimizer_s) for s in scaling]),
+            buckets=buckets,
+            intra_node=intra_node or DEFAULT_INTRA_NODE[kind],
+            inter_node=inter_node or DEFAULT_INTER_NODE,
+            overhead_s=overhead_s,
+        )
+
+    def breakdown(self, devices: int, nodes: int = 1) -> StepTimeBreakdown:
+        if devices < 1 or nodes < 1 or nodes > devices:
+            raise ValueError(f"need 1 <= nodes <= devices, got devices={devices}, nodes={nodes}")
+        batch = math.ceil(self.global_batch / devices)
+        backward = self.backward(batch)
+        link = self.intra_node if nodes == 1 else LinkParams.slower(self.intra_node, self.inter_node)
+        comm_free, total_comm = 0.0, 0.0
+        for bucket in self.buckets:  # all-reduces run one at a time, in bucket order
+            cost = link.allreduce_s(bucket.bytes, devices)
+            comm_free = max(comm_free, bucket.ready_fraction * backward) + cost
+            total_comm += cost
+        return StepTimeBreakdown(
+            devices=devices, nodes=nodes, per_device_batch=batch,
+            forward_s=self.forward(batch), backward_s=backward, optimizer_s=self.optimizer(batch),
+            allreduce_s=total_comm, exposed_allreduce_s=max(0.0, comm_free - backward), overhead_s=self.overhead_s,
+        )
+
+    def step_time(self, devices: int, nodes: int = 1) -> float:
+        return self.breakdown(devices, nodes).step_s

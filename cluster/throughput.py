@@ -1,0 +1,204 @@
+"""Step-time models of data-parallel jobs: an analytic curve, a prior, an online fit.
+
+All models implement `cluster.types.StepTimeModel`: the time of one step at `devices`
+devices spread over `nodes` nodes, with the global batch fixed (so a result does not
+depend on its size). The analytic form is
+
+    T(n, k) = fixed + compute / n + a(n) * (intra if k == 1 else inter) + per_node * (k - 1)
+
+with a(n) = 2 (n - 1) / n, the bytes a ring all-reduce moves per device relative to the
+gradient size: compute splits over the devices, the all-reduce does not shrink, and it runs
+over the slow network as soon as the job spans two nodes. Speed-up is therefore sub-linear
+and drops when a job crosses a node boundary (Pollux, OSDI'21, fits a similar model).
+
+`OnlineStepTime` starts from any prior (`prior_from_size` here, or the per-layer profile
+prior of cluster/step_time_prior.py) and refits the analytic parameters to the step times
+the trial reports, so predictions converge to what is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+from scipy.optimize import nnls
+
+from cluster.types import StepTimeModel
+
+
+def allreduce_factor(devices: int) -> float:
+    """Ring all-reduce traffic per device, in gradient sizes: 0 alone, toward 2 when many."""
+    return 2.0 * (devices - 1) / devices if devices > 1 else 0.0
+
+
+def _features(devices: int, nodes: int) -> tuple[float, float, float, float, float]:
+    a = allreduce_factor(devices)
+    spread = nodes > 1
+    return (1.0, 1.0 / devices, 0.0 if spread else a, a if spread else 0.0, float(max(nodes - 1, 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticStepTime:
+    """The analytic step time of the module docstring; every term in seconds, >= 0."""
+
+    fixed: float  # per-step work that does not split: optimizer, data loading, launch
+    compute: float  # forward and backward of the global batch on one device
+    intra: float  # one gradient all-reduce within a node
+    inter: float  # one gradient all-reduce across nodes
+    per_node: float = 0.0  # added latency per extra node (rendezvous, stragglers)
+
+    def __post_init__(self) -> None:
+        if min(self.fixed, self.compute, self.intra, self.inter, self.per_node) < 0:
+            raise ValueError(f"step-time terms must be >= 0: {self}")
+        if self.fixed + self.compute <= 0:
+            raise ValueError("a step must take some time on one device")
+
+    def step_time(self, devices: int, nodes: int = 1) -> float:
+        if devices < 1 or not 1 <= nodes <= devices:
+            raise ValueError(f"need 1 <= nodes <= devices, got devices={devices} nodes={nodes}")
+        f = _features(devices, nodes)
+        return (
+            self.fixed * f[0]
+            + self.compute * f[1]
+            + self.intra * f[2]
+            + self.inter * f[3]
+            + self.per_node * f[4]
+        )
+
+    @property
+    def params(self) -> tuple[float, float, float, float, float]:
+        return (self.fixed, self.compute, self.intra, self.inter, self.per_node)
+
+    def scaled(self, factor: float) -> AnalyticStepTime:
+        return AnalyticStepTime(*(p * factor for p in self.params))
+
+
+# The network is taken to be this many times slower than the links inside a node for an
+# all-reduce (25-100 Gb/s Ethernet/IB against NVLink/PCIe, partly hidden by overlap).
+NETWORK_SLOWDOWN = 5.0
+
+
+def prior_from_size(
+    requested: int,
+    devices_per_node: int,
+    single_step_s: float = 1.0,
+    efficiency: float = 0.75,
+) -> AnalyticStepTime:
+    """A prior when nothing was measured: the job scales to its requested size.
+
+    A user who asks for `requested` devices expects it to pay off, so the prior puts the
+    parallel efficiency at that size (packed on the fewest nodes) at `efficiency`, a quarter
+    of the loss from work that does not split and the rest from the all-reduce. A job that
+    asked for one device tells us nothing: it gets a moderate all-reduce cost.
+    """
+    n = max(requested, 1)
+    if n == 1:
+        model = AnalyticStepTime(0.05, 0.95, 0.05, 0.05 * NETWORK_SLOWDOWN, 0.01)
+        return model.scaled(single_step_s)
+    # With T(1, 1) = 1: n * T(n, k) = 1 / efficiency = 1 + fixed * (n - 1) + n * allreduce.
+    excess = 1.0 / efficiency - 1.0
+    fixed = 0.25 * excess / (n - 1)
+    allreduce = 0.75 * excess / n
+    spread = math.ceil(n / devices_per_node) > 1
+    intra = allreduce / (allreduce_factor(n) * (NETWORK_SLOWDOWN if spread else 1.0))
+    model = AnalyticStepTime(fixed, 1.0 - fixed, intra, intra * NETWORK_SLOWDOWN, 0.0)
+    return model.scaled(single_step_s)
+
+
+def _prior_grid(max_devices: int, devices_per_node: int) -> list[tuple[int, int]]:
+    """Configurations where the prior is sampled: a few sizes, packed and spread."""
+    sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, max_devices} & set(range(1, max_devices + 1)))
+    grid = set()
+    for n in sizes:
+        packed = max(1, math.ceil(n / devices_per_node))
+        grid.update((n, k) for k in {packed, min(n, packed + 1), min(n, 2 * packed)})
+    return sorted(grid)
+
+
+class OnlineStepTime:
+    """A step-time model refined from the step times a job reports at each size it ran.
+
+    The analytic parameters are refit (non-negative least squares on relative errors) to
+    the measured means, each weighted by its number of reports, plus the prior sampled on
+    a grid of configurations with a total weight of `prior_weight` reports, rescaled to the
+    measured level so that one report fixes the scale and several fix the shape. At a
+    measured configuration the prediction then moves to the measured mean as reports
+    accumulate, so it converges even where the analytic form does not fit exactly.
+
+    Mutable (it accumulates reports); the refit is lazy and the prediction cheap, since the
+    policy calls `step_time` many times per decision.
+    """
+
+    def __init__(
+        self,
+        prior: StepTimeModel,
+        max_devices: int = 64,
+        devices_per_node: int = 8,
+        prior_weight: float = 2.0,
+        local_weight: float = 1.0,
+    ) -> None:
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.local_weight = local_weight
+        self._grid = _prior_grid(max_devices, devices_per_node)
+        self._prior_at = [prior.step_time(n, k) for n, k in self._grid]
+        self._sums: dict[tuple[int, int], tuple[int, float]] = {}  # config -> (count, sum)
+        self._fit: AnalyticStepTime | None = None
+
+    def observe(self, devices: int, nodes: int, step_time: float) -> None:
+        """Record one measured step time (seconds) at `devices` devices over `nodes` nodes."""
+        if not (step_time > 0 and math.isfinite(step_time)):
+            raise ValueError(f"a measured step time must be positive, got {step_time}")
+        count, total = self._sums.get((devices, nodes), (0, 0.0))
+        self._sums[(devices, nodes)] = (count + 1, total + step_time)
+        self._fit = None
+
+    @property
+    def observations(self) -> dict[tuple[int, int], tuple[int, float]]:
+        """Per configuration: (number of reports, mean step time)."""
+        return {c: (n, s / n) for c, (n, s) in self._sums.items()}
+
+    def step_time(self, devices: int, nodes: int = 1) -> float:
+        fit = self._fit or self._refit()
+        predicted = fit.step_time(devices, nodes)
+        seen = self._sums.get((devices, nodes))
+        if seen is None:
+            return predicted
+        count, total = seen
+        return (total + self.local_weight * predicted) / (count + self.local_weight)
+
+    def _refit(self) -> AnalyticStepTime:
+        rows, targets, weights = [], [], []
+        scale = self._level()
+        per_prior = self.prior_weight / len(self._grid)
+        for (n, k), t in zip(self._grid, self._prior_at):
+            rows.append(_features(n, k))
+            targets.append(t * scale)
+            weights.append(per_prior)
+        for (n, k), (count, total) in self._sums.items():
+            rows.append(_features(n, k))
+            targets.append(total / count)
+            weights.append(float(count))
+        a, y, w = np.array(rows), np.array(targets), np.sqrt(np.array(weights))
+        # Relative errors: a 10% miss weighs the same on a 0.1 s and on a 1 s step.
+        theta, _ = nnls(a * (w / y)[:, None], w, maxiter=200)
+        if theta[0] + theta[1] <= 0:
+            theta[1] = float(np.min(y))
+        self._fit = AnalyticStepTime(*(float(t) for t in theta))
+        return self._fit
+
+    def _level(self) -> float:
+        """Measured over prior step time, geometric mean over reports (1 with none)."""
+        logs, count = 0.0, 0
+        for (n, k), (c, total) in self._sums.items():
+            logs += c * math.log((total / c) / self.prior.step_time(n, k))
+            count += c
+        return math.exp(logs / count) if count else 1.0
+
+
+def mean_relative_error(model: StepTimeModel, truth: StepTimeModel, configs: Iterable[tuple[int, int]]) -> float:
+    """Mean |model - truth| / truth over `configs`: how far a model is from the real curve."""
+    errors = [abs(model.step_time(n, k) / truth.step_time(n, k) - 1.0) for n, k in configs]
+    return sum(errors) / len(errors)

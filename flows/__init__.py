@@ -1,0 +1,1 @@
+"""Orchestration: the campaign spec, the Prefect flows and the `campaign` CLI."""

@@ -1,0 +1,177 @@
+"""The campaign flow: spec -> trials -> placed on leased devices -> DDP runs -> records.
+
+Orchestration only: grid expansion lives in tasks/grid.py, placement in cluster/packing.py,
+leases in cluster/leases.py, training in training/. The loop below starts every trial
+that fits on the free devices, waits for any to finish, releases its devices and repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.futures import PrefectFuture, as_completed
+
+from cluster.inventory import discover
+from cluster.leases import LeaseStore
+from cluster.packing import check_fits, pack
+from cluster.types import Device, Inventory, Placement, Request
+from flows.spec import CampaignSpec, check_data, load_spec
+from tasks.grid import Trial, expand_grid
+from tasks.records import campaign_dir, completed_result, update_record, write_campaign
+from tasks.summary import write_summary
+from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
+from tasks.trial import run_trial
+from training.config import TrialConfig
+
+WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
+
+
+def inventory_for(spec: CampaignSpec) -> Inventory:
+    return discover(cpu_slots=spec.cluster.cpu_slots)
+
+
+def device_request(spec: CampaignSpec, trial: Trial, inventory: Inventory) -> Request:
+    memory = spec.resources.memory_gb
+    # Unset memory means a whole device: the size of the largest device takes any one exclusively.
+    whole = max(d.memory_bytes for d in inventory.devices)
+    return Request(trial.id, spec.resources.devices_per_trial, int(memory * 2**30) if memory else whole)
+
+
+def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None) -> TrialConfig:
+    t = trial.spec.training
+    model_kwargs = trial.spec.model.model_dump(exclude={"name"})
+    return TrialConfig(
+        trial_id=trial.id, seed=trial.spec.seed, model=trial.spec.model.name, model_kwargs=model_kwargs,
+        data_path=str(trial.spec.data.path.resolve()), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
+        momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.schedule, warmup_steps=t.warmup_steps,
+        checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
+        log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
+        mlflow_tracking_uri=spec.tracking.mlflow_uri, mlflow_run_id=mlflow_run_id,
+    )
+
+
+@dataclass
+class Running:
+    trial: Trial
+    placement: Placement
+    devices: list[Device]
+    holder: str
+    run_id: str
+
+
+class LeaseHeartbeat:
+    """Renews this campaign's leases while trials run, so other campaigns see us alive."""
+
+    def __init__(self, store: LeaseStore, period_s: float):
+        self.store, self.period_s = store, period_s
+        self.holders: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, holder: str) -> None:
+        with self._lock:
+            self.holders.add(holder)
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self.holders.discard(holder)
+        self.store.release(holder)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with self._lock:
+                holders = list(self.holders)
+            for holder in holders:
+                self.store.renew(holder)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for holder in list(self.holders):
+            self.release(holder)
+
+
+@flow(name="campaign", log_prints=True)
+def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None) -> dict[str, Any]:
+    logger = get_run_logger()
+    spec = load_spec(params_path)
+    check_data(spec)
+    trials = expand_grid(spec)
+    inventory = inventory_for(spec)
+    requests = {t.id: device_request(spec, t, inventory) for t in trials}
+    check_fits(list(requests.values()), inventory)  # a request no node can hold fails now
+
+    name, uri = spec.campaign.name, spec.tracking.mlflow_uri
+    root = campaign_dir(spec.tracking.runs_dir, name)
+    parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
+    write_campaign(spec.tracking.runs_dir, name, {
+        "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
+        "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides} for t in trials],
+    })
+
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    pending: list[Trial] = []
+    for t in trials:
+        done = completed_result(root / t.id)
+        if done is not None:
+            logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
+            results[t.id] = done
+        else:
+            pending.append(t)
+
+    capacity = {d.id: d.memory_bytes for d in inventory.devices}
+    store = LeaseStore(lease_db)
+    heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4))
+    running: dict[PrefectFuture, Running] = {}
+    try:
+        while pending or running:
+            for placement in pack([requests[t.id] for t in pending], inventory, used=store.usage()):
+                trial = next(t for t in pending if t.id == placement.trial_id)
+                holder = f"{name}/{trial.id}@{os.getpid()}"
+                claims = {d: placement.memory_bytes for d in placement.device_ids}
+                if not store.acquire(holder, claims, capacity):
+                    continue  # another campaign took a device a moment ago: next round
+                heartbeat.add(holder)
+                devices = [inventory.device(d) for d in placement.device_ids]
+                run_id = open_trial_run(uri, parent_run_id, name, trial)
+                config = trial_config(spec, trial, root / trial.id, run_id)
+                update_record(root / trial.id, state="starting", devices=placement.device_ids)
+                logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
+                future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()))
+                running[future] = Running(trial, placement, devices, holder, run_id)
+                pending.remove(trial)
+            if not running:
+                if pending:  # every device we could use is leased by someone else
+                    time.sleep(WAIT_FOR_DEVICES_S)
+                continue
+            future = next(as_completed(list(running)))
+            job = running.pop(future)
+            heartbeat.release(job.holder)
+            device_ids = [d.id for d in job.devices]
+            try:
+                result = future.result()
+            except Exception as e:  # the task failed after its retries: record it, go on with the rest
+                failed[job.trial.id] = str(e)
+                close_trial_run(uri, job.run_id, None, device_ids, error=str(e))
+                logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
+                continue
+            results[job.trial.id] = result
+            close_trial_run(uri, job.run_id, result, device_ids)
+            logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
+    finally:
+        heartbeat.close()
+
+    summary = write_summary(spec, trials, results, failed)
+    close_campaign_run(uri, parent_run_id, summary)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(trials)} trials failed: {', '.join(failed)}; see `campaign status {name}`")
+    return summary

@@ -1,0 +1,113 @@
+"""The `campaign` command (typer). Bad input exits with code 2 before anything starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+# Prefect phones home unless told not to, and these machines have no network for it.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+app = typer.Typer(help="Declarative ML experiment campaigns: params.yaml -> Prefect -> DDP trials -> MLflow + DVC.", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+
+PARAMS = typer.Argument(Path("params.yaml"), help="campaign spec")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _validated(params: Path):
+    """Parse and check everything that can be checked before a flow starts."""
+    from cluster.packing import check_fits
+    from flows.campaign import device_request, inventory_for
+    from flows.spec import check_data, load_spec
+    from tasks.grid import expand_grid
+    from training.errors import CampaignError
+
+    try:
+        spec = load_spec(params)
+        check_data(spec)
+        trials = expand_grid(spec)
+        inventory = inventory_for(spec)
+        check_fits([device_request(spec, t, inventory) for t in trials], inventory)
+    except CampaignError as e:
+        _fail(str(e))
+    return spec, trials
+
+
+def _launch(params: Path) -> None:
+    spec, trials = _validated(params)
+    from flows.campaign import campaign_flow
+
+    console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices_per_trial} device(s) each")
+    try:
+        summary = campaign_flow(str(params))
+    except Exception as e:  # the flow has logged the details; say it plainly and exit non-zero
+        _fail(str(e), code=1)
+    best = summary.get("best")
+    console.print(f"finished {summary['finished']}/{summary['trials']} trials" + (f"; best {best['trial']}: val_accuracy {best['val_accuracy']:.4f}" if best else ""))
+
+
+@app.command()
+def launch(params: Path = PARAMS) -> None:
+    """Run the campaign: completed trials are skipped, partial ones resume from their checkpoint."""
+    _launch(params)
+
+
+@app.command()
+def resume(params: Path = PARAMS) -> None:
+    """Resume a campaign (the same as launching its spec again)."""
+    _launch(params)
+
+
+@app.command()
+def status(
+    campaign: Optional[str] = typer.Argument(None, help="campaign name (default: the latest launched)"),
+    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
+) -> None:
+    """List the trials of a campaign: state, progress, devices, latest metric, checkpoint."""
+    from tasks.records import campaign_status, latest_campaign
+
+    name = campaign or latest_campaign(runs_dir)
+    if name is None:
+        _fail(f"no campaign found under {runs_dir}/: launch one with `campaign launch params.yaml`")
+    rows = campaign_status(runs_dir, name)
+    if not rows:
+        _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
+    table = Table(title=f"campaign {name}")
+    for col in ("trial", "grid point", "state", "progress", "devices", "val_accuracy", "train_loss", "checkpoint"):
+        table.add_column(col)
+    for r in rows:
+        fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
+        table.add_row(r.trial_id, r.label, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-",
+                      fmt("val_accuracy"), fmt("train_loss"), Path(r.checkpoint).name if r.checkpoint else "-")
+    console.print(table)
+
+
+@app.command()
+def cluster(cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU")) -> None:
+    """Show the devices, who holds them (leases) and how busy they are."""
+    from cluster.inventory import device_usage, discover
+    from cluster.leases import LeaseStore
+    from cluster.report import render_cluster
+
+    inventory = discover(cpu_slots=cpu_slots)
+    console.print(render_cluster(inventory, LeaseStore().leases(), device_usage()))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Prefect tasks: small typed steps, thin wrappers around cluster/ and training/."""

@@ -1,0 +1,92 @@
+"""The campaign's record on disk: what `campaign status` reads and resume relies on.
+
+    <runs_dir>/<campaign>/campaign.json          trials, their labels, the MLflow parent run
+    <runs_dir>/<campaign>/<trial_id>/trial.json  the trainer's TrialConfig
+    <runs_dir>/<campaign>/<trial_id>/record.json state, devices, attempts, error (the orchestrator)
+    <runs_dir>/<campaign>/<trial_id>/progress.json  step and latest metrics (the trainer, rank 0)
+    <runs_dir>/<campaign>/<trial_id>/result.json    written once, after the final checkpoint
+    <runs_dir>/<campaign>/<trial_id>/checkpoints/step-XXXXXXXX/  DCP checkpoints
+
+Every file is written atomically, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint import latest_valid_checkpoint, verify
+from training.files import read_json, write_json_atomic
+
+LATEST = "latest"  # <runs_dir>/latest holds the name of the campaign launched last
+
+
+def campaign_dir(runs_dir: Path, campaign: str) -> Path:
+    return Path(runs_dir) / campaign
+
+
+def write_campaign(runs_dir: Path, campaign: str, record: dict[str, Any]) -> None:
+    write_json_atomic(campaign_dir(runs_dir, campaign) / "campaign.json", record)
+    (Path(runs_dir) / LATEST).write_text(campaign + "\n")
+
+
+def latest_campaign(runs_dir: Path) -> str | None:
+    try:
+        return (Path(runs_dir) / LATEST).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def update_record(trial_dir: Path, **fields: Any) -> dict[str, Any]:
+    record = read_json(trial_dir / "record.json") or {}
+    record.update(fields, updated=time.time())
+    write_json_atomic(trial_dir / "record.json", record)
+    return record
+
+
+def completed_result(trial_dir: Path) -> dict[str, Any] | None:
+    """The trial's result if it finished and its final checkpoint is whole; else None."""
+    result = read_json(trial_dir / "result.json")
+    if result is None:
+        return None
+    final = Path(result["checkpoint"])
+    if not final.is_dir() or verify(final) is not None:
+        return None
+    return result
+
+
+@dataclass(frozen=True)
+class TrialStatus:
+    trial_id: str
+    label: str
+    state: str
+    step: int
+    steps: int
+    devices: list[str]
+    metrics: dict[str, float]
+    checkpoint: str | None
+
+
+def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
+    record = read_json(trial_dir / "record.json") or {}
+    progress = read_json(trial_dir / "progress.json") or {}
+    result = read_json(trial_dir / "result.json")
+    state = "finished" if result else record.get("state", "pending")
+    latest = latest_valid_checkpoint(trial_dir / "checkpoints")
+    return TrialStatus(
+        trial_id=trial_id, label=label, state=state,
+        step=int(progress.get("step", 0)), steps=steps,
+        devices=list(record.get("devices", [])),
+        metrics=dict((result or progress).get("metrics", {})),
+        checkpoint=str(latest) if latest else None,
+    )
+
+
+def campaign_status(runs_dir: Path, campaign: str) -> list[TrialStatus]:
+    record = read_json(campaign_dir(runs_dir, campaign) / "campaign.json")
+    if record is None:
+        return []
+    root = campaign_dir(runs_dir, campaign)
+    return [trial_status(root / t["id"], t["id"], t["label"], t["steps"]) for t in record["trials"]]

@@ -1,0 +1,103 @@
+"""MLflow: one parent run per campaign, one child run per trial, found again on resume.
+
+Runs are looked up by tags, so launching the same campaign again (or `campaign resume`)
+continues the same parent and child runs instead of creating duplicates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from prefect import task
+
+from tasks.grid import Trial
+
+CAMPAIGN_TAG = "campaign.name"
+KIND_TAG = "campaign.kind"
+TRIAL_TAG = "campaign.trial_id"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def _client(uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: MlflowClient, name: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # another campaign created it a moment ago
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _find_run(client: MlflowClient, exp_id: str, filter_string: str):
+    runs = client.search_runs([exp_id], filter_string=filter_string, max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
+def flatten(prefix: str, obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flatten(f"{prefix}.{k}" if prefix else str(k), v))
+        return out
+    return {prefix: obj}
+
+
+@task(name="open campaign run", retries=2, retry_delay_seconds=1)
+def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, list], n_trials: int) -> str:
+    client = _client(uri)
+    exp_id = experiment_id(client, experiment)
+    run = _find_run(client, exp_id, f"tags.`{KIND_TAG}` = 'campaign' and tags.`{CAMPAIGN_TAG}` = '{campaign}'")
+    if run is None:
+        run = client.create_run(exp_id, run_name=campaign, tags={KIND_TAG: "campaign", CAMPAIGN_TAG: campaign})
+        params = [Param(f"grid.{k}", str(v)) for k, v in grid.items()] + [Param("trials", str(n_trials))]
+        client.log_batch(run.info.run_id, params=params)
+    else:
+        client.update_run(run.info.run_id, status="RUNNING")
+    return run.info.run_id
+
+
+@task(name="open trial run", retries=2, retry_delay_seconds=1)
+def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) -> str:
+    client = _client(uri)
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    run = _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial.id}'")
+    if run is not None:
+        client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.run_id
+    tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial.id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
+    run = client.create_run(exp_id, run_name=trial.label, tags=tags)
+    params = flatten("", trial.spec.model_dump(mode="json"))
+    client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+    return run.info.run_id
+
+
+@task(name="close trial run", retries=2, retry_delay_seconds=1)
+def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None) -> None:
+    client = _client(uri)
+    now = int(time.time() * 1000)
+    tags = [RunTag("devices", ",".join(devices)), RunTag("world_size", str(len(devices)))]
+    metrics = []
+    if result is not None:
+        tags.append(RunTag("checkpoint", result["checkpoint"]))
+        metrics = [Metric(f"final_{k}", float(v), now, result["steps"]) for k, v in result["metrics"].items()]
+    if error:
+        tags.append(RunTag("error", error[-4000:]))
+    client.log_batch(run_id, metrics=metrics, tags=tags)
+    client.set_terminated(run_id, status="FINISHED" if error is None else "FAILED")
+
+
+@task(name="close campaign run", retries=2, retry_delay_seconds=1)
+def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
+    client = _client(uri)
+    now = int(time.time() * 1000)
+    numbers = {k: v for k, v in flatten("", summary).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()])
+    client.set_terminated(run_id, status="FINISHED" if summary["failed"] == 0 else "FAILED")

@@ -1,0 +1,112 @@
+"""Run one trial segment: plan the torchrun launch on the leased devices, then apply it.
+
+The plan (command, environment, files) is pure data a test can assert on; applying it
+starts torchrun in its own process group, waits, and turns a failure into an error that
+carries the end of the trial's log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from prefect import task
+
+from cluster.inventory import visible_devices_env
+from cluster.types import Device
+from tasks.records import update_record
+from training.config import TrialConfig
+from training.errors import CampaignError
+from training.files import read_json, write_atomic
+from training.process import die_with_parent
+
+LOG_TAIL_CHARS = 3000
+
+
+class TrialFailed(CampaignError):
+    """torchrun exited with an error; the message holds the end of the trial's log."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    command: list[str]
+    env: dict[str, str]  # added to the parent's environment
+    cwd: Path
+    config_path: Path
+    log_path: Path
+
+
+def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable) -> LaunchPlan:
+    trial_dir = Path(config.trial_dir)
+    env = {
+        **visible_devices_env(devices),
+        # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        python, "-m", "torch.distributed.run",
+        "--standalone",  # a single-node rendezvous on a free port: trials never collide
+        f"--nproc-per-node={len(devices)}",
+        "-m", "training.train", "--config", str(trial_dir / "trial.json"),
+    ]
+    return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")
+
+
+def _torchrun_dies_with_campaign() -> None:
+    # SIGTERM lets torchrun stop its workers; they also die with torchrun (training/train.py).
+    die_with_parent(signal.SIGTERM)
+
+
+def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
+    write_atomic(plan.config_path, config.to_json().encode())
+    with open(plan.log_path, "ab") as log:
+        proc = subprocess.Popen(
+            plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_torchrun_dies_with_campaign,
+        )
+        try:
+            return proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+
+
+def log_tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except FileNotFoundError:
+        return ""
+
+
+@task(retries=1, retry_delay_seconds=2)
+def run_trial(config: TrialConfig, devices: list[Device], cwd: str) -> dict[str, Any]:
+    """One segment of a trial on its devices; a retry resumes from the last checkpoint."""
+    trial_dir = Path(config.trial_dir)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    record = update_record(trial_dir, state="running", devices=[d.id for d in devices])
+    # Who had which device when: one interval per attempt.
+    intervals = record.get("intervals", []) + [{"devices": [d.id for d in devices], "start": time.time(), "end": None}]
+    update_record(trial_dir, attempts=int(record.get("attempts", 0)) + 1, intervals=intervals)
+    plan = plan_launch(config, devices, Path(cwd))
+    try:
+        code = apply_launch(plan, config)
+    finally:
+        intervals[-1]["end"] = time.time()
+        update_record(trial_dir, intervals=intervals)
+    result = read_json(config.result_path)
+    if code != 0 or result is None:
+        update_record(trial_dir, state="failed", exit_code=code)
+        raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")
+    update_record(trial_dir, state="finished", exit_code=0)
+    return result

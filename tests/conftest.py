@@ -1,0 +1,30 @@
+"""Shared fixtures. Every test runs real parts: torchrun, Prefect, MLflow, DVC, SQLite."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Before Prefect is imported anywhere: no analytics (no network), gloo on loopback.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+# Tests never touch the host-wide lease store of real campaigns.
+os.environ["CAMPAIGN_LEASE_DB"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-leases-{os.getpid()}.db")
+# Subprocesses (torchrun, dvc) must find the venv's console scripts and this checkout.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+
+@pytest.fixture(scope="session")
+def digits_npz(tmp_path_factory) -> Path:
+    from training.data import prepare_digits
+
+    return prepare_digits(tmp_path_factory.mktemp("data") / "digits.npz")

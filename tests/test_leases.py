@@ -1,0 +1,353 @@
+"""The host-wide lease store, with real processes and a real SQLite file."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.leases import (
+    LeaseLost,
+    LeaseStore,
+    LeaseStoreError,
+    LeaseStoreRebuilt,
+    LeaseUnavailable,
+    process_alive,
+    process_start,
+)
+
+CAP = {"d0": 10, "d1": 10, "d2": 10}
+
+
+class Clock:
+    """A clock the test moves by hand, shared by the stores of one test."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait_for(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# --- racing processes ---------------------------------------------------------------------
+
+# (claims of process 0, claims of process 1, how many may win together)
+SCENARIOS = [
+    ({"d0": 10}, {"d0": 10}, 1),  # the same device, exclusively
+    ({"d0": 6}, {"d0": 6}, 1),  # shares that do not fit together
+    ({"d0": 5}, {"d0": 5}, 2),  # shares that do
+    ({"d0": 10, "d1": 10}, {"d1": 10, "d2": 10}, 1),  # overlapping sets: all or nothing
+]
+ROUNDS = 48
+
+
+def _race_worker(path: str, who: int, barrier, results) -> None:
+    store = LeaseStore(path)
+    for r in range(ROUNDS):
+        claims = SCENARIOS[r % len(SCENARIOS)][who]
+        barrier.wait()  # both ask at the same moment
+        won = store.acquire(f"p{who}-r{r}", claims, CAP)
+        barrier.wait()  # both have asked: what the file holds now is the round's outcome
+        results.put((r, who, won, store.usage()))
+        barrier.wait()  # both have looked before anyone lets go
+        if won:
+            store.release(f"p{who}-r{r}")
+
+
+def test_racing_processes_never_get_overlapping_leases(tmp_path):
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    path = str(tmp_path / "leases.db")  # created by the race itself, on round 0
+    workers = [ctx.Process(target=_race_worker, args=(path, who, barrier, results)) for who in (0, 1)]
+    for w in workers:
+        w.start()
+    outcomes = [results.get(timeout=60) for _ in range(2 * ROUNDS)]
+    for w in workers:
+        w.join(timeout=30)
+        assert w.exitcode == 0
+
+    by_round: dict[int, list] = {}
+    for r, who, won, usage in outcomes:
+        by_round.setdefault(r, []).append((who, won, usage))
+    for r, seen in by_round.items():
+        claims0, claims1, winners = SCENARIOS[r % len(SCENARIOS)]
+        won = [who for who, w, _ in seen if w]
+        assert len(won) == winners, f"round {r}: winners {won}"
+        expected: dict[str, int] = {}
+        for who in won:
+            for device, claim in (claims0, claims1)[who].items():
+                expected[device] = expected.get(device, 0) + claim
+        # Both processes see exactly the winners' claims: the loser wrote nothing.
+        assert all(usage == expected for _, _, usage in seen), f"round {r}: {seen}"
+        assert all(v <= CAP[d] for d, v in expected.items())
+
+
+# --- dead holders ---------------------------------------------------------------------------
+
+HOLDER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from cluster.leases import LeaseStore
+    path, holder, device, heartbeat = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    store = LeaseStore(path, heartbeat_timeout_s=heartbeat * 20)
+    with store.hold(holder, {device: 10}, {device: 10}, heartbeat_s=heartbeat) as lease:
+        print("held", flush=True)
+        sys.stdin.readline()  # until the test closes stdin (or kills us)
+        print("lost" if lease.lost else "kept", flush=True)
+    """
+)
+
+
+def _start_holder(path: Path, holder: str, device: str = "d0", heartbeat_s: float = 0.05) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(path), holder, device, str(heartbeat_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_holder_killed_with_sigkill_is_reclaimed_even_before_it_is_reaped(tmp_path):
+    path = tmp_path / "leases.db"
+    victim = _start_holder(path, "victim")
+    store = LeaseStore(path)
+    assert not store.acquire("other", {"d0": 10}, CAP)
+
+    victim.send_signal(signal.SIGKILL)
+    os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)  # dead, left a zombie
+    reclaimed = store.reclaim()
+    victim.wait()
+
+    assert [(lease.holder, lease.device_id, lease.pid) for lease in reclaimed] == [
+        ("victim", "d0", victim.pid)
+    ]
+    assert store.acquire("other", {"d0": 10}, CAP)
+
+
+def test_heartbeat_expiry_reclaims_and_the_holder_learns_it(tmp_path):
+    clock = Clock()
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=10, clock=clock)
+    assert store.acquire("a", {"d0": 4}, CAP)
+    for _ in range(3):  # renewed in time, it outlives several timeouts
+        clock.now += 9
+        store.renew("a")
+        assert store.reclaim() == []
+    clock.now += 11
+    assert [lease.holder for lease in store.reclaim()] == ["a"]
+    with pytest.raises(LeaseLost):
+        store.renew("a")
+
+
+def test_a_reused_pid_is_not_taken_for_the_holder():
+    me = os.getpid()
+    assert process_alive(me, process_start(me))
+    assert not process_alive(me, process_start(me) + 1)  # same pid, another process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not process_alive(child.pid, None)
+
+
+def test_a_lease_follows_the_given_pid(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert store.acquire("trial", {"d0": 10}, CAP, pid=child.pid)
+    assert store.reclaim() == []
+    child.communicate()  # the child exits; this process, which took the lease, lives on
+    assert [lease.holder for lease in store.reclaim()] == ["trial"]
+    with pytest.raises(ValueError, match="not a running process"):
+        store.acquire("late", {"d0": 1}, CAP, pid=child.pid)
+
+
+# --- claims --------------------------------------------------------------------------------
+
+
+def test_all_or_nothing_and_shares_by_memory(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    assert store.acquire("a", {"d1": 10}, CAP)
+    assert not store.acquire("b", {"d0": 3, "d1": 1}, CAP)
+    assert store.usage() == {"d1": 10}  # b's d0 was not written
+    assert store.acquire("b", {"d0": 3}, CAP) and store.acquire("c", {"d0": 7}, CAP)
+    assert not store.acquire("d", {"d0": 1}, CAP)
+    store.release("c")
+    assert store.acquire("d", {"d0": 7}, CAP)
+    assert store.usage() == {"d0": 10, "d1": 10}
+
+
+def test_a_holder_grows_and_releases_as_one(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    assert store.acquire("t", {"d0": 4}, CAP)
+    assert store.acquire("t", {"d0": 10, "d1": 2}, CAP)  # its own share does not block it
+    assert store.usage() == {"d0": 10, "d1": 2}
+    store.release("t")
+    assert store.usage() == {}
+
+
+def test_the_smallest_declared_capacity_wins(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    assert store.acquire("small-view", {"d0": 40}, {"d0": 40})  # exclusive, as it sees d0
+    assert not store.acquire("big-view", {"d0": 40}, {"d0": 80})
+
+
+@pytest.mark.parametrize(
+    "claims, match",
+    [
+        ({}, "claims no device"),
+        ({"dx": 1}, "no capacity"),
+        ({"d0": 11}, "not in 1..10"),
+        ({"d0": 0}, "not in"),
+    ],
+)
+def test_malformed_claims_are_refused(tmp_path, claims, match):
+    with pytest.raises(ValueError, match=match):
+        LeaseStore(tmp_path / "leases.db").acquire("t", claims, CAP)
+
+
+def test_hold_renews_past_the_timeout_then_releases(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=0.6)
+    with store.hold("t", {"d0": 10}, CAP, heartbeat_s=0.05) as lease:
+        time.sleep(1.2)  # two timeouts: only the heartbeat keeps it
+        assert [lease.holder for lease in LeaseStore(store.path, heartbeat_timeout_s=0.6).leases()] == ["t"]
+        with pytest.raises(LeaseUnavailable), store.hold("u", {"d0": 1}, CAP):
+            pass
+        assert not lease.lost
+    assert store.usage() == {}
+
+
+def test_hold_reports_a_lost_lease(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    with store.hold("t", {"d0": 10}, CAP, heartbeat_s=0.02) as lease:
+        # Another campaign whose clock says the heartbeat is long overdue reclaims it.
+        LeaseStore(store.path, clock=lambda: time.time() + 3600).reclaim()
+        _wait_for(lambda: lease.lost, what="the heartbeat to notice")
+        with pytest.raises(LeaseLost):
+            lease.check()
+
+
+# --- the file ------------------------------------------------------------------------------
+
+
+def test_garbage_file_is_moved_aside_and_rebuilt(tmp_path):
+    path = tmp_path / "leases.db"
+    garbage = os.urandom(8192)
+    path.write_bytes(garbage)
+    clock = Clock()
+    store = LeaseStore(path, heartbeat_timeout_s=30, clock=clock)
+    with pytest.warns(LeaseStoreRebuilt, match="corrupt"):
+        assert store.usage() == {}
+    [aside] = tmp_path.glob("leases.db.corrupt-*")
+    assert aside.read_bytes() == garbage  # kept for inspection, never deleted
+    assert not store.acquire("new", {"d0": 1}, CAP)  # live holders get a timeout to re-register
+    clock.now += 31
+    assert store.acquire("new", {"d0": 1}, CAP)
+
+
+def test_a_tampered_row_is_not_trusted(tmp_path):
+    path = tmp_path / "leases.db"
+    assert LeaseStore(path).acquire("t", {"d0": 4}, CAP)
+    with sqlite3.connect(path) as conn:  # valid SQLite, wrong content: d0 looks free
+        conn.execute("UPDATE leases SET memory_bytes = 1")
+    with pytest.warns(LeaseStoreRebuilt, match="checksum"):
+        assert LeaseStore(path).usage() == {}
+
+
+def test_live_holder_re_registers_after_a_rebuild(tmp_path):
+    path = tmp_path / "leases.db"
+    holder = _start_holder(path, "survivor", heartbeat_s=0.05)
+    try:
+        path.write_bytes(os.urandom(4096))
+        store = LeaseStore(path, heartbeat_timeout_s=2.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LeaseStoreRebuilt)  # whoever notices first rebuilds
+            assert not store.acquire("intruder", {"d0": 10}, CAP)
+            _wait_for(
+                lambda: [lease.holder for lease in store.leases()] == ["survivor"], what="re-registration"
+            )
+        time.sleep(2.2)  # past the grace period the holder still has it: it is alive
+        assert not store.acquire("intruder", {"d0": 10}, CAP)
+    finally:
+        out, _ = holder.communicate("\n", timeout=30)
+    assert out.strip() == "kept"
+    assert store.usage() == {}
+
+
+def test_a_holder_whose_device_was_taken_after_a_rebuild_loses_it(tmp_path):
+    path, clock = tmp_path / "leases.db", Clock()
+    old = LeaseStore(path, heartbeat_timeout_s=10, clock=clock)
+    assert old.acquire("slow", {"d0": 10}, CAP)
+    path.write_bytes(os.urandom(4096))
+    new = LeaseStore(path, heartbeat_timeout_s=10, clock=clock)
+    with pytest.warns(LeaseStoreRebuilt):
+        new.reclaim()
+    clock.now += 11  # "slow" missed the whole grace period
+    assert new.acquire("fast", {"d0": 10}, CAP)
+    with pytest.raises(LeaseLost, match="rebuilt"):
+        old.renew("slow")
+    assert [lease.holder for lease in new.leases()] == ["fast"]
+
+
+def test_an_unusable_path_names_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(LeaseStoreError, match="CAMPAIGN_LEASE_DB"):
+        LeaseStore(blocker / "leases.db").usage()
+
+
+def test_default_path_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAMPAIGN_LEASE_DB", str(tmp_path / "x.db"))
+    assert LeaseStore().path == tmp_path / "x.db"
+
+
+# A real file with leases, built once, that each example below damages differently.
+_PRISTINE: dict[str, object] = {}
+
+
+def _pristine() -> tuple[bytes, list]:
+    if not _PRISTINE:
+        with tempfile.TemporaryDirectory() as d:
+            store = LeaseStore(Path(d) / "leases.db", clock=Clock())
+            store.acquire("a", {"d0": 4, "d1": 10}, CAP)
+            store.acquire("b", {"d0": 6}, CAP)
+            _PRISTINE["leases"] = store.leases()
+            _PRISTINE["bytes"] = (Path(d) / "leases.db").read_bytes()
+    return _PRISTINE["bytes"], _PRISTINE["leases"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_file_is_either_intact_or_rebuilt_never_misread(tmp_path, data):
+    original, leases = _pristine()
+    damaged = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 6), label="bytes damaged")):
+        offset = data.draw(st.integers(0, len(damaged) - 1), label="offset")
+        old = damaged[offset]
+        damaged[offset] = data.draw(st.integers(0, 255).filter(lambda b, old=old: b != old), label="value")
+    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "leases.db"
+    path.write_bytes(bytes(damaged))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = LeaseStore(path, clock=Clock()).leases()
+    rebuilt = any(issubclass(w.category, LeaseStoreRebuilt) for w in caught)
+    assert (seen == [] and rebuilt) or (seen == leases and not rebuilt)

@@ -1,0 +1,245 @@
+"""Properties of cluster/packing.py over random inventories, requests and leases.
+
+Each property is checked against a plain-Python replay of the free memory, independent of
+the packer's numpy bookkeeping.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.packing import (
+    POLICIES, Demand, Packer, PlacementError, check_fits, pack, workload_of,
+)
+from cluster.types import Device, Inventory, Link, Placement, Request
+
+GIB = 2**30
+SIZES = (8 * GIB, 16 * GIB, 24 * GIB)
+
+settings.register_profile("packing", max_examples=120, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("packing")
+
+
+@st.composite
+def inventories(draw) -> Inventory:
+    devices, links = [], {}
+    for n in range(draw(st.integers(1, 4))):
+        size = draw(st.sampled_from(SIZES))
+        ids = [f"n{n}/gpu{i}" for i in range(draw(st.integers(1, 6)))]
+        devices += [Device(d, f"n{n}", i, "gpu", "g", size) for i, d in enumerate(ids)]
+        for a, b in combinations(ids, 2):
+            if draw(st.booleans()):
+                links[frozenset((a, b))] = draw(st.sampled_from(list(Link)[1:5]))
+    return Inventory(tuple(devices), links)
+
+
+@st.composite
+def requests(draw, n_max: int = 14) -> list[Request]:
+    out = []
+    for i in range(draw(st.integers(1, n_max))):
+        whole = draw(st.booleans())
+        mem = draw(st.sampled_from(SIZES)) if whole else draw(st.integers(1, 26 * GIB))
+        out.append(Request(f"t{i}", draw(st.integers(1, 5)), mem))
+    return out
+
+
+@st.composite
+def leases(draw, inventory: Inventory) -> dict[str, int]:
+    return {d.id: draw(st.sampled_from([0, d.memory_bytes // 3, d.memory_bytes // 2, d.memory_bytes]))
+            for d in inventory.devices if draw(st.booleans())}
+
+
+def cases():
+    return inventories().flatmap(
+        lambda inv: st.tuples(st.just(inv), requests(), leases(inv), st.sampled_from(POLICIES),
+                              st.booleans())
+    )
+
+
+def fits_now(req: Request, free: dict[str, int], inv: Inventory, multi_node: bool) -> bool:
+    room = {n: 0 for n in inv.nodes}
+    for d in inv.devices:
+        room[d.node] += free[d.id] >= req.memory_bytes
+    return (sum(room.values()) if multi_node else max(room.values())) >= req.devices
+
+
+@given(cases())
+def test_every_placement_is_whole_and_memory_is_never_overcommitted(case):
+    inv, reqs, used, policy, multi_node = case
+    placements = pack(reqs, inv, used, policy=policy, multi_node=multi_node)
+    by_id = {r.trial_id: r for r in reqs}
+    free = {d.id: d.memory_bytes - used.get(d.id, 0) for d in inv.devices}
+    placed_ids = [p.trial_id for p in placements]
+    assert placed_ids == [r.trial_id for r in reqs if r.trial_id in placed_ids]  # request order
+    sharers: dict[str, list[Placement]] = {d.id: [] for d in inv.devices}
+    for p in placements:
+        req = by_id[p.trial_id]
+        assert len(p.device_ids) == len(set(p.device_ids)) == req.devices
+        assert p.memory_bytes == req.memory_bytes
+        for dev in p.device_ids:
+            free[dev] -= p.memory_bytes
+            sharers[dev].append(p)
+        if not multi_node:
+            assert len({inv.device(d).node for d in p.device_ids}) == 1
+    assert all(f >= 0 for f in free.values()), free
+    for dev, ps in sharers.items():
+        cap = inv.device(dev).memory_bytes
+        if any(p.memory_bytes >= cap for p in ps):  # exclusive: alone, on a device free of leases
+            assert len(ps) == 1 and used.get(dev, 0) == 0
+
+
+@given(cases())
+def test_a_request_is_left_out_only_when_it_does_not_fit_at_its_turn(case):
+    inv, reqs, used, policy, multi_node = case
+    placed = {p.trial_id: p for p in pack(reqs, inv, used, policy=policy, multi_node=multi_node)}
+    free = {d.id: d.memory_bytes - used.get(d.id, 0) for d in inv.devices}
+    for req in reqs:
+        assert (req.trial_id in placed) == fits_now(req, free, inv, multi_node), req
+        for dev in placed[req.trial_id].device_ids if req.trial_id in placed else ():
+            free[dev] -= req.memory_bytes
+
+
+@given(cases(), st.integers(0, 3))
+def test_same_input_gives_the_same_placements(case, seed):
+    inv, reqs, used, policy, multi_node = case
+    first = pack(reqs, inv, used, policy=policy, multi_node=multi_node, seed=seed)
+    assert pack(reqs, inv, dict(used), policy=policy, multi_node=multi_node, seed=seed) == first
+
+
+@given(inventories().flatmap(lambda inv: st.tuples(st.just(inv), leases(inv))),
+       st.integers(2, 5), st.sampled_from([GIB, 8 * GIB, 16 * GIB]), st.sampled_from(POLICIES))
+def test_a_gang_stays_on_one_node_whenever_one_node_can_hold_it(inv_used, count, mem, policy):
+    inv, used = inv_used
+    free = {d.id: d.memory_bytes - used.get(d.id, 0) for d in inv.devices}
+    req = Request("gang", count, mem)
+    got = pack([req], inv, used, policy=policy, multi_node=True)
+    if fits_now(req, free, inv, multi_node=False):
+        assert len({inv.device(d).node for d in got[0].device_ids}) == 1
+    else:
+        assert bool(got) == fits_now(req, free, inv, multi_node=True)
+
+
+def measured(inv: Inventory, free: dict[str, int], workload: list[Demand]) -> float:
+    """The ATC'23 measure, written out: free memory each kind cannot use, weighted."""
+    total, weights = 0.0, sum(k.weight for k in workload)
+    for node in inv.nodes:
+        left = [free[d.id] for d in inv.devices if d.node == node]
+        for kind in workload:
+            usable = [f for f in left if f >= kind.memory_bytes]
+            lost = sum(left) if len(usable) < kind.devices else sum(left) - sum(usable)
+            total += kind.weight * lost / weights
+    return total
+
+
+@given(inventories(), requests(n_max=10))
+def test_fgd_puts_each_single_device_request_where_fragmentation_grows_least(inv, reqs):
+    workload = list(workload_of(reqs))
+    packer = Packer(inv, workload=workload)
+    free = {d.id: d.memory_bytes for d in inv.devices}
+    for req in reqs:
+        placement = packer.place(req)
+        if placement is None or req.devices > 1:
+            for dev in placement.device_ids if placement else ():
+                free[dev] -= req.memory_bytes
+            continue
+        after = {}
+        for dev in (d for d in free if free[d] >= req.memory_bytes):
+            free[dev] -= req.memory_bytes
+            after[dev] = measured(inv, free, workload)
+            free[dev] += req.memory_bytes
+        (chosen,) = placement.device_ids
+        assert after[chosen] == pytest.approx(min(after.values()), rel=1e-9, abs=1e-3)
+        free[chosen] -= req.memory_bytes
+
+
+@given(inventories(), requests(n_max=10), st.sampled_from(POLICIES))
+def test_fragmentation_matches_the_measure_recomputed_from_free_memory(inv, reqs, policy):
+    packer = Packer(inv, policy=policy, workload=workload_of(reqs))
+    placements = [p for r in reqs if (p := packer.place(r))]
+    if placements:  # releasing must restore the bookkeeping as well
+        packer.release(placements[0])
+        placements = placements[1:]
+    free = {d.id: d.memory_bytes for d in inv.devices}
+    for p in placements:
+        for dev in p.device_ids:
+            free[dev] -= p.memory_bytes
+    assert all(packer.free_bytes(d) == f for d, f in free.items())
+    assert packer.fragmentation() == pytest.approx(measured(inv, free, list(workload_of(reqs))),
+                                                   rel=1e-9, abs=1e-3)
+
+
+def one_node(size: int, count: int, links=None, name: str = "box") -> Inventory:
+    devs = tuple(Device(f"{name}/gpu{i}", name, i, "gpu", "g", size) for i in range(count))
+    return Inventory(devs, links or {})
+
+
+def dgx_like() -> Inventory:
+    """8 GPUs: NVLink pairs (0,1) (2,3) (4,5) (6,7); 0-3 and 4-7 on two sockets."""
+    links = {}
+    for a, b in combinations(range(8), 2):
+        kind = (Link.NVLINK if a // 2 == b // 2 else
+                Link.PCIE_HOST if a // 4 == b // 4 else Link.CROSS_SOCKET)
+        links[frozenset((f"box/gpu{a}", f"box/gpu{b}"))] = kind
+    return one_node(16 * GIB, 8, links)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_pair_goes_to_an_nvlink_pair_and_four_stay_on_one_socket(policy):
+    inv = dgx_like()
+    # GPUs 0 and 2 are taken: 1 and 3 are free but only PCIe-connected; 4-7 hold two pairs.
+    used = {"box/gpu0": 16 * GIB, "box/gpu2": 16 * GIB}
+    pair = pack([Request("pair", 2, 16 * GIB)], inv, used, policy=policy)[0]
+    a, b = (int(d[-1]) for d in pair.device_ids)
+    assert inv.link(*pair.device_ids) == Link.NVLINK and a // 2 == b // 2
+    four = pack([Request("four", 4, 16 * GIB)], inv, policy=policy)[0]
+    assert len({int(d[-1]) // 4 for d in four.device_ids}) == 1  # never across sockets
+
+
+def test_requests_of_sixty_percent_memory_never_share_a_gpu():
+    inv = one_node(10 * GIB, 2)
+    sixty = [Request(f"t{i}", 1, 6 * GIB) for i in range(3)]
+    placements = pack(sixty, inv)
+    assert [p.trial_id for p in placements] == ["t0", "t1"]
+    assert placements[0].device_ids != placements[1].device_ids
+
+
+def test_fgd_keeps_room_for_the_common_size_where_best_fit_does_not():
+    inv = Inventory((Device("a/gpu0", "a", 0, "gpu", "g", 1000),
+                     Device("b/gpu0", "b", 0, "gpu", "g", 1000)))
+    used = {"a/gpu0": 400, "b/gpu0": 500}  # 600 and 500 free
+    workload = [Demand(1, 500, 1.0), Demand(1, 100, 1.0)]
+    small = Request("small", 1, 100)
+    fgd = Packer(inv, used, workload=workload).place(small)
+    best = Packer(inv, used, policy="best-fit", workload=workload).place(small)
+    assert best.device_ids == ("b/gpu0",)  # tightest fit: 400 left on b, too small for 500
+    assert fgd.device_ids == ("a/gpu0",)  # 500 left on both: a 500 still fits
+
+
+def test_check_fits_names_the_trial_and_what_the_largest_node_offers():
+    inv = Inventory(one_node(8 * GIB, 2, name="small").devices + one_node(16 * GIB, 4).devices)
+    check_fits([Request("ok", 4, 16 * GIB)], inv)
+    with pytest.raises(PlacementError, match=r"'wide'.*5 device.*'box'.*4 device"):
+        check_fits([Request("ok", 1, GIB), Request("wide", 5, GIB)], inv)
+    with pytest.raises(PlacementError, match=r"'fat'.*20\.0 GiB.*16\.0 GiB"):
+        check_fits([Request("fat", 1, 20 * GIB)], inv)
+    with pytest.raises(PlacementError, match="'none'"):
+        check_fits([Request("none", 0, GIB)], inv)
+    with pytest.raises(PlacementError, match="'empty'"):
+        pack([Request("empty", 1, 0)], inv)
+
+
+def test_check_fits_allows_a_gang_across_nodes_only_when_asked():
+    nodes = tuple(Device(f"n{n}/gpu{i}", f"n{n}", i, "gpu", "g", GIB)
+                  for n in range(2) for i in range(2))
+    inv, wide = Inventory(nodes), Request("wide", 3, GIB)
+    with pytest.raises(PlacementError, match="'wide'"):
+        check_fits([wide], inv)
+    check_fits([wide], inv, multi_node=True)
+    assert pack([wide], inv) == []
+    spread = pack([wide], inv, multi_node=True)[0]
+    assert len(spread.device_ids) == 3

@@ -1,0 +1,279 @@
+"""The pure scheduling policies and step-time models, over random clusters and job states."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.jobs import (
+    Cluster,
+    InvalidAllocation,
+    Job,
+    Node,
+    bind_devices,
+    devices_of,
+    nodes_of,
+    validate_allocation,
+)
+from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, NodePool
+from cluster.throughput import AnalyticStepTime, OnlineStepTime, mean_relative_error, prior_from_size
+
+POLICIES = [ElasticPolicy(), ElasticPolicy(hysteresis=0.0, min_run_s=0.0, starvation_s=600.0), FifoPolicy(), LasPolicy()]
+GOOD_SCALING = AnalyticStepTime(fixed=0.002, compute=1.0, intra=0.005, inter=0.02, per_node=0.001)
+POOR_SCALING = AnalyticStepTime(fixed=0.1, compute=0.9, intra=0.06, inter=0.5, per_node=0.02)
+
+# ---------------------------------------------------------------- random states
+
+
+@st.composite
+def clusters(draw) -> Cluster:
+    sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=6))
+    return Cluster(tuple(Node(f"n{i}", tuple(f"n{i}/g{j}" for j in range(s))) for i, s in enumerate(sizes)))
+
+
+@st.composite
+def step_models(draw) -> AnalyticStepTime:
+    fixed, compute = draw(st.floats(0.0, 0.2)), draw(st.floats(0.05, 2.0))
+    intra = draw(st.floats(0.0, 0.3))
+    return AnalyticStepTime(fixed, compute, intra, intra * draw(st.floats(1.0, 10.0)), draw(st.floats(0.0, 0.05)))
+
+
+@st.composite
+def job_states(draw, cluster: Cluster, now: float = 100_000.0) -> list[Job]:
+    """Active jobs, some running on a valid allocation, with random history."""
+    rng: random.Random = draw(st.randoms(use_true_random=False))
+    pool = NodePool(cluster)
+    jobs = []
+    for i in range(draw(st.integers(0, 14))):
+        requested = rng.randint(1, cluster.total)
+        low, high = rng.randint(1, requested), rng.randint(requested, cluster.total)
+        placement: dict[str, int] = {}
+        if rng.random() < 0.5:
+            placement = pool.place(rng.randint(low, high)) or {}
+        arrival = rng.uniform(0, now)
+        jobs.append(
+            Job(
+                f"j{i}",
+                arrival,
+                requested,
+                low,
+                high,
+                draw(step_models()),
+                attained=rng.expovariate(1 / 3600.0) if placement or rng.random() < 0.5 else 0.0,
+                placement=placement,
+                since=rng.uniform(arrival, now),
+            )
+        )
+    return jobs
+
+
+@st.composite
+def scenarios(draw) -> tuple[Cluster, list[Job]]:
+    cluster = draw(clusters())
+    return cluster, draw(job_states(cluster))
+
+
+# ---------------------------------------------------------------- every policy
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), which=st.integers(0, len(POLICIES) - 1))
+def test_decisions_are_legal_and_deterministic(scenario, which):
+    cluster, jobs = scenario
+    policy = POLICIES[which]
+    allocation = policy.decide(cluster, jobs, 100_000.0)
+    validate_allocation(cluster, jobs, allocation)  # no over-commitment, gangs whole
+    for placement in allocation.values():
+        assert all(count <= cluster.node(node).size for node, count in placement.items())
+    # Same input in another order, same decision.
+    assert policy.decide(cluster, list(reversed(jobs)), 100_000.0) == allocation
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario=scenarios())
+def test_elastic_leaves_recently_changed_jobs_whole(scenario):
+    cluster, jobs = scenario
+    policy = ElasticPolicy(min_run_s=300.0)
+    now = 100_000.0
+    recent = [replace(j, since=now - 10) if j.running else j for j in jobs]
+    allocation = policy.decide(cluster, recent, now)
+    for job in recent:
+        if job.running:
+            assert devices_of(allocation.get(job.id)) >= job.devices, job.id
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario=scenarios())
+def test_elastic_runs_a_starving_job_when_unprotected_devices_allow(scenario):
+    cluster, jobs = scenario
+    policy = ElasticPolicy(starvation_s=3600.0, min_run_s=300.0)
+    now = 100_000.0
+    # It has waited longest of all, with the most attained service: LAS alone would never run it.
+    starving = Job("starved", -1e6, 1, 1, cluster.total, POOR_SCALING, attained=1e9, since=-1e6)
+    allocation = policy.decide(cluster, [*jobs, starving], now)
+    protected = sum(j.devices for j in jobs if now - (j.since or 0) < policy.min_run_s)
+    if protected + starving.min_devices <= cluster.total:
+        assert devices_of(allocation.get("starved")) >= 1
+
+
+def test_every_policy_packs_a_job_on_the_fewest_nodes():
+    cluster = Cluster.uniform(4, 4)
+    for policy in POLICIES:
+        for size, nodes in ((3, 1), (4, 1), (8, 2)):
+            job = Job("a", 0.0, size, size, size, GOOD_SCALING)
+            placement = policy.decide(cluster, [job], 10.0)["a"]
+            assert (devices_of(placement), nodes_of(placement)) == (size, nodes), policy.name
+
+
+def test_packing_fills_the_tightest_node_first():
+    cluster = Cluster(tuple(Node(n, tuple(f"{n}/g{i}" for i in range(4))) for n in ("a", "b")))
+    busy = Job("busy", 0.0, 3, 3, 3, GOOD_SCALING, placement={"a": 3}, since=0.0)
+    new = Job("new", 1.0, 1, 1, 1, GOOD_SCALING)
+    for policy in POLICIES:
+        assert policy.decide(cluster, [busy, new], 10.0)["new"] == {"a": 1}, policy.name
+
+
+# ---------------------------------------------------------------- the elastic policy
+
+
+def test_elastic_grows_a_lone_job_only_while_it_speeds_up():
+    cluster = Cluster.uniform(4, 4)
+    scales = Job("good", 0.0, 1, 1, 16, GOOD_SCALING)
+    allocation = ElasticPolicy().decide(cluster, [scales], 10.0)
+    assert devices_of(allocation["good"]) == 16
+    # A small model loses more to the network than it gains past one node: it stays on one.
+    poor = Job("poor", 0.0, 1, 1, 16, POOR_SCALING)
+    allocation = ElasticPolicy().decide(cluster, [poor], 10.0)
+    assert (devices_of(allocation["poor"]), nodes_of(allocation["poor"])) == (4, 1)
+
+
+def test_elastic_shares_between_jobs_by_marginal_speedup():
+    cluster = Cluster.uniform(1, 8)
+    good = Job("good", 0.0, 4, 1, 8, GOOD_SCALING)
+    poor = Job("poor", 0.0, 4, 1, 8, POOR_SCALING)
+    allocation = ElasticPolicy().decide(cluster, [good, poor], 10.0)
+    assert devices_of(allocation["good"]) > devices_of(allocation["poor"]) >= 1
+    assert devices_of(allocation["good"]) + devices_of(allocation["poor"]) == 8
+
+
+def test_elastic_skips_a_resize_too_small_to_pay_for_its_pause():
+    cluster = Cluster.uniform(1, 4)
+    # Two devices to four: 0.5% faster at best. Not worth a 20 s pause.
+    flat = AnalyticStepTime(fixed=1.0, compute=0.01, intra=0.0, inter=0.0)
+    job = Job("flat", 0.0, 2, 1, 4, flat, attained=7200.0, placement={"node0": 2}, since=0.0)
+    assert ElasticPolicy().decide(cluster, [job], 7200.0)["flat"] == {"node0": 2}
+    steep = Job("steep", 0.0, 2, 1, 4, GOOD_SCALING, attained=7200.0, placement={"node0": 2}, since=0.0)
+    assert ElasticPolicy().decide(cluster, [steep], 7200.0)["steep"] == {"node0": 4}
+
+
+def test_elastic_gives_a_new_job_devices_from_a_long_running_one():
+    cluster = Cluster.uniform(1, 4)
+    old = Job("old", 0.0, 4, 1, 4, GOOD_SCALING, attained=40 * 3600.0, placement={"node0": 4}, since=0.0)
+    new = Job("new", 36_000.0, 1, 1, 4, GOOD_SCALING)
+    allocation = ElasticPolicy().decide(cluster, [old, new], 36_000.0)
+    assert devices_of(allocation.get("new")) >= 1
+    assert devices_of(allocation["old"]) + devices_of(allocation["new"]) == 4
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def test_fifo_keeps_order_and_never_preempts():
+    cluster = Cluster.uniform(1, 4)
+    running = Job("first", 0.0, 3, 3, 3, GOOD_SCALING, attained=1e6, placement={"node0": 3}, since=0.0)
+    big = Job("second", 1.0, 2, 2, 2, GOOD_SCALING)
+    small = Job("third", 2.0, 1, 1, 1, GOOD_SCALING)
+    allocation = FifoPolicy().decide(cluster, [running, big, small], 10.0)
+    assert allocation == {"first": {"node0": 3}}  # the 2-device job blocks the 1-device one
+    allocation = FifoPolicy(backfill=True).decide(cluster, [running, big, small], 10.0)
+    assert allocation == {"first": {"node0": 3}, "third": {"node0": 1}}
+
+
+def test_las_preempts_the_job_with_most_attained_service():
+    cluster = Cluster.uniform(1, 4)
+    old = Job("old", 0.0, 4, 4, 4, GOOD_SCALING, attained=17 * 3600.0 * 4, placement={"node0": 4}, since=0.0)
+    new = Job("new", 10.0, 2, 2, 2, GOOD_SCALING)
+    assert LasPolicy().decide(cluster, [old, new], 20.0) == {"new": {"node0": 2}}
+    assert LasPolicy().decide(cluster, [replace(old, attained=60.0), new], 20.0) == {"old": {"node0": 4}}
+
+
+# ---------------------------------------------------------------- allocation checks
+
+
+def test_validate_allocation_names_what_is_wrong():
+    cluster = Cluster.uniform(2, 2)
+    a = Job("a", 0.0, 2, 2, 3, GOOD_SCALING)
+    b = Job("b", 0.0, 1, 1, 1, GOOD_SCALING)
+    with pytest.raises(InvalidAllocation, match="node0 over-committed"):
+        validate_allocation(cluster, [a, b], {"a": {"node0": 2}, "b": {"node0": 1}})
+    with pytest.raises(InvalidAllocation, match="job a: 1 devices outside"):
+        validate_allocation(cluster, [a, b], {"a": {"node1": 1}})
+    with pytest.raises(InvalidAllocation, match="unknown node"):
+        validate_allocation(cluster, [a, b], {"b": {"elsewhere": 1}})
+    with pytest.raises(InvalidAllocation, match="not active"):
+        validate_allocation(cluster, [a], {"b": {"node0": 1}})
+    validate_allocation(cluster, [a, b], {"a": {"node0": 1, "node1": 2}, "b": {"node0": 1}})
+
+
+def test_bind_devices_keeps_held_devices_and_never_shares_one():
+    cluster = Cluster.uniform(2, 4)
+    previous = {"a": ("node0/gpu2", "node0/gpu3"), "b": ("node1/gpu0",)}
+    bound = bind_devices(cluster, {"a": {"node0": 3}, "b": {"node1": 1}, "c": {"node0": 1, "node1": 2}}, previous)
+    assert set(previous["a"]) <= set(bound["a"]) and len(bound["a"]) == 3
+    assert bound["b"] == ("node1/gpu0",)
+    everything = [d for ids in bound.values() for d in ids]
+    assert len(everything) == len(set(everything)) == 7
+    assert sum(d.startswith("node1/") for d in bound["c"]) == 2
+
+
+# ---------------------------------------------------------------- step-time models
+
+
+def test_prior_from_size_meets_its_efficiency_at_the_requested_size():
+    for requested in (2, 4, 8, 16, 32):
+        prior = prior_from_size(requested, devices_per_node=4, efficiency=0.75)
+        nodes = math.ceil(requested / 4)
+        efficiency = prior.step_time(1, 1) / (requested * prior.step_time(requested, nodes))
+        assert efficiency == pytest.approx(0.75, rel=1e-6)
+        assert prior.step_time(requested, nodes + 1) > prior.step_time(requested, nodes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(truth=step_models(), seed=st.integers(0, 1000))
+def test_online_model_converges_to_measured_step_times(truth, seed):
+    rng = random.Random(seed)
+    model = OnlineStepTime(prior_from_size(1, 4), max_devices=16, devices_per_node=4)
+    measured = [(1, 1), (2, 1), (4, 1), (8, 2)]
+    errors = []
+    for round_ in range(30):
+        for n, k in measured:
+            model.observe(n, k, truth.step_time(n, k) * rng.lognormvariate(0.0, 0.03))
+        if round_ in (0, 29):
+            errors.append(mean_relative_error(model, truth, measured))
+    assert errors[-1] < 0.02  # within noise of the truth where it was measured
+    assert errors[-1] <= errors[0] + 0.01
+
+
+def test_online_model_learns_the_shape_beyond_measured_sizes():
+    truth = AnalyticStepTime(fixed=0.01, compute=0.4, intra=0.02, inter=0.15, per_node=0.005)
+    prior = prior_from_size(4, 4)
+    model = OnlineStepTime(prior, max_devices=16, devices_per_node=4)
+    unseen = [(3, 1), (12, 3), (16, 4)]
+    # The prior at the right scale: what is left to learn is the shape.
+    before = mean_relative_error(prior.scaled(truth.step_time(1, 1)), truth, unseen)
+    for _ in range(5):
+        for n, k in ((1, 1), (2, 1), (4, 1), (8, 2)):
+            model.observe(n, k, truth.step_time(n, k))
+    assert mean_relative_error(model, truth, unseen) < min(before, 0.1)
+
+
+def test_online_model_rejects_nonsense_reports():
+    model = OnlineStepTime(prior_from_size(1, 4))
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            model.observe(1, 1, bad)

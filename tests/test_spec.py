@@ -1,0 +1,125 @@
+"""The spec fails early and clearly: field path, what would be valid, exit code 2, no files."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.spec import SpecError, load_spec, parse_spec
+from tasks.grid import expand_grid
+
+GOOD = {
+    "campaign": {"name": "t", "seed": 0},
+    "model": {"name": "small_cnn", "width": 8},
+    "training": {"steps": 20, "batch_size": 16, "lr": 0.1},
+    "grid": {"training.lr": [0.1, 0.2], "model.width": [4, 8]},
+    "resources": {"devices_per_trial": 1},
+}
+
+
+def with_change(path: str, value, base=GOOD):
+    raw = copy.deepcopy(base)
+    *parents, last = path.split("/")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return raw
+
+
+DELETE = object()
+
+BAD = [
+    # (change, value, words the error must contain)
+    ("campaign/name", DELETE, ["campaign.name", "Field required"]),
+    ("campaign/name", "has space", ["campaign.name", "pattern"]),
+    ("campaign/seed", -1, ["campaign.seed", "greater than or equal to 0"]),
+    ("campaign/colour", "red", ["campaign.colour", "Extra inputs"]),
+    ("model/name", "resnet9000", ["model", "small_cnn", "mlp"]),
+    ("model/width", 0, ["model.width", "greater than or equal to 1"]),
+    ("model/depth", 3, ["model.depth", "Extra inputs"]),  # small_cnn has no depth
+    ("model/dropout", 1.5, ["model.dropout", "less than 1"]),
+    ("training/steps", 0, ["training.steps", "greater than or equal to 1"]),
+    ("training/steps", "many", ["training.steps", "valid integer"]),
+    ("training/lr", -0.1, ["training.lr", "greater than 0"]),
+    ("training/batch_size", DELETE, ["training.batch_size", "Field required"]),
+    ("training/schedule", "linear", ["training.schedule", "cosine", "constant"]),
+    ("training/warmup_steps", 50, ["warmup_steps (50) must be smaller than steps (20)"]),
+    ("training/checkpoint_every", 0, ["training.checkpoint_every"]),
+    ("grid", {"training.lr": []}, ["grid", "empty"]),
+    ("grid", {"optimizer.lr": [1]}, ["grid key 'optimizer.lr'", "model.<field>"]),
+    ("grid", {"training.lr": [0.1, 0.1]}, ["repeats a value"]),
+    ("grid", {"training.lr": [0.1, -3]}, ["grid.training.lr[1] = -3", "greater than 0"]),
+    ("grid", {"model.heads": [1, 2]}, ["grid.model.heads", "no field 'heads'", "width"]),
+    ("resources/devices_per_trial", 0, ["resources.devices_per_trial"]),
+    ("resources/devices_per_trial", 32, ["batch_size (16) is smaller than resources.devices_per_trial (32)"]),
+    ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
+    ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),
+]
+
+
+@pytest.mark.parametrize("change,value,words", BAD, ids=[f"{c}={v if v is not DELETE else 'deleted'}" for c, v, _ in BAD])
+def test_bad_spec_names_the_field(change, value, words):
+    with pytest.raises(SpecError) as info:
+        parse_spec(with_change(change, value))
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in:\n{message}"
+
+
+def test_every_problem_reported_at_once():
+    raw = with_change("training/lr", -1, with_change("model/width", 0))
+    message = str(pytest.raises(SpecError, parse_spec, raw).value)
+    assert "training.lr" in message and "model.width" in message
+
+
+def test_not_a_mapping_and_not_yaml(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("- just\n- a list\n")
+    assert "must be a mapping" in str(pytest.raises(SpecError, load_spec, bad).value)
+    bad.write_text("campaign: {name: [unclosed\n")
+    assert "not valid YAML" in str(pytest.raises(SpecError, load_spec, bad).value)
+    assert "does not exist" in str(pytest.raises(SpecError, load_spec, tmp_path / "nope.yaml").value)
+
+
+def test_grid_expands_to_stable_distinct_ids():
+    trials = expand_grid(parse_spec(GOOD))
+    assert len(trials) == 4
+    assert len({t.id for t in trials}) == 4
+    assert [t.id for t in trials] == [t.id for t in expand_grid(parse_spec(copy.deepcopy(GOOD)))]
+    assert trials[0].label == "lr=0.1 width=4" and trials[0].spec.model.width == 4
+    # Anything that changes training changes the id, so a resume never mixes settings.
+    longer = expand_grid(parse_spec(with_change("training/steps", 40)))
+    assert not {t.id for t in trials} & {t.id for t in longer}
+
+
+def test_empty_grid_is_one_trial():
+    trials = expand_grid(parse_spec(with_change("grid", {})))
+    assert len(trials) == 1 and trials[0].label == "default"
+
+
+@pytest.mark.parametrize("change,value,words", [
+    ("training/lr", 0, ["training.lr"]),
+    ("resources/devices_per_trial", 16, ["needs 16", "devices"]),
+    ("data/path", "missing/digits.npz", ["data.path", "dvc repro prepare"]),
+])
+def test_cli_rejects_before_anything_runs(tmp_path, monkeypatch, digits_npz, change, value, words):
+    from flows.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    raw = with_change("data/path", str(digits_npz))
+    raw = with_change("cluster/cpu_slots", 2, raw)
+    raw = with_change(change, value, raw)
+    Path("params.yaml").write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["launch", "params.yaml"])
+    assert result.exit_code == 2, result.output
+    for word in words:
+        assert word in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing half-written

@@ -1,0 +1,152 @@
+"""Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory `step-00000050/` holding DCP's files plus `manifest.json`
+(sha256 and size of every file). It is written as `.tmp-step-00000050/` and renamed only
+once every rank has written and rank 0 has written the manifest, so a visible checkpoint
+is always complete; one whose files do not match its manifest is skipped, never loaded.
+DCP reshards on load, so a checkpoint written at one world size loads at another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from training.files import fsync_dir, write_json_atomic
+
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, step: int, world_size: int) -> None:
+    files = {
+        p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    write_json_atomic(directory / MANIFEST, {"step": step, "world_size": world_size, "created": time.time(), "files": files})
+
+
+def verify(directory: Path) -> str | None:
+    """None if the checkpoint matches its manifest, else what is wrong with it."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        return f"no readable manifest ({e.__class__.__name__})"
+    for name, meta in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def checkpoint_step(directory: Path) -> int:
+    return int(directory.name[len(PREFIX):])
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Visible checkpoints under root, newest first (not verified)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def latest_valid_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint that matches its manifest; corrupt ones are reported and skipped."""
+    for directory in list_checkpoints(root):
+        problem = verify(directory)
+        if problem is None:
+            return directory
+        warnings.warn(f"skipping checkpoint {directory}: {problem}", stacklevel=2)
+    return None
+
+
+class Checkpointer:
+    """Saves and loads a trial's state; every rank calls every method (they are collective)."""
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int):
+        self.root = Path(root)
+        self.keep = max(1, keep)
+        self.rank = rank
+        self.world_size = world_size
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _on_rank0(self, value: Any) -> Any:
+        """Rank 0's value of something every rank must agree on."""
+        if not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+        self._barrier()
+        dcp.save(state, checkpoint_id=tmp)
+        self._barrier()
+        if self.rank == 0:
+            write_manifest(tmp, step, self.world_size)
+            if final.exists():  # the same step saved again after a resume: replace it whole
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_dir(self.root)
+            self._prune()
+        self._barrier()
+        return final
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.root)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Load the newest valid checkpoint into `state`; its step, or None if there is none."""
+        found = latest_valid_checkpoint(self.root) if self.rank == 0 else None
+        found = self._on_rank0(str(found) if found else None)
+        if found is None:
+            return None
+        dcp.load(state, checkpoint_id=found)
+        return checkpoint_step(Path(found))
+
+
+def load_model_weights(checkpoint: Path, model: "torch.nn.Module") -> "torch.nn.Module":
+    """Load only the model's weights from a trial checkpoint, in one process (export, tests)."""
+    state = {"trainer": {"model": model.state_dict()}}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    model.load_state_dict(state["trainer"]["model"])
+    return model

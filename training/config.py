@@ -1,0 +1,56 @@
+"""The contract between whoever launches a trial and the trainer: one JSON file.
+
+`flows/` builds it from the validated spec; a person can also write one by hand and run
+`torchrun -m training.train --config trial.json`. It is plain data with no validation of
+its own beyond types: the spec has already checked every value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TrialConfig:
+    trial_id: str
+    seed: int
+    model: str
+    model_kwargs: dict[str, Any]
+    data_path: str
+    steps: int
+    batch_size: int  # global: the same at every world size
+    lr: float
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # "cosine" or "constant"
+    warmup_steps: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_every: int = 50
+    trial_dir: str = "."  # checkpoints, progress and result files live here
+    mlflow_tracking_uri: str | None = None
+    mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TrialConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.trial_dir) / "checkpoints"
+
+    @property
+    def progress_path(self) -> Path:
+        return Path(self.trial_dir) / "progress.json"
+
+    @property
+    def result_path(self) -> Path:
+        return Path(self.trial_dir) / "result.json"

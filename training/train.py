@@ -1,0 +1,72 @@
+"""Entry point: `torchrun --nproc-per-node N -m training.train --config trial.json`.
+
+Parses, builds, resumes from the latest valid checkpoint if any, trains, and always
+closes the process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from training.checkpoint import verify
+from training.config import TrialConfig
+from training.files import read_json
+from training.process import die_with_parent
+from training.trainer import DistEnv, Trainer
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    """This rank's device: its GPU, or its CPU slot (a core it is pinned to)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    cores = [int(c) for c in os.environ.get("CAMPAIGN_CPU_CORES", "").split(",") if c]
+    if cores:
+        os.sched_setaffinity(0, {cores[env.local_rank % len(cores)]})
+        torch.set_num_threads(1)  # one slot is one core
+    return torch.device("cpu")
+
+
+def finished_result(cfg: TrialConfig) -> dict | None:
+    """The trial's result if it finished and its final checkpoint is whole."""
+    result = read_json(cfg.result_path)
+    if result is None or verify(Path(result["checkpoint"])) is not None:
+        return None
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Train one trial with DDP.")
+    parser.add_argument("--config", required=True, help="trial JSON written by the campaign (training.config.TrialConfig)")
+    args = parser.parse_args(argv)
+    die_with_parent()  # torchrun gives workers their own session: never outlive it
+    cfg = TrialConfig.from_file(args.config)
+    env = DistEnv.from_environ()
+    if finished_result(cfg) is not None:  # nothing completed is recomputed
+        if env.rank == 0:
+            print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
+        return
+    device = pick_device(env)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    trainer = None
+    try:
+        trainer = Trainer(cfg, env, device)
+        resumed = trainer.resume()
+        if env.rank == 0:
+            print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed}" if resumed is not None else "fresh start"), flush=True)
+        result = trainer.train()
+        if env.rank == 0:
+            print(f"trial {cfg.trial_id}: finished {result['steps']} steps, {result['metrics']}", flush=True)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
