@@ -1,7 +1,8 @@
 """How well and how fast cluster/packing.py packs, against the optimum and on a real trace.
 
-    PYTHONPATH=. .venv/bin/python bench/packing_bench.py              # both parts, ~1 min
-    PYTHONPATH=. .venv/bin/python bench/packing_bench.py --part trace --pod-lists default gpushare100 multigpu50 --until 130
+    PYTHONPATH=. .venv/bin/python bench/packing_bench.py       # both parts, about a minute
+    PYTHONPATH=. .venv/bin/python bench/packing_bench.py --part trace \
+        --pod-lists default gpushare100 multigpu50 --until 130
 
 Part "optimum": random small instances solved exactly with OR-Tools CP-SAT (max placed
 demand = devices x memory, same rules as pack: memory fits per device, gangs whole and on one
@@ -48,8 +49,8 @@ def random_instance(rng: np.random.Generator) -> tuple[Inventory, list[Request]]
         if rng.random() < 0.5:  # NVLink pairs (0,1), (2,3)...; other pairs cross sockets
             for i in range(len(ids)):
                 for j in range(i + 1, len(ids)):
-                    same_pair = i // 2 == j // 2
-                    links[frozenset((ids[i], ids[j]))] = Link.NVLINK if same_pair else Link.CROSS_SOCKET
+                    link = Link.NVLINK if i // 2 == j // 2 else Link.CROSS_SOCKET
+                    links[frozenset((ids[i], ids[j]))] = link
     inventory = Inventory(tuple(devices), links)
     largest_node = max(sum(d.node == n for d in devices) for n in inventory.nodes)
     capacity = sum(d.memory_bytes for d in devices)
@@ -78,7 +79,8 @@ def optimum(inventory: Inventory, requests: list[Request], time_limit: float) ->
     for r in requests:
         on_nodes = []
         for node in inventory.nodes:
-            fit = [d for d in inventory.devices if d.node == node and d.memory_bytes >= r.memory_bytes]
+            fit = [d for d in inventory.devices
+                   if d.node == node and d.memory_bytes >= r.memory_bytes]
             if len(fit) < r.devices:
                 continue
             here = model.new_bool_var("")
@@ -127,8 +129,8 @@ def run_optimum(instances: int, seed: int, time_limit: float) -> None:
                 got = demand_mib(pack(reqs, inventory, policy=policy), requests)
                 ratios[policy, order].append(got / best if best else 1.0)
     print(f"== packed demand / CP-SAT optimum: {instances} random instances (seed {seed}); "
-          f"2-4 nodes x 2-8 GPUs of 16/24/40/80 GiB, 8-20 requests up to ~1.3x capacity (55% one shared GPU, 20% "
-          f"one whole GPU, 25% gangs of 2-4); gangs on one node in both")
+          f"2-4 nodes x 2-8 GPUs of 16/24/40/80 GiB, 8-20 requests up to ~1.3x capacity "
+          f"(55% one shared GPU, 20% one whole GPU, 25% gangs of 2-4); gangs on one node in both")
     print(f"   optimum proved for {proved}/{instances} (limit {time_limit:g} s each, "
           f"median solve {statistics.median(solve_s):.3f} s); every request fits in {all_fit}")
     print(f"   {'policy':<11} {'order':<14} {'median':>7} {'mean':>7} {'worst':>7} {'=opt':>6}")
@@ -221,8 +223,9 @@ def run_trace(pod_lists: list[str], until_pct: float, seed: int) -> None:
               f"{len(seq)} tasks on {len(inventory.devices)} GPUs:")
         for r in runs:
             ms = r.place_ms
-            print(f"   {r.policy:<11} median {np.median(ms):6.3f}  p99 {np.percentile(ms, 99):6.3f}"
-                  f"  max {ms.max():6.2f}  total {ms.sum() / 1e3:6.2f} s  (set-up {r.build_s:.3f} s)")
+            print(f"   {r.policy:<11} median {np.median(ms):6.3f}  p99 "
+                  f"{np.percentile(ms, 99):6.3f}  max {ms.max():6.2f}  total "
+                  f"{ms.sum() / 1e3:6.2f} s  (set-up {r.build_s:.3f} s)")
 
 
 def main() -> None:

@@ -112,8 +112,9 @@ class _Fragmentation:
 class Packer:
     """Free memory per device of an inventory, placing one request at a time.
 
-    `used`: bytes already leased per device id. `workload`: the kinds of request expected,
-    which fgd keeps room for; without one, every kind placed so far counts equally.
+    `used`: bytes already leased per device id (ids not in the inventory are ignored).
+    `workload`: the kinds of request expected, which fgd keeps room for and
+    `fragmentation()` measures against; without one, every kind placed so far counts equally.
     """
 
     def __init__(
@@ -314,13 +315,13 @@ class Packer:
         open_ = (ranks != _NO_RANK).sum(axis=1)
         cand = np.flatnonzero(open_ >= count)
         if cand.size == 0:
-            return self._spread(mem, count, ranks, open_) if self.multi_node else None
+            return self._spread(count, ranks, open_) if self.multi_node else None
         best_pos = np.argsort(ranks[cand], axis=1, kind="stable")[:, :count]
         chosen = np.take_along_axis(self._node_slots[cand], best_pos, axis=1)
         worst = self._uniform_link[cand].copy()
         link_sum = worst * (count * (count - 1) // 2)
         for i, node in enumerate(cand):
-            if False:
+            if node in self._link_matrix:
                 chosen[i], worst[i], link_sum[i] = self._best_connected(node, ranks[node], count)
         first, second = self._gang_scores(cand, chosen, mem, count)
         pick = _lexargmin([worst.astype(np.float64), link_sum.astype(np.float64), first, second])
@@ -343,7 +344,9 @@ class Packer:
             return cand.astype(np.float64), np.zeros(len(cand))
         return self._node_draw[cand], np.zeros(len(cand))
 
-    def _best_connected(self, node: int, ranks: np.ndarray, count: int) -> tuple[list[int], int, int]:
+    def _best_connected(
+        self, node: int, ranks: np.ndarray, count: int
+    ) -> tuple[list[int], int, int]:
         """The `count` open devices of `node` with the best links, then the best ranks."""
         links = self._link_matrix[node]
         open_pos = [int(p) for p in np.argsort(ranks, kind="stable") if ranks[p] != _NO_RANK]
@@ -361,10 +364,11 @@ class Packer:
         base = int(self._node_slots[node, 0])
         return [base + p for p in best], worst, total
 
-    def _spread(
-        self, mem: int, count: int, ranks: np.ndarray, open_: np.ndarray
-    ) -> list[int] | None:
-        """Fewest nodes: those with the most open devices first, best-ranked devices in each."""
+    def _spread(self, count: int, ranks: np.ndarray, open_: np.ndarray) -> list[int] | None:
+        """Fewest nodes: those with the most open devices first, best-ranked devices in each.
+
+        Links inside each node are not weighed here: across nodes the network is the bottleneck.
+        """
         if open_.sum() < count:
             return None
         slots: list[int] = []
@@ -382,7 +386,8 @@ def _grow(seed: int, open_pos: list[int], count: int, links: list[list[int]]) ->
     group = [seed]
     rest = [p for p in open_pos if p != seed]  # already in rank order: ties go to better ranks
     while len(group) < count:
-        nxt = min(rest, key=lambda p: (max(links[p][g] for g in group), sum(links[p][g] for g in group)))
+        nxt = min(rest, key=lambda p: (max(links[p][g] for g in group),
+                                       sum(links[p][g] for g in group)))
         group.append(nxt)
         rest.remove(nxt)
     return group

@@ -27,7 +27,7 @@ from cluster.jobs import Cluster, InvalidAllocation, Job, Placement, devices_of,
 from cluster.policy import Policy
 from cluster.throughput import OnlineStepTime, prior_from_size
 from cluster.types import StepTimeModel
-from cluster.workloads import WorkloadJob
+from cluster.workloads import WorkloadError, WorkloadJob
 
 PriorFn = Callable[[WorkloadJob, Cluster], StepTimeModel]
 
@@ -150,9 +150,12 @@ def simulate(
 
 class _Simulation:
     def __init__(self, cluster: Cluster, workload: Sequence[WorkloadJob], policy: Policy, config: SimConfig, seed: int) -> None:
-        too_big = [j.id for j in workload if j.min_devices > cluster.total]
-        if too_big:
-            raise ValueError(f"jobs {too_big} need more devices than the cluster has")
+        for job in workload:
+            if max(job.requested, job.min_devices) > cluster.total:
+                raise WorkloadError(
+                    f"job {job.id} asks for {max(job.requested, job.min_devices)} devices; "
+                    f"the cluster has {cluster.total}. Shrink the job or simulate a larger cluster"
+                )
         self.cluster, self.policy, self.config = cluster, policy, config
         self.rng = random.Random(seed)
         self.pending = sorted(workload, key=lambda j: (j.arrival, j.id))

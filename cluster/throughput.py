@@ -80,35 +80,45 @@ class AnalyticStepTime:
 NETWORK_SLOWDOWN = 5.0
 
 
+# A typical data-parallel job, for when nothing else is known: 3.4x on one 4-device node,
+# little more across nodes. Mildly optimistic on purpose: a job only learns its real curve
+# at sizes it is given, so a prior that never lets it grow would never find out.
+TYPICAL = AnalyticStepTime(fixed=0.02, compute=0.98, intra=0.02, inter=0.02 * 3, per_node=0.005)
+
+
 def prior_from_size(
     requested: int,
     devices_per_node: int,
     single_step_s: float = 1.0,
     efficiency: float = 0.75,
 ) -> AnalyticStepTime:
-    """A prior when nothing was measured: the job scales to its requested size.
+    """A prior when nothing was measured: a typical job that scales at least to its request.
 
-    A user who asks for `requested` devices expects it to pay off, so the prior puts the
-    parallel efficiency at that size (packed on the fewest nodes) at `efficiency`, a quarter
-    of the loss from work that does not split and the rest from the all-reduce. A job that
-    asked for one device tells us nothing: it gets a moderate all-reduce cost.
+    Requests are weak evidence (most jobs ask for one device whatever they are), so the
+    prior is `TYPICAL`, unless the user asked for more devices than it would use well:
+    then its parallel efficiency at the requested size (packed on the fewest nodes) is set
+    to `efficiency`, a quarter of the loss from work that does not split, the rest from
+    communication.
     """
     n = max(requested, 1)
-    if n == 1:
-        model = AnalyticStepTime(0.05, 0.95, 0.05, 0.05 * NETWORK_SLOWDOWN, 0.01)
-        return model.scaled(single_step_s)
-    # With T(1, 1) = 1: n * T(n, k) = 1 / efficiency = 1 + fixed * (n - 1) + n * allreduce.
+    nodes = math.ceil(n / devices_per_node)
+    if n == 1 or TYPICAL.step_time(1, 1) / (n * TYPICAL.step_time(n, nodes)) >= efficiency:
+        return TYPICAL.scaled(single_step_s)
+    # With T(1, 1) = 1: n * T(n, k) = 1 / efficiency = 1 + fixed * (n - 1) + n * (comms).
     excess = 1.0 / efficiency - 1.0
     fixed = 0.25 * excess / (n - 1)
-    allreduce = 0.75 * excess / n
-    spread = math.ceil(n / devices_per_node) > 1
-    intra = allreduce / (allreduce_factor(n) * (NETWORK_SLOWDOWN if spread else 1.0))
-    model = AnalyticStepTime(fixed, 1.0 - fixed, intra, intra * NETWORK_SLOWDOWN, 0.0)
+    if nodes > 1:
+        per_node = 0.1 * excess / (n * (nodes - 1))
+        intra = 0.65 * excess / n / (allreduce_factor(n) * NETWORK_SLOWDOWN)
+    else:
+        intra = 0.75 * excess / n / allreduce_factor(n)
+        per_node = intra  # nothing measured it: as dear as one all-reduce within a node
+    model = AnalyticStepTime(fixed, 1.0 - fixed, intra, intra * NETWORK_SLOWDOWN, per_node)
     return model.scaled(single_step_s)
 
 
 def _prior_grid(max_devices: int, devices_per_node: int) -> list[tuple[int, int]]:
-    """Configurations where the prior is sampled: a few sizes, packed and spread."""
+    """Configurations where a prior is sampled: a few sizes, packed and spread."""
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, max_devices} & set(range(1, max_devices + 1)))
     grid = set()
     for n in sizes:
@@ -117,15 +127,35 @@ def _prior_grid(max_devices: int, devices_per_node: int) -> list[tuple[int, int]
     return sorted(grid)
 
 
+def _fit_ratio(a: np.ndarray, y: np.ndarray, w: np.ndarray, extra: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Non-negative parameters minimising weighted squared errors in ratio (about log error).
+
+    Dividing residuals by the target alone would make predicting twice too slow far dearer
+    than twice too fast; dividing by the geometric mean of target and fit treats both
+    alike, and a few reweighted passes settle it. `extra` rows are appended unscaled.
+    """
+    scale = y
+    for _ in range(3):
+        rows, targets = a * (w / scale)[:, None], w * y / scale
+        if extra is not None:
+            rows, targets = np.vstack([rows, extra[0]]), np.concatenate([targets, extra[1]])
+        theta, _ = nnls(rows, targets, maxiter=200)
+        scale = np.sqrt(y * np.maximum(a @ theta, 1e-12 * y))
+    return theta
+
+
 class OnlineStepTime:
     """A step-time model refined from the step times a job reports at each size it ran.
 
-    The analytic parameters are refit (non-negative least squares on relative errors) to
-    the measured means, each weighted by its number of reports, plus the prior sampled on
-    a grid of configurations with a total weight of `prior_weight` reports, rescaled to the
-    measured level so that one report fixes the scale and several fix the shape. At a
-    measured configuration the prediction then moves to the measured mean as reports
-    accumulate, so it converges even where the analytic form does not fit exactly.
+    Any prior (an analytic one, or the per-layer profile's) is first read as analytic
+    parameters theta0 (fitted on a grid of configurations). Each refit then finds the
+    non-negative parameters that best match the measured means, each weighted by its
+    number of reports, pulled toward theta0 by `prior_weight` reports' worth per parameter.
+    theta0 is rescaled to the measured level at the smallest measured configuration, so one
+    report fixes the scale (how fast the device computes) and the prior only the shape of
+    what was not measured. At a measured configuration the prediction also moves to the
+    measured mean as reports accumulate, so it converges there even where the analytic form
+    does not fit exactly.
 
     Mutable (it accumulates reports); the refit is lazy and the prediction cheap, since the
     policy calls `step_time` many times per decision.
@@ -136,16 +166,25 @@ class OnlineStepTime:
         prior: StepTimeModel,
         max_devices: int = 64,
         devices_per_node: int = 8,
-        prior_weight: float = 2.0,
+        prior_weight: float = 0.5,
         local_weight: float = 1.0,
     ) -> None:
         self.prior = prior
         self.prior_weight = prior_weight
         self.local_weight = local_weight
-        self._grid = _prior_grid(max_devices, devices_per_node)
-        self._prior_at = [prior.step_time(n, k) for n, k in self._grid]
+        if isinstance(prior, AnalyticStepTime):
+            theta0 = np.array(prior.params)
+        else:
+            grid = _prior_grid(max_devices, devices_per_node)
+            times = np.array([prior.step_time(n, k) for n, k in grid])
+            theta0 = _fit_ratio(np.array([_features(n, k) for n, k in grid]), times, np.ones(len(grid)))
+        self._theta0 = theta0
+        # The prior's uncertainty per parameter: its own size, but at least 30% of a
+        # one-device step, since communication costs vary tenfold between models and a
+        # term the prior puts near zero must still be free to grow.
+        self._spread = np.maximum(theta0, 0.3 * (theta0[0] + theta0[1]))
         self._sums: dict[tuple[int, int], tuple[int, float]] = {}  # config -> (count, sum)
-        self._fit: AnalyticStepTime | None = None
+        self._fit: AnalyticStepTime | None = AnalyticStepTime(*(float(t) for t in theta0))
 
     def observe(self, devices: int, nodes: int, step_time: float) -> None:
         """Record one measured step time (seconds) at `devices` devices over `nodes` nodes."""
@@ -170,32 +209,29 @@ class OnlineStepTime:
         return (total + self.local_weight * predicted) / (count + self.local_weight)
 
     def _refit(self) -> AnalyticStepTime:
-        rows, targets, weights = [], [], []
-        scale = self._level()
-        per_prior = self.prior_weight / len(self._grid)
-        for (n, k), t in zip(self._grid, self._prior_at):
-            rows.append(_features(n, k))
-            targets.append(t * scale)
-            weights.append(per_prior)
-        for (n, k), (count, total) in self._sums.items():
-            rows.append(_features(n, k))
-            targets.append(total / count)
-            weights.append(float(count))
-        a, y, w = np.array(rows), np.array(targets), np.sqrt(np.array(weights))
-        # Relative errors: a 10% miss weighs the same on a 0.1 s and on a 1 s step.
-        theta, _ = nnls(a * (w / y)[:, None], w, maxiter=200)
+        configs = list(self._sums)
+        a = np.array([_features(n, k) for n, k in configs])
+        y = np.array([self._sums[c][1] / self._sums[c][0] for c in configs])
+        w = np.sqrt(np.array([float(self._sums[c][0]) for c in configs]))
+        level = self._level()
+        # Pull rows: sqrt(prior_weight) * (theta - level * theta0) / (level * spread) ~ 0.
+        pull = math.sqrt(self.prior_weight) / (level * self._spread)
+        theta = _fit_ratio(a, y, w, (np.diag(pull), pull * level * self._theta0))
         if theta[0] + theta[1] <= 0:
             theta[1] = float(np.min(y))
         self._fit = AnalyticStepTime(*(float(t) for t in theta))
         return self._fit
 
     def _level(self) -> float:
-        """Measured over prior step time, geometric mean over reports (1 with none)."""
-        logs, count = 0.0, 0
-        for (n, k), (c, total) in self._sums.items():
-            logs += c * math.log((total / c) / self.prior.step_time(n, k))
-            count += c
-        return math.exp(logs / count) if count else 1.0
+        """Measured over prior step time at the smallest measured configuration.
+
+        The smallest one is the least bent by communication, whose shape is what the prior
+        most likely gets wrong; its scale (how fast the device computes) is what it cannot know.
+        """
+        n, k = min(self._sums)
+        count, total = self._sums[(n, k)]
+        prior_time = float(np.dot(_features(n, k), self._theta0))
+        return (total / count) / prior_time
 
 
 def mean_relative_error(model: StepTimeModel, truth: StepTimeModel, configs: Iterable[tuple[int, int]]) -> float:

@@ -17,8 +17,8 @@ class Link(enum.IntEnum):
     SAME = 0  # the device itself
     NVLINK = 1
     PCIE_SWITCH = 2  # same PCIe switch (NVML: SINGLE or MULTIPLE)
-    PCIE_HOST = 3  # same CPU socket, through the host bridge (NVML: HOSTBRIDGE)
-    CROSS_SOCKET = 4  # across CPU sockets (NVML: NODE or SYSTEM)
+    PCIE_HOST = 3  # same CPU socket, through the host bridge (NVML: HOSTBRIDGE or NODE)
+    CROSS_SOCKET = 4  # across CPU sockets (NVML: SYSTEM; NODE is the same NUMA node)
     NETWORK = 5  # different nodes
 
 

@@ -85,12 +85,14 @@ def status(
     if not rows:
         _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
     table = Table(title=f"campaign {name}")
-    for col in ("trial", "grid point", "state", "progress", "devices", "val_accuracy", "train_loss", "checkpoint"):
+    table.add_column("trial", no_wrap=True)
+    for col in ("state", "steps", "devices", "val acc", "loss", "ckpt"):
         table.add_column(col)
     for r in rows:
         fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
-        table.add_row(r.trial_id, r.label, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-",
-                      fmt("val_accuracy"), fmt("train_loss"), Path(r.checkpoint).name if r.checkpoint else "-")
+        checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
+        table.add_row(r.trial_id, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-",
+                      fmt("val_accuracy"), fmt("train_loss"), checkpoint)
     console.print(table)
 
 

@@ -10,6 +10,7 @@ from tasks.grid import Trial
 from training.files import write_json_atomic
 
 RANK_BY = "val_accuracy"
+REPORTED = ("val_accuracy", "val_loss", "train_loss")  # per trial, in the DVC metrics
 
 
 def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
@@ -19,7 +20,7 @@ def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: d
     if ranked:
         best_value, best_id = max(ranked)
         summary["best"] = {"trial": best_id, RANK_BY: best_value}
-    summary["per_trial"] = {tid: {k: round(v, 6) for k, v in m.items()} for tid, m in per_trial.items()}
+    summary["per_trial"] = {tid: {k: round(m[k], 6) for k in REPORTED if k in m} for tid, m in per_trial.items()}
     return summary
 
 

@@ -58,7 +58,7 @@ SCENARIOS = [
     ({"d0": 5}, {"d0": 5}, 2),  # shares that do
     ({"d0": 10, "d1": 10}, {"d1": 10, "d2": 10}, 1),  # overlapping sets: all or nothing
 ]
-ROUNDS = 48
+ROUNDS = 100
 
 
 def _race_worker(path: str, who: int, barrier, results) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from itertools import combinations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cluster.packing import (
@@ -50,7 +50,8 @@ def requests(draw, n_max: int = 14) -> list[Request]:
 
 @st.composite
 def leases(draw, inventory: Inventory) -> dict[str, int]:
-    return {d.id: draw(st.sampled_from([0, d.memory_bytes // 3, d.memory_bytes // 2, d.memory_bytes]))
+    shares = st.sampled_from([0, 1 / 3, 1 / 2, 1])
+    return {d.id: int(d.memory_bytes * draw(shares))
             for d in inventory.devices if draw(st.booleans())}
 
 
@@ -155,6 +156,36 @@ def test_fgd_puts_each_single_device_request_where_fragmentation_grows_least(inv
         (chosen,) = placement.device_ids
         assert after[chosen] == pytest.approx(min(after.values()), rel=1e-9, abs=1e-3)
         free[chosen] -= req.memory_bytes
+
+
+@given(st.lists(st.lists(st.sampled_from([0, 300, 500, 1000]), min_size=1, max_size=6),
+                min_size=1, max_size=5),
+       st.lists(st.tuples(st.integers(1, 4), st.sampled_from([200, 500, 1000])), min_size=1),
+       st.integers(2, 4))
+# Best-fit would take the fuller second node and leave it no pair for the next gang.
+@example(nodes=[[0, 0, 0, 0], [0, 0, 0, 500]], kinds=[(2, 1000)], count=2)
+def test_fgd_puts_a_whole_device_gang_on_the_node_where_fragmentation_grows_least(
+    nodes, kinds, count
+):
+    # Devices of 1000 with no link data: any `count` free devices of a node are alike, so
+    # the node choice alone decides the outcome.
+    inv = Inventory(tuple(Device(f"n{n}/gpu{i}", f"n{n}", i, "gpu", "g", 1000)
+                          for n, node in enumerate(nodes) for i in range(len(node))))
+    used = {f"n{n}/gpu{i}": u for n, node in enumerate(nodes) for i, u in enumerate(node)}
+    workload = [Demand(d, m, 1.0) for d, m in kinds]
+    free = {d: 1000 - u for d, u in used.items()}
+    placement = Packer(inv, used, workload=workload).place(Request("gang", count, 1000))
+    after = {}
+    for node in inv.nodes:
+        empty = [d.id for d in inv.devices if d.node == node and free[d.id] == 1000]
+        if len(empty) >= count:
+            after[node] = measured(inv, {**free, **{d: 0 for d in empty[:count]}}, workload)
+    if not after:
+        assert placement is None
+        return
+    chosen = {inv.device(d).node for d in placement.device_ids}
+    assert len(chosen) == 1
+    assert after[chosen.pop()] == pytest.approx(min(after.values()), rel=1e-9, abs=1e-6)
 
 
 @given(inventories(), requests(n_max=10), st.sampled_from(POLICIES))

@@ -177,7 +177,7 @@ def test_elastic_gives_a_new_job_devices_from_a_long_running_one():
     new = Job("new", 36_000.0, 1, 1, 4, GOOD_SCALING)
     allocation = ElasticPolicy().decide(cluster, [old, new], 36_000.0)
     assert devices_of(allocation.get("new")) >= 1
-    assert devices_of(allocation["old"]) + devices_of(allocation["new"]) == 4
+    assert devices_of(allocation.get("old")) + devices_of(allocation["new"]) == 4  # none idle
 
 
 # ---------------------------------------------------------------- baselines
@@ -239,8 +239,11 @@ def test_prior_from_size_meets_its_efficiency_at_the_requested_size():
         prior = prior_from_size(requested, devices_per_node=4, efficiency=0.75)
         nodes = math.ceil(requested / 4)
         efficiency = prior.step_time(1, 1) / (requested * prior.step_time(requested, nodes))
-        assert efficiency == pytest.approx(0.75, rel=1e-6)
+        assert efficiency >= 0.75 - 1e-9
         assert prior.step_time(requested, nodes + 1) > prior.step_time(requested, nodes)
+    # Asking for many devices says the job scales: exactly the efficiency asked, not less.
+    big = prior_from_size(32, devices_per_node=4, efficiency=0.75)
+    assert big.step_time(1, 1) / (32 * big.step_time(32, 8)) == pytest.approx(0.75)
 
 
 @settings(max_examples=40, deadline=None)
@@ -263,13 +266,27 @@ def test_online_model_learns_the_shape_beyond_measured_sizes():
     truth = AnalyticStepTime(fixed=0.01, compute=0.4, intra=0.02, inter=0.15, per_node=0.005)
     prior = prior_from_size(4, 4)
     model = OnlineStepTime(prior, max_devices=16, devices_per_node=4)
-    unseen = [(3, 1), (12, 3), (16, 4)]
+    unseen = [(3, 1), (6, 2), (16, 4)]
     # The prior at the right scale: what is left to learn is the shape.
     before = mean_relative_error(prior.scaled(truth.step_time(1, 1)), truth, unseen)
     for _ in range(5):
-        for n, k in ((1, 1), (2, 1), (4, 1), (8, 2)):
+        for n, k in ((1, 1), (2, 1), (4, 1), (8, 2), (12, 3)):
             model.observe(n, k, truth.step_time(n, k))
-    assert mean_relative_error(model, truth, unseen) < min(before, 0.1)
+    assert mean_relative_error(model, truth, unseen) < min(before / 5, 0.1)
+
+
+def test_online_model_follows_any_prior_until_it_measures():
+    class Profiled:  # a prior that is not analytic, like the per-layer profile's
+        def step_time(self, devices: int, nodes: int = 1) -> float:
+            return 0.3 / devices + 0.05 * (devices > 1) + 0.2 * (nodes - 1)
+
+    model = OnlineStepTime(Profiled(), max_devices=16, devices_per_node=4)
+    configs = [(1, 1), (2, 1), (4, 1), (8, 2), (16, 4)]
+    assert mean_relative_error(model, Profiled(), configs) < 0.1
+    for _ in range(3):
+        model.observe(4, 1, 2 * Profiled().step_time(4, 1))  # twice slower than profiled
+    assert model.step_time(4, 1) == pytest.approx(2 * Profiled().step_time(4, 1), rel=0.05)
+    assert model.step_time(1, 1) > 1.5 * Profiled().step_time(1, 1)
 
 
 def test_online_model_rejects_nonsense_reports():

@@ -1,0 +1,218 @@
+"""The discrete-event simulator and its workloads: Philly samples, synthetic ones, files."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.jobs import Cluster, InvalidAllocation, Job, Node
+from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy
+from cluster.simulator import SimConfig, simulate
+from cluster.workloads import (
+    SCALING,
+    WorkloadError,
+    WorkloadJob,
+    read_philly,
+    read_workload,
+    sample_philly,
+    synthetic,
+    write_workload,
+)
+
+PHILLY = Path("/work/shared/data/traces/philly_jobs.csv")
+POLICIES = [ElasticPolicy(), FifoPolicy(), LasPolicy()]
+FAST = SimConfig(pause_s=20.0, tick_s=120.0)
+
+
+@st.composite
+def clusters(draw) -> Cluster:
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    return Cluster(tuple(Node(f"n{i}", tuple(f"n{i}/g{j}" for j in range(s))) for i, s in enumerate(sizes)))
+
+
+def _fastest_possible(job: WorkloadJob, cluster: Cluster, pause_s: float) -> float:
+    """A lower bound on a job's completion time: one pause, then its best speed throughout."""
+    truth = job.true_model
+    steps = job.duration / truth.step_time(job.requested, cluster.min_nodes(job.requested))
+    best = min(truth.step_time(n, k) for n in range(job.min_devices, job.max_devices + 1) for k in range(1, n + 1))
+    return pause_s + steps * best
+
+
+# ---------------------------------------------------------------- properties
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=clusters(), jobs=st.integers(1, 12), seed=st.integers(0, 10_000), which=st.integers(0, 2))
+def test_every_job_finishes_no_faster_than_physics_allows(cluster, jobs, seed, which):
+    workload = synthetic(cluster, jobs, seed, mean_interarrival_s=300.0, median_duration_s=600.0)
+    result = simulate(cluster, workload, POLICIES[which], FAST, seed=seed)  # validates every decision
+    assert sorted(r.id for r in result.jobs) == sorted(j.id for j in workload)
+    by_id = {j.id: j for j in workload}
+    for record in result.jobs:
+        assert record.arrival <= record.start < record.finish
+        assert record.completion_time >= _fastest_possible(by_id[record.id], cluster, FAST.pause_s) * (1 - 1e-9)
+    assert 0.0 < result.utilization <= 1.0 + 1e-9
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=clusters(), seed=st.integers(0, 10_000), which=st.integers(0, 2))
+def test_results_are_deterministic_for_a_seed(cluster, seed, which):
+    workload = synthetic(cluster, 8, seed, mean_interarrival_s=200.0, median_duration_s=900.0)
+    first = simulate(cluster, workload, POLICIES[which], FAST, seed=seed)
+    second = simulate(cluster, workload, POLICIES[which], FAST, seed=seed)
+    assert first.jobs == second.jobs
+
+
+def test_a_fixed_size_job_alone_takes_its_duration_plus_one_pause():
+    cluster = Cluster.uniform(2, 4)
+    job = WorkloadJob("solo", 30.0, 3600.0, 8, 8, 8, "xlarge")
+    for policy in (FifoPolicy(), LasPolicy(), ElasticPolicy()):
+        (record,) = simulate(cluster, [job], policy, SimConfig(pause_s=25.0)).jobs
+        assert record.completion_time == pytest.approx(3625.0)
+        assert record.resizes == record.preemptions == 0
+
+
+def test_an_elastic_job_alone_grows_and_finishes_sooner():
+    cluster = Cluster.uniform(4, 4)
+    job = WorkloadJob("solo", 0.0, 36_000.0, 2, 1, 16, "xlarge")
+    (fixed,) = simulate(cluster, [job], FifoPolicy()).jobs
+    (elastic,) = simulate(cluster, [job], ElasticPolicy()).jobs
+    assert elastic.completion_time < 0.5 * fixed.completion_time
+
+
+def test_starvation_guard_runs_an_old_job_while_new_ones_keep_coming():
+    """One device kept busy by a new 280 s job every 300 s for 6 hours, and an older job."""
+    cluster = Cluster.uniform(1, 1)
+    old = WorkloadJob("old", 0.0, 900.0, 1, 1, 1, "small")
+    stream = [WorkloadJob(f"new{i:03d}", 600.0 + 300.0 * i, 280.0, 1, 1, 1, "small") for i in range(72)]
+    stream_end = stream[-1].arrival
+
+    def finish_of_old(starvation_s: float) -> float:
+        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s), FAST)
+        return next(r.finish for r in result.jobs if r.id == "old")
+
+    assert finish_of_old(3600.0) < stream_end
+    assert finish_of_old(1e9) > stream_end  # without the guard, least-attained-service starves it
+
+
+# ---------------------------------------------------------------- broken policies
+
+
+class _Greedy:
+    """Gives every job its max devices on the first node, over-committing it."""
+
+    name = "broken"
+
+    def decide(self, cluster, jobs, now):
+        return {j.id: {cluster.nodes[0].name: j.max_devices} for j in jobs}
+
+
+class _BelowMinimum:
+    name = "half-gang"
+
+    def decide(self, cluster, jobs, now):
+        return {j.id: {cluster.nodes[0].name: j.min_devices - 1} for j in jobs if j.min_devices > 1} or {
+            j.id: {cluster.nodes[0].name: 1} for j in jobs
+        }
+
+
+class _Idle:
+    name = "idle"
+
+    def decide(self, cluster, jobs, now):
+        return {}
+
+
+def test_simulator_raises_on_an_over_committed_decision():
+    cluster = Cluster.uniform(2, 2)
+    workload = [WorkloadJob(f"j{i}", 0.0, 100.0, 2, 1, 2, "small") for i in range(2)]
+    with pytest.raises(InvalidAllocation, match=r"policy broken at t=0.0s: node node0 over-committed: 4 devices"):
+        simulate(cluster, workload, _Greedy())
+
+
+def test_simulator_raises_on_a_broken_gang_and_on_an_idle_cluster():
+    cluster = Cluster.uniform(2, 2)
+    with pytest.raises(InvalidAllocation, match=r"job g: 2 devices outside its range \[3, 4\]"):
+        simulate(cluster, [WorkloadJob("g", 0.0, 100.0, 3, 3, 4, "small")], _BelowMinimum())
+    with pytest.raises(InvalidAllocation, match="idle"):
+        simulate(cluster, [WorkloadJob("w", 0.0, 100.0, 1, 1, 1, "small")], _Idle())
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@pytest.fixture(scope="module")
+def philly():
+    if not PHILLY.exists():
+        pytest.skip(f"{PHILLY} is not on this machine")
+    return read_philly(PHILLY)
+
+
+def test_philly_sample_is_deterministic_and_fits_the_cluster(philly):
+    cluster = Cluster.uniform(16, 4)
+    sample = sample_philly(philly, cluster, 200, seed=7)
+    assert sample == sample_philly(philly, cluster, 200, seed=7)
+    assert sample != sample_philly(philly, cluster, 200, seed=8)
+    assert len(sample) == 200 and len({j.id for j in sample}) == 200
+    assert [j.arrival for j in sample] == sorted(j.arrival for j in sample)
+    assert all(0 <= j.arrival < 8 * 3600 and j.duration >= 60 for j in sample)
+    assert all(1 == j.min_devices <= j.requested <= j.max_devices <= 64 for j in sample)
+    assert {j.scaling for j in sample} <= set(SCALING)
+
+
+def test_philly_workload_runs_to_completion_under_every_policy(philly):
+    cluster = Cluster.uniform(4, 4)
+    sample = sample_philly(philly, cluster, 25, seed=3, max_gpu_hours=20.0)
+    for policy in POLICIES:
+        assert len(simulate(cluster, sample, policy, FAST).jobs) == 25
+
+
+def test_workload_file_round_trips(tmp_path):
+    cluster = Cluster.uniform(2, 4)
+    workload = synthetic(cluster, 20, seed=5)
+    write_workload(tmp_path / "w.csv", workload)
+    assert read_workload(tmp_path / "w.csv", cluster) == workload
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "workload.csv"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("job_id,arrival_s,num_gpus\na,0,1\n", r"missing column\(s\) duration_s"),
+        ("job_id,arrival_s,duration_s,num_gpus\na,0,100,1\nb,5,-3,1\n", r"line 3, duration_s: -3 must be > 0"),
+        ("job_id,arrival_s,duration_s,num_gpus\na,0,100,16\n", r"line 2, num_gpus: job a asks for 16 devices; the cluster has 8"),
+        ("job_id,arrival_s,duration_s,num_gpus\na,soon,100,1\n", r"line 2, arrival_s: 'soon' is not a number"),
+        ("job_id,arrival_s,duration_s,num_gpus\na,0,100,1.5\n", r"line 2, num_gpus: 1.5 must be a whole number"),
+        ("job_id,arrival_s,duration_s,num_gpus\na,0,100,1\na,1,100,1\n", r"line 3, job_id: 'a' already used on line 2"),
+        ("job_id,arrival_s,duration_s,num_gpus,min_gpus\na,0,100,2,3\n", r"line 2, min_gpus/max_gpus"),
+        ("job_id,arrival_s,duration_s,num_gpus,scaling\na,0,100,2,huge\n", r"line 2, scaling: 'huge' is not one of"),
+    ],
+)
+def test_bad_workload_rows_are_named(tmp_path, text, message):
+    with pytest.raises(WorkloadError, match=message):
+        read_workload(_write(tmp_path, text), Cluster.uniform(2, 4))
+
+
+def test_bad_philly_rows_are_named(tmp_path):
+    path = _write(tmp_path, "timestamp,duration,num_gpus\n2017-10-09 07:01:55,66,1\nyesterday,10,1\n")
+    with pytest.raises(WorkloadError, match=r"line 3, timestamp: 'yesterday' is not a date-time"):
+        read_philly(path)
+    path = _write(tmp_path, "timestamp,num_gpus\n2017-10-09 07:01:55,1\n")
+    with pytest.raises(WorkloadError, match=r"missing column\(s\) duration"):
+        read_philly(path)
+
+
+def test_simulator_rejects_a_job_larger_than_the_cluster():
+    job = WorkloadJob("big", 0.0, 100.0, 4, 1, 4, "small")
+    with pytest.raises(WorkloadError, match="job big asks for 4 devices; the cluster has 2"):
+        simulate(Cluster.uniform(1, 2), [job], FifoPolicy())
+    assert len(simulate(Cluster.uniform(1, 2), [replace(job, requested=2, max_devices=2)], FifoPolicy()).jobs) == 1
