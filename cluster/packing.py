@@ -250,6 +250,9 @@ class Packer:
         # fgd's cached cost of putting each size on each slot: one row per size seen.
         self._row_of: dict[int, int] = {}
         self._rows = np.zeros((0, len(self._devices)), dtype=np.float64)
+        # Link-aware gangs per (node, size, count), valid while the node's version holds.
+        self._version = np.zeros(n_nodes, dtype=np.int64)
+        self._groups: dict[tuple[int, int, int], tuple[int, tuple[list[int], int, int]]] = {}
         self._refresh(np.arange(n_nodes))
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -264,6 +267,7 @@ class Packer:
         small, big, total = self._model.stats(self._free_ext[self._node_slots[nodes]])
         self._small[nodes], self._big[nodes], self._total[nodes] = small, big, total
         self._node_frag[nodes] = self._model.frag(small, big, total)
+        self._version[nodes] += 1
         if self._row_of:
             slots = self._node_slots[nodes].ravel()
             slots = slots[slots < len(self._devices)]
@@ -322,7 +326,7 @@ class Packer:
         link_sum = worst * (count * (count - 1) // 2)
         for i, node in enumerate(cand):
             if node in self._link_matrix:
-                chosen[i], worst[i], link_sum[i] = self._best_connected(node, ranks[node], count)
+                chosen[i], worst[i], link_sum[i] = self._connected(node, ranks[node], mem, count)
         first, second = self._gang_scores(cand, chosen, mem, count)
         pick = _lexargmin([worst.astype(np.float64), link_sum.astype(np.float64), first, second])
         return sorted(chosen[pick].tolist())
@@ -344,16 +348,33 @@ class Packer:
             return cand.astype(np.float64), np.zeros(len(cand))
         return self._node_draw[cand], np.zeros(len(cand))
 
+    def _connected(
+        self, node: int, ranks: np.ndarray, mem: int, count: int
+    ) -> tuple[list[int], int, int]:
+        """`_best_connected`, remembered until the node changes.
+
+        The order of a node's devices under every policy but random-fit depends on that
+        node's state alone, so a big simulated cluster pays for the nodes that changed only.
+        """
+        if self.policy == "random-fit":
+            return self._best_connected(node, ranks, count)
+        version, found = self._groups.get((node, mem, count), (-1, None))
+        if version != self._version[node]:
+            found = self._best_connected(node, ranks, count)
+            self._groups[node, mem, count] = (int(self._version[node]), found)
+        return found
+
     def _best_connected(
         self, node: int, ranks: np.ndarray, count: int
     ) -> tuple[list[int], int, int]:
-        """The `count` open devices of `node` with the best links, then the best ranks."""
+        """The `count` open devices of `node` with the best links, then the policy's order."""
         links = self._link_matrix[node]
         open_pos = [int(p) for p in np.argsort(ranks, kind="stable") if ranks[p] != _NO_RANK]
+        preference = {p: i for i, p in enumerate(open_pos)}
 
         def key(group: Sequence[int]) -> tuple[int, int, int]:
             pairs = [links[a][b] for a, b in combinations(group, 2)]
-            return max(pairs), sum(pairs), sum(int(ranks[p]) for p in group)
+            return max(pairs), sum(pairs), sum(preference[p] for p in group)
 
         if math.comb(len(open_pos), count) <= _EXACT_SUBSETS:
             groups: list[Sequence[int]] = list(combinations(open_pos, count))

@@ -21,7 +21,7 @@ from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from cluster.packing import check_fits, pack
 from cluster.types import Device, Inventory, Placement, Request
-from flows.spec import CampaignSpec, check_data, load_spec
+from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.records import campaign_dir, completed_result, update_record, write_campaign
 from tasks.summary import write_summary
@@ -52,7 +52,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
         momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
         log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
-        mlflow_tracking_uri=spec.tracking.mlflow_uri, mlflow_run_id=mlflow_run_id,
+        mlflow_tracking_uri=tracking_uri(spec.tracking), mlflow_run_id=mlflow_run_id,
     )
 
 
@@ -109,7 +109,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     requests = {t.id: device_request(spec, t, inventory) for t in trials}
     check_fits(list(requests.values()), inventory)  # a request no node can hold fails now
 
-    name, uri = spec.campaign.name, spec.tracking.mlflow_uri
+    name, uri = spec.campaign.name, tracking_uri(spec.tracking)
     root = campaign_dir(spec.tracking.runs_dir, name)
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
     write_campaign(spec.tracking.runs_dir, name, {

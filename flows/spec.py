@@ -7,6 +7,7 @@ each culprit as a field path (e.g. `grid.training.lr[1]`) with what would be val
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -78,11 +79,16 @@ class ClusterSection(Strict):
 
 
 class TrackingSection(Strict):
-    mlflow_uri: str = "sqlite:///mlflow.db"
+    mlflow_uri: str = Field(default="sqlite:///mlflow.db", description="overridden by $MLFLOW_TRACKING_URI")
     experiment: str = Field(default="campaigns", min_length=1)
     runs_dir: Path = Path("checkpoints")
     summary: Path = Field(default=Path("metrics/campaign.json"), description="campaign summary, DVC metrics")
     keep_checkpoints: int = Field(default=2, ge=1)
+
+
+def tracking_uri(tracking: TrackingSection) -> str:
+    """The MLflow store: $MLFLOW_TRACKING_URI when set (a team's server), else the spec's."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or tracking.mlflow_uri
 
 
 class TrialSpec(Strict):
