@@ -140,9 +140,9 @@ class Packer:
         ).astype(np.int64)
         self._free = self._free_ext[:-1]
         self._learn = workload is None
-        self._kinds: dict[tuple[int, int], float] = {
-            (k.devices, k.memory_bytes): k.weight for k in workload or ()
-        }
+        self._kinds: Counter[tuple[int, int]] = Counter()
+        for k in workload or ():
+            self._kinds[k.devices, k.memory_bytes] += k.weight
         self._set_workload()
 
     # -- public -------------------------------------------------------------------------

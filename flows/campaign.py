@@ -19,10 +19,12 @@ from prefect.futures import PrefectFuture, as_completed
 
 from cluster.inventory import discover
 from cluster.leases import LeaseStore
-from cluster.packing import check_fits, pack
-from cluster.types import Device, Inventory, Placement, Request
+from cluster.packing import Packer, check_fits, workload_of
+from cluster.sizing import SizedRequest, start_size
+from cluster.types import Device, Inventory, Placement
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
+from tasks.sizing import size_trials
 from tasks.records import campaign_dir, completed_result, update_record, write_campaign
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
@@ -36,11 +38,11 @@ def inventory_for(spec: CampaignSpec) -> Inventory:
     return discover(cpu_slots=spec.cluster.cpu_slots)
 
 
-def device_request(spec: CampaignSpec, trial: Trial, inventory: Inventory) -> Request:
-    memory = spec.resources.memory_gb
-    # Unset memory means a whole device: the size of the largest device takes any one exclusively.
-    whole = max(d.memory_bytes for d in inventory.devices)
-    return Request(trial.id, spec.resources.devices_per_trial, int(memory * 2**30) if memory else whole)
+def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
+    """Size every trial and check each fits some node at its minimum: errors name the trial."""
+    requests = size_trials(spec, trials, inventory)
+    check_fits([r.at(r.min_devices) for r in requests.values()], inventory)
+    return requests
 
 
 def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None) -> TrialConfig:
@@ -106,8 +108,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     check_data(spec)
     trials = expand_grid(spec)
     inventory = inventory_for(spec)
-    requests = {t.id: device_request(spec, t, inventory) for t in trials}
-    check_fits(list(requests.values()), inventory)  # a request no node can hold fails now
+    requests = checked_requests(spec, trials, inventory)  # a request no node can hold fails now
 
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
     root = campaign_dir(spec.tracking.runs_dir, name)
@@ -134,17 +135,24 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     running: dict[PrefectFuture, Running] = {}
     try:
         while pending or running:
-            for placement in pack([requests[t.id] for t in pending], inventory, used=store.usage()):
-                trial = next(t for t in pending if t.id == placement.trial_id)
+            packer = Packer(inventory, store.usage(), workload=workload_of([requests[t.id].at(requests[t.id].min_devices) for t in pending]))
+            for trial in list(pending):
+                request = requests[trial.id]
+                queued_min = sum(requests[t.id].min_devices for t in pending if t is not trial)
+                free = sum(packer.free_bytes(d.id) == d.memory_bytes for d in inventory.devices)
+                placement = start_size(request, lambda n: packer.place(request.at(n)), queued_min, free)
+                if placement is None:
+                    continue
                 holder = f"{name}/{trial.id}@{os.getpid()}"
                 claims = {d: placement.memory_bytes for d in placement.device_ids}
                 if not store.acquire(holder, claims, capacity):
-                    continue  # another campaign took a device a moment ago: next round
+                    packer.release(placement)  # another campaign took a device a moment ago: next round
+                    continue
                 heartbeat.add(holder)
                 devices = [inventory.device(d) for d in placement.device_ids]
                 run_id = open_trial_run(uri, parent_run_id, name, trial)
                 config = trial_config(spec, trial, root / trial.id, run_id)
-                update_record(root / trial.id, state="starting", devices=placement.device_ids)
+                update_record(root / trial.id, state="starting", devices=list(placement.device_ids))
                 logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
                 future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()))
                 running[future] = Running(trial, placement, devices, holder, run_id)

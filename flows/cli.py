@@ -28,8 +28,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _validated(params: Path):
     """Parse and check everything that can be checked before a flow starts."""
-    from cluster.packing import check_fits
-    from flows.campaign import device_request, inventory_for
+    from flows.campaign import checked_requests, inventory_for
     from flows.spec import check_data, load_spec
     from tasks.grid import expand_grid
     from training.errors import CampaignError
@@ -39,7 +38,7 @@ def _validated(params: Path):
         check_data(spec)
         trials = expand_grid(spec)
         inventory = inventory_for(spec)
-        check_fits([device_request(spec, t, inventory) for t in trials], inventory)
+        checked_requests(spec, trials, inventory)
     except CampaignError as e:
         _fail(str(e))
     return spec, trials
@@ -49,7 +48,7 @@ def _launch(params: Path) -> None:
     spec, trials = _validated(params)
     from flows.campaign import campaign_flow
 
-    console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices_per_trial} device(s) each")
+    console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices} device(s) each")
     try:
         summary = campaign_flow(str(params))
     except Exception as e:  # the flow has logged the details; say it plainly and exit non-zero

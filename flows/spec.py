@@ -70,8 +70,24 @@ class TrainingSection(Strict):
 
 
 class ResourcesSection(Strict):
-    devices_per_trial: int = Field(default=1, ge=1, description="processes (devices) of each trial's DDP job")
-    memory_gb: float | None = Field(default=None, gt=0, description="memory per device; unset: a whole device")
+    devices: Union[Annotated[int, Field(ge=1)], tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]], Literal["auto"]] = Field(
+        default=1, description="DDP processes of each trial: N, [min, max] (elastic), or auto (fewest that fit)")
+    memory_gb: Union[Annotated[float, Field(gt=0)], Literal["auto"], None] = Field(
+        default=None, description="memory per device: unset = a whole device; GiB or auto (measured) = may share a GPU")
+
+    @field_validator("devices")
+    @classmethod
+    def _range_ordered(cls, devices):
+        if isinstance(devices, tuple) and devices[0] > devices[1]:
+            raise ValueError(f"[min, max] must have min <= max (got [{devices[0]}, {devices[1]}])")
+        return devices
+
+    @property
+    def max_devices(self) -> int | None:
+        """The most processes a trial may run with; None for auto (decided by sizing)."""
+        if self.devices == "auto":
+            return None
+        return self.devices[1] if isinstance(self.devices, tuple) else self.devices
 
 
 class ClusterSection(Strict):
@@ -125,10 +141,11 @@ class CampaignSpec(Strict):
 
     @model_validator(mode="after")
     def _batch_covers_devices(self) -> "CampaignSpec":
-        if self.training.batch_size < self.resources.devices_per_trial:
+        most = self.resources.max_devices
+        if most is not None and self.training.batch_size < most:
             raise ValueError(
-                f"training.batch_size ({self.training.batch_size}) is smaller than resources.devices_per_trial "
-                f"({self.resources.devices_per_trial}): every process needs at least one sample per step"
+                f"training.batch_size ({self.training.batch_size}) is smaller than the {most} devices of resources.devices: "
+                "every process needs at least one sample per step"
             )
         return self
 

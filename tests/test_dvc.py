@@ -28,7 +28,7 @@ def test_dvc_repro_twice_metrics_and_push(tmp_path):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["training"].update(steps=20, checkpoint_every=10, eval_every=10, warmup_steps=0)
     params["grid"] = {"training.lr": [0.05, 0.1]}
-    params["resources"]["devices_per_trial"] = 1
+    params["resources"]["devices"] = 1
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
     sh(work, "git", "init", "-q")

@@ -28,7 +28,7 @@ def write_params(root: Path, data: Path) -> Path:
         "model": {"name": "small_cnn", "width": 4},
         "training": {"steps": 30, "batch_size": 32, "lr": 0.05, "checkpoint_every": 10, "eval_every": 10, "log_every": 5},
         "grid": {"training.lr": [0.05, 0.2], "model.width": [4, 8]},
-        "resources": {"devices_per_trial": 1},
+        "resources": {"devices": 1},
         "cluster": {"cpu_slots": 2},
         "tracking": {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "flow-test",
                      "runs_dir": str(root / "runs"), "summary": str(root / "metrics.json")},
@@ -93,3 +93,45 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     for row in campaign_status(tmp_path / "runs", "flow-test"):
         record = json.loads((tmp_path / "runs" / "flow-test" / row.trial_id / "record.json").read_text())
         assert record["attempts"] == 1
+
+
+def test_two_device_trial_waits_for_two_then_starts_with_both(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    import threading
+    import time
+
+    import yaml as _yaml
+
+    from cluster.inventory import discover
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path, digits_npz)
+    raw = _yaml.safe_load(params.read_text())
+    raw["campaign"]["name"] = "waits"
+    raw["grid"] = {"training.lr": [0.1]}
+    raw["training"].update(steps=10)
+    raw["resources"]["devices"] = 2
+    params.write_text(_yaml.safe_dump(raw))
+
+    inventory = discover(cpu_slots=2)
+    capacity = {d.id: d.memory_bytes for d in inventory.devices}
+    store = LeaseStore()
+    first = inventory.devices[0].id
+    assert store.acquire("another-campaign/trial", {first: capacity[first]}, capacity)  # held by this live process
+    released_at = []
+
+    def release_later():
+        time.sleep(4)
+        released_at.append(time.time())
+        store.release("another-campaign/trial")
+
+    threading.Thread(target=release_later, daemon=True).start()
+    summary = campaign_flow(str(params))
+    assert summary["finished"] == 1
+
+    (row,) = campaign_status(tmp_path / "runs", "waits")
+    record = json.loads((tmp_path / "runs" / "waits" / row.trial_id / "record.json").read_text())
+    (interval,) = record["intervals"]
+    assert sorted(interval["devices"]) == sorted(capacity)  # both slots, as one gang
+    assert interval["start"] >= released_at[0]  # not before the other holder let go
+    assert "world size 2" in (tmp_path / "runs" / "waits" / row.trial_id / "train.log").read_text()

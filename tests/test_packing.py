@@ -188,20 +188,30 @@ def test_fgd_puts_a_whole_device_gang_on_the_node_where_fragmentation_grows_leas
     assert after[chosen.pop()] == pytest.approx(min(after.values()), rel=1e-9, abs=1e-6)
 
 
+def free_after(inv: Inventory, placements: list[Placement]) -> dict[str, int]:
+    free = {d.id: d.memory_bytes for d in inv.devices}
+    for p in placements:
+        for dev in p.device_ids:
+            free[dev] -= p.memory_bytes
+    return free
+
+
 @given(inventories(), requests(n_max=10), st.sampled_from(POLICIES))
 def test_fragmentation_matches_the_measure_recomputed_from_free_memory(inv, reqs, policy):
     packer = Packer(inv, policy=policy, workload=workload_of(reqs))
     placements = [p for r in reqs if (p := packer.place(r))]
     if placements:  # releasing must restore the bookkeeping as well
-        packer.release(placements[0])
-        placements = placements[1:]
-    free = {d.id: d.memory_bytes for d in inv.devices}
-    for p in placements:
-        for dev in p.device_ids:
-            free[dev] -= p.memory_bytes
+        packer.release(placements.pop(0))
+    free = free_after(inv, placements)
     assert all(packer.free_bytes(d) == f for d, f in free.items())
     assert packer.fragmentation() == pytest.approx(measured(inv, free, list(workload_of(reqs))),
                                                    rel=1e-9, abs=1e-3)
+    # Without a workload, every kind placed so far counts once.
+    learner = Packer(inv, policy=policy)
+    placements = [p for r in reqs if (p := learner.place(r))]
+    kinds = [Demand(d, m, 1.0) for d, m in {(r.devices, r.memory_bytes) for r in reqs}]
+    assert learner.fragmentation() == pytest.approx(
+        measured(inv, free_after(inv, placements), kinds), rel=1e-9, abs=1e-3)
 
 
 def one_node(size: int, count: int, links=None, name: str = "box") -> Inventory:

@@ -17,7 +17,7 @@ GOOD = {
     "model": {"name": "small_cnn", "width": 8},
     "training": {"steps": 20, "batch_size": 16, "lr": 0.1},
     "grid": {"training.lr": [0.1, 0.2], "model.width": [4, 8]},
-    "resources": {"devices_per_trial": 1},
+    "resources": {"devices": 1},
 }
 
 
@@ -58,8 +58,11 @@ BAD = [
     ("grid", {"training.lr": [0.1, 0.1]}, ["repeats a value"]),
     ("grid", {"training.lr": [0.1, -3]}, ["grid.training.lr[1] = -3", "greater than 0"]),
     ("grid", {"model.heads": [1, 2]}, ["grid.model.heads", "no field 'heads'", "width"]),
-    ("resources/devices_per_trial", 0, ["resources.devices_per_trial"]),
-    ("resources/devices_per_trial", 32, ["batch_size (16) is smaller than resources.devices_per_trial (32)"]),
+    ("resources/devices", 0, ["resources.devices"]),
+    ("resources/devices", 32, ["batch_size (16) is smaller than the 32 devices"]),
+    ("resources/devices", [4, 2], ["resources.devices", "min <= max"]),
+    ("resources/devices", "many", ["resources.devices", "auto"]),
+    ("resources/memory_gb", -1, ["resources.memory_gb"]),
     ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
     ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),
 ]
@@ -107,7 +110,7 @@ def test_empty_grid_is_one_trial():
 
 @pytest.mark.parametrize("change,value,words", [
     ("training/lr", 0, ["training.lr"]),
-    ("resources/devices_per_trial", 16, ["needs 16", "devices"]),
+    ("resources/devices", 16, ["needs 16", "devices"]),
     ("data/path", "missing/digits.npz", ["data.path", "dvc repro prepare"]),
 ])
 def test_cli_rejects_before_anything_runs(tmp_path, monkeypatch, digits_npz, change, value, words):

@@ -1,0 +1,147 @@
+"""Turn a trial into a device request: how many devices, how much memory on each.
+
+`size_request` is pure. `measure_memory` makes the estimate behind `auto` from a short
+measured dry run of the trial's model and batch: the bytes of the parameters, gradients
+and optimizer state, plus the activations autograd actually saves for backward (counted
+with saved-tensor hooks), times a safety margin. In data parallelism every device holds a
+whole replica and 1/n of the batch's activations, so more devices shrink only the latter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal, TypeVar, Union
+
+from cluster.types import Inventory, Request
+from training.errors import CampaignError
+
+T = TypeVar("T")
+DeviceCount = Union[int, tuple[int, int], Literal["auto"]]
+SAFETY_MARGIN = 1.25  # allocator fragmentation, workspace buffers, the framework's own use
+GPU_CONTEXT_BYTES = 512 * 2**20  # CUDA context and kernels, per process
+
+
+class SizingError(CampaignError):
+    """A trial's size cannot be decided; the message names the trial and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # the whole global batch on one device
+    margin: float = SAFETY_MARGIN
+    overhead_bytes: int = 0  # per process, added after the margin (CUDA context)
+
+    def per_device(self, devices: int) -> int:
+        replica = self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        return int(math.ceil((replica + self.activations_bytes / devices) * self.margin)) + self.overhead_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SizedRequest:
+    """A trial's request with the range of sizes it accepts; `at(n)` is the packer's Request."""
+
+    trial_id: str
+    min_devices: int
+    max_devices: int
+    memory_for: tuple[int, ...]  # memory per device at min_devices, min_devices+1, ..., max_devices
+
+    def at(self, devices: int) -> Request:
+        return Request(self.trial_id, devices, self.memory_for[devices - self.min_devices])
+
+    @property
+    def sizes(self) -> range:
+        return range(self.min_devices, self.max_devices + 1)
+
+
+def size_request(
+    trial_id: str,
+    devices: DeviceCount,
+    memory_gb: float | Literal["auto"] | None,
+    inventory: Inventory,
+    estimate: MemoryEstimate | None = None,
+) -> SizedRequest:
+    """Decide a trial's sizes and memory per device on this inventory.
+
+    - memory unset: a whole device (exclusive). A number: that many GiB per device, so trials
+      may share a GPU. `auto`: the measured estimate at each size.
+    - CPU slots are never shared: one process per core.
+    - devices `auto`: the fewest devices of one node on which the estimate fits.
+    """
+    largest_node = max((sum(d.node == n for d in inventory.devices) for n in inventory.nodes), default=0)
+    device_memory = max((d.memory_bytes for d in inventory.devices), default=0)
+    needs_estimate = devices == "auto" or memory_gb == "auto"
+    if needs_estimate and estimate is None:
+        raise SizingError(f"trial {trial_id!r}: `auto` sizing needs a memory estimate, and none could be made")
+
+    if devices == "auto":
+        fitting = [n for n in range(1, largest_node + 1) if estimate.per_device(n) <= device_memory]
+        if not fitting:
+            raise SizingError(
+                f"trial {trial_id!r} needs an estimated {estimate.per_device(max(1, largest_node)) / 2**30:.2f} GiB per device "
+                f"even on all {largest_node} devices of the largest node, which have {device_memory / 2**30:.2f} GiB: "
+                "use a smaller batch or model, or declare larger devices"
+            )
+        low = high = fitting[0]
+    elif isinstance(devices, tuple):
+        low, high = devices
+    else:
+        low = high = devices
+
+    sizes = range(low, high + 1)
+    if inventory.kind == "cpu" or memory_gb is None:
+        memory = [device_memory] * len(sizes)
+    elif memory_gb == "auto":
+        memory = [estimate.per_device(n) for n in sizes]
+    else:
+        memory = [int(memory_gb * 2**30)] * len(sizes)
+    return SizedRequest(trial_id, low, high, tuple(memory))
+
+
+def start_size(request: SizedRequest, place: Callable[[int], T | None], others_waiting_min: int, free_devices: int) -> T | None:
+    """Place a trial at the size to start it at now; None if not even its minimum fits.
+
+    The largest size that fits while leaving enough free devices for the minimum of the
+    trials queued behind it, so that one elastic trial does not take what the queue needs.
+    `place(n)` places the trial at n devices and returns where, or None.
+    """
+    budget = max(request.min_devices, free_devices - others_waiting_min)
+    for n in sorted(request.sizes, reverse=True):
+        if n <= budget and (placed := place(n)) is not None:
+            return placed
+    return None
+
+
+def measure_memory(model, example_input, example_target, loss_fn, optimizer_state_per_param: int, on_gpu: bool) -> MemoryEstimate:
+    """One forward/backward pass of `model` on the whole batch, counting what it keeps.
+
+    `optimizer_state_per_param`: tensors of optimizer state per parameter (SGD with momentum:
+    1, Adam: 2). Runs wherever the model's parameters are.
+    """
+    import torch
+
+    saved = 0
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor):
+        nonlocal saved
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:  # a tensor saved twice is held once
+            seen.add(key)
+            saved += t.untyped_storage().nbytes()
+        return t
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model(example_input), example_target)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return MemoryEstimate(
+        params_bytes=params, grads_bytes=trainable,
+        optimizer_bytes=trainable * optimizer_state_per_param,
+        activations_bytes=saved, overhead_bytes=GPU_CONTEXT_BYTES if on_gpu else 0,
+    )

@@ -1,0 +1,99 @@
+"""Sizing: fixed, ranged and auto requests; measured memory; starting sizes that leave room."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.inventory import DeclaredNode, declared_inventory
+from cluster.packing import pack
+from cluster.sizing import MemoryEstimate, SizingError, measure_memory, size_request, start_size
+from flows.spec import parse_spec
+from tasks.grid import expand_grid
+from tasks.sizing import size_trials
+
+GIB = 2**30
+
+
+def gpus(count: int, memory_gib: float = 16, nodes: int = 1):
+    return declared_inventory([DeclaredNode(f"n{i}", count, int(memory_gib * GIB)) for i in range(nodes)])
+
+
+def test_measured_memory_counts_weights_and_saved_activations():
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
+    x, y = torch.randn(32, 100), torch.zeros(32, dtype=torch.long)
+    est = measure_memory(model, x, y, F.cross_entropy, optimizer_state_per_param=1, on_gpu=False)
+    params = (100 * 50 + 50 + 50 * 10 + 10) * 4
+    assert est.params_bytes == est.grads_bytes == est.optimizer_bytes == params
+    # Backward needs at least the input and the hidden activation; never more than a few copies.
+    assert 32 * (100 + 50) * 4 <= est.activations_bytes <= 4 * 32 * (100 + 50 + 50 + 10) * 4
+    bigger = measure_memory(model, torch.randn(64, 100), torch.zeros(64, dtype=torch.long), F.cross_entropy, 1, False)
+    assert bigger.activations_bytes > 1.8 * est.activations_bytes  # activations scale with the batch
+    assert all(p.grad is None for p in model.parameters())  # the dry run leaves the model clean
+
+
+def test_per_device_memory_shrinks_only_with_activations():
+    est = MemoryEstimate(params_bytes=100, grads_bytes=100, optimizer_bytes=100, activations_bytes=800, margin=1.0)
+    assert est.per_device(1) == 1100 and est.per_device(2) == 700 and est.per_device(4) == 500
+
+
+def test_fixed_range_and_memory_forms():
+    inv = gpus(8)
+    assert size_request("t", 2, None, inv).at(2).memory_bytes == 16 * GIB  # a whole GPU
+    shared = size_request("t", 1, 3.5, inv)
+    assert shared.at(1).memory_bytes == int(3.5 * GIB)
+    ranged = size_request("t", (2, 4), None, inv)
+    assert list(ranged.sizes) == [2, 3, 4]
+
+
+def test_cpu_slots_are_never_shared():
+    from cluster.inventory import discover
+
+    inv = discover(nvml=None, cpu_slots=2)
+    assert inv.kind == "cpu"
+    request = size_request("t", 1, 0.001, inv)
+    assert request.at(1).memory_bytes == inv.devices[0].memory_bytes
+
+
+def test_auto_picks_fewest_devices_that_fit():
+    est = MemoryEstimate(params_bytes=GIB, grads_bytes=GIB, optimizer_bytes=GIB, activations_bytes=30 * GIB, margin=1.0)
+    # 1 device: 33 GiB, 2: 18, 3: 13 GiB <= 16.
+    request = size_request("big", "auto", "auto", gpus(8), est)
+    assert (request.min_devices, request.max_devices) == (3, 3)
+    assert request.at(3).memory_bytes == est.per_device(3)
+
+
+def test_auto_that_cannot_fit_names_the_trial():
+    est = MemoryEstimate(params_bytes=20 * GIB, grads_bytes=0, optimizer_bytes=0, activations_bytes=0, margin=1.0)
+    with pytest.raises(SizingError, match="trial 'huge'.*smaller batch or model"):
+        size_request("huge", "auto", "auto", gpus(8), est)
+    with pytest.raises(SizingError, match="trial 'x'.*no.*estimate|trial 'x'.*estimate"):
+        size_request("x", "auto", None, gpus(8), None)
+
+
+def test_small_trials_share_one_gpu_by_memory():
+    spec = parse_spec({
+        "campaign": {"name": "share"}, "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 10, "batch_size": 64, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2, 0.3, 0.4]},
+        "resources": {"devices": 1, "memory_gb": "auto"},
+    })
+    inv = gpus(1, memory_gib=16)
+    requests = size_trials(spec, expand_grid(spec), inv)
+    placed = pack([r.at(1) for r in requests.values()], inv)
+    assert len(placed) == 4 and {p.device_ids for p in placed} == {(inv.devices[0].id,)}
+    # The estimate is measured, not a constant: a wider model needs more.
+    wide = parse_spec({**spec.model_dump(mode="json"), "model": {"name": "small_cnn", "width": 256}})
+    wide_request = next(iter(size_trials(wide, expand_grid(wide), inv).values()))
+    assert wide_request.at(1).memory_bytes > next(iter(requests.values())).at(1).memory_bytes
+
+
+def test_start_size_leaves_room_for_the_queue():
+    inv = gpus(4)
+    elastic = size_request("e", (1, 4), None, inv)
+    place = lambda n: n  # everything fits: only the budget decides
+    assert start_size(elastic, place, others_waiting_min=0, free_devices=4) == 4
+    assert start_size(elastic, place, others_waiting_min=2, free_devices=4) == 2
+    assert start_size(elastic, place, others_waiting_min=9, free_devices=4) == 1  # its minimum at least
+    assert start_size(elastic, lambda n: None, 0, 4) is None
