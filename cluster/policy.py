@@ -247,11 +247,10 @@ class ElasticPolicy:
     hysteresis: float = 0.3
     las_scale_s: float = 1800.0
     las_power: float = 1.0
-    min_run_s: float = 300.0
+    min_run_s: float = 600.0
     min_gain: float = 0.05
     min_horizon_s: float = 600.0
     starvation_s: float = 6 * 3600.0
-    first_at_requested: bool = False
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -278,10 +277,7 @@ class ElasticPolicy:
         weight = (1.0 + job.attained / self.las_scale_s) ** -self.las_power
         protected = current > 0 and now - (job.since or 0.0) < self.min_run_s
         starving = current == 0 and now - (job.since or job.arrival) >= self.starvation_s
-        plan = _JobPlan(job, weight, protected, starving, floor=current if protected else 0)
-        if self.first_at_requested and job.attained == 0:
-            plan.cap = job.requested
-        return plan
+        return _JobPlan(job, weight, protected, starving, floor=current if protected else 0)
 
     def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
         """Starving jobs, longest waiting first, get their minimum before any greedy choice."""

@@ -3,7 +3,7 @@
 Data parallel with the global batch fixed, so each of n devices trains on B/n samples
 (the largest shard when B does not divide: the slowest rank sets the pace).
 
-    step(n) = forward(b) + max(backward(b), end of the last all-reduce) + optimizer(b) + overhead
+    step(n) = forward(b) + backward(b) + exposed all-reduce + optimizer(b) + DDP overhead
 
 - forward, backward and optimizer times are affine in the per-device batch b, fitted on the
   whole steps the profile measured at B, B/2, B/4, B/8 (measured time, not FLOPs over peak:
@@ -12,7 +12,11 @@ Data parallel with the global batch fixed, so each of n devices trains on B/n sa
   A bucket is ready once backward has passed its layers (the profile's per-layer backward
   times say when); its ring all-reduce then costs
         2(n-1) * hop_latency + 2(n-1)/n * bucket_bytes / bandwidth
-  and all-reduces run one after the other. What ends after backward is exposed.
+  and all-reduces run one after the other. What ends after backward is exposed; of what
+  runs during backward, a share (the overlap efficiency) is hidden: all of it where the
+  transfers have their own engine (NCCL on a GPU), none where they take the rank's only
+  core (gloo on a CPU slot).
+- DDP also costs a fixed dispatch per bucket at every size, one process included.
 - Across nodes the ring runs at the slower of the two links.
 
 Pure: it reads the plain profile data (training.profiler) and imports neither torch nor
@@ -23,8 +27,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from training.profiler import DdpProfile, ModelProfile
@@ -53,7 +58,8 @@ class LinkParams:
         return cls(min(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s), max(a.hop_latency_s, b.hop_latency_s))
 
 
-# Documented defaults, used where nothing was measured:
+# Documented defaults, used where nothing was measured (training.profile_ddp measures all
+# of them: the link at 2+ processes, the per-bucket cost at 1):
 # - CPU slots on one node talk through gloo over loopback TCP: about 1 GB/s and 50 us a
 #   hop on an idle host (measure with training.profile_ddp at 2 processes to do better).
 # - GPUs on one node: PCIe 4.0 x16 as NCCL reaches it, about 20 GB/s, 10 us a hop (NVLink
@@ -61,6 +67,13 @@ class LinkParams:
 # - Between nodes: 10 Gb Ethernet, about 1.2 GB/s, 50 us a hop.
 DEFAULT_INTRA_NODE = {"cpu": LinkParams(1e9, 50e-6), "cuda": LinkParams(20e9, 10e-6)}
 DEFAULT_INTER_NODE = LinkParams(1.2e9, 50e-6)
+# - Each bucket costs DDP a fixed dispatch (the reducer, the backend's queue), even alone:
+#   about 150 us with gloo on a CPU core, 30 us with NCCL.
+DEFAULT_BUCKET_OVERHEAD_S = {"cpu": 150e-6, "cuda": 30e-6}
+# - How much of the communication that overlaps backward in time is really hidden: on a
+#   CPU slot gloo's transfers run on the rank's own core and steal it from backward (0);
+#   NCCL runs on the GPU beside the compute kernels (1).
+DEFAULT_OVERLAP_EFFICIENCY = {"cpu": 0.0, "cuda": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +116,9 @@ class StepTimeBreakdown:
     forward_s: float
     backward_s: float
     optimizer_s: float
-    allreduce_s: float  # sum of the buckets' all-reduce costs
-    exposed_allreduce_s: float  # the part that runs after backward compute
-    overhead_s: float
+    allreduce_s: float  # all buckets' ring all-reduces, end to end
+    exposed_allreduce_s: float  # the part not hidden behind backward compute
+    overhead_s: float  # DDP's fixed per-bucket cost, at any size
 
     @property
     def step_s(self) -> float:
@@ -150,7 +163,7 @@ def measured_buckets(ddp: "DdpProfile", layers: Sequence[tuple[str, float]]) -> 
 
 @dataclass(frozen=True, slots=True)
 class ProfileStepTimeModel:
-    """cluster.types.StepTimeModel from a per-layer profile (and a DDP measurement if any)."""
+    """cluster.types.StepTimeModel from a per-layer profile (and DDP measurements if any)."""
 
     global_batch: int
     forward: Affine
@@ -159,32 +172,49 @@ class ProfileStepTimeModel:
     buckets: tuple[Bucket, ...]
     intra_node: LinkParams
     inter_node: LinkParams
-    overhead_s: float = 0.0  # per step, any world size: DDP's own bookkeeping
+    bucket_overhead_s: float = 0.0
+    overlap_efficiency: float = 1.0  # share of the backward-overlapping communication hidden
 
     @classmethod
     def from_profile(
         cls,
         profile: "ModelProfile",
-        ddp: "DdpProfile | None" = None,
+        ddp: "DdpProfile | Sequence[DdpProfile] | None" = None,
         *,
         intra_node: LinkParams | None = None,
         inter_node: LinkParams | None = None,
-        overhead_s: float = 0.0,
+        bucket_overhead_s: float | None = None,
+        overlap_efficiency: float | None = None,
     ) -> "ProfileStepTimeModel":
-        """Build the prior. Links, in order of preference: given, measured by `ddp`'s probe
-        (at 2+ processes), the documented defaults for the profile's device kind."""
-        scaling = profile.scaling
-        if ddp is not None and ddp.link is not None and intra_node is None:
-            hops = 2 * (ddp.link.world_size - 1)
-            intra_node = LinkParams(ddp.link.bandwidth_bytes_per_s, ddp.link.latency_s / hops)
+        """Build the prior from `profile` and, where given, DDP measurements of any model
+        (training.profile_ddp) at any world sizes. Each parameter is, in order of preference:
+        given here; measured (the link: the all-reduce probe of the largest world size; the
+        per-bucket cost: the all-reduce time at world size 1; the buckets: those DDP built,
+        if a measurement is of this model); the documented default for the device kind."""
         kind = "cuda" if profile.device.startswith("cuda") else "cpu"
-        if ddp is not None and ddp.buckets:
-            buckets = measured_buckets(ddp, [(l.name, l.backward_s) for l in profile.layers])
+        runs = [] if ddp is None else [ddp] if not isinstance(ddp, Sequence) else list(ddp)
+        probed = [r for r in runs if r.link is not None]
+        if intra_node is None and probed:
+            link = max(probed, key=lambda r: r.world_size).link
+            intra_node = LinkParams(link.bandwidth_bytes_per_s, link.latency_s / (2 * (link.world_size - 1)))
+        singles = [r for r in runs if r.world_size == 1 and r.buckets]
+        if bucket_overhead_s is None and singles:
+            bucket_overhead_s = statistics.fmean(r.allreduce_s / len(r.buckets) for r in singles)
+
+        layer_names = {l.name for l in profile.layers}
+        own = [  # a measurement of this very model: same gradient bytes, parameters of its layers
+            r for r in runs
+            if r.buckets and r.allreduce_bytes == profile.gradient_bytes
+            and all(p.rpartition(".")[0] in layer_names for b in r.buckets for p in b.params)
+        ]
+        if own:
+            buckets = measured_buckets(own[0], [(l.name, l.backward_s) for l in profile.layers])
         else:
             buckets = emulate_buckets([(l.gradient_bytes, l.backward_s) for l in profile.layers])
             missing = profile.gradient_bytes - sum(b.bytes for b in buckets)  # parameters outside leaf layers
             if missing > 0:
                 buckets += (Bucket(missing, 1.0),)
+        scaling = profile.scaling
         return cls(
             global_batch=profile.batch_size,
             forward=Affine.fit([(s.batch_size, s.forward_s) for s in scaling]),
@@ -193,7 +223,8 @@ class ProfileStepTimeModel:
             buckets=buckets,
             intra_node=intra_node or DEFAULT_INTRA_NODE[kind],
             inter_node=inter_node or DEFAULT_INTER_NODE,
-            overhead_s=overhead_s,
+            bucket_overhead_s=DEFAULT_BUCKET_OVERHEAD_S[kind] if bucket_overhead_s is None else bucket_overhead_s,
+            overlap_efficiency=DEFAULT_OVERLAP_EFFICIENCY[kind] if overlap_efficiency is None else overlap_efficiency,
         )
 
     def breakdown(self, devices: int, nodes: int = 1) -> StepTimeBreakdown:
@@ -207,10 +238,12 @@ class ProfileStepTimeModel:
             cost = link.allreduce_s(bucket.bytes, devices)
             comm_free = max(comm_free, bucket.ready_fraction * backward) + cost
             total_comm += cost
+        exposed_if_hidden = max(0.0, comm_free - backward)  # what sticks out even with perfect overlap
+        exposed = total_comm - self.overlap_efficiency * (total_comm - exposed_if_hidden)
         return StepTimeBreakdown(
             devices=devices, nodes=nodes, per_device_batch=batch,
             forward_s=self.forward(batch), backward_s=backward, optimizer_s=self.optimizer(batch),
-            allreduce_s=total_comm, exposed_allreduce_s=max(0.0, comm_free - backward), overhead_s=self.overhead_s,
+            allreduce_s=total_comm, exposed_allreduce_s=exposed, overhead_s=self.bucket_overhead_s * len(self.buckets),
         )
 
     def step_time(self, devices: int, nodes: int = 1) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
-from cluster.inventory import discover
+from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
@@ -35,7 +35,18 @@ WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device 
 
 
 def inventory_for(spec: CampaignSpec) -> Inventory:
+    """The devices trials run on: this host's (GPUs through NVML, else CPU slots)."""
     return discover(cpu_slots=spec.cluster.cpu_slots)
+
+
+def planning_inventory(spec: CampaignSpec) -> Inventory:
+    """The declared cluster when the spec has one (for planning), else this host's devices."""
+    if not spec.cluster.nodes:
+        return inventory_for(spec)
+    return declared_inventory([
+        DeclaredNode(n.name, n.devices, int(n.memory_gb * 2**30), n.kind, n.model, tuple(n.nvlink_pairs))
+        for n in spec.cluster.nodes
+    ])
 
 
 def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:

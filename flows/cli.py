@@ -70,6 +70,34 @@ def resume(params: Path = PARAMS) -> None:
 
 
 @app.command()
+def plan(params: Path = PARAMS) -> None:
+    """Show how the campaign's trials would be sized and placed (on cluster.nodes if declared)."""
+    from cluster.packing import Packer, workload_of
+    from flows.campaign import checked_requests, planning_inventory
+    from flows.spec import load_spec
+    from tasks.grid import expand_grid
+    from training.errors import CampaignError
+
+    try:
+        spec = load_spec(params)
+        trials = expand_grid(spec)
+        inventory = planning_inventory(spec)
+        requests = checked_requests(spec, trials, inventory)
+    except CampaignError as e:
+        _fail(str(e))
+    first_wave = [requests[t.id].at(requests[t.id].min_devices) for t in trials]
+    packer = Packer(inventory, workload=workload_of(first_wave))
+    table = Table(title=f"campaign {spec.campaign.name}: first wave on {len(inventory.devices)} {inventory.kind} device(s), {len(inventory.nodes)} node(s)")
+    for col in ("trial", "devices", "memory/device", "placed on"):
+        table.add_column(col)
+    for request in first_wave:
+        placement = packer.place(request)
+        where = ", ".join(placement.device_ids) if placement else "waits for devices"
+        table.add_row(request.trial_id, str(request.devices), f"{request.memory_bytes / 2**30:.2f} GiB", where)
+    console.print(table)
+
+
+@app.command()
 def status(
     campaign: Optional[str] = typer.Argument(None, help="campaign name (default: the latest launched)"),
     runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),

@@ -90,8 +90,19 @@ class ResourcesSection(Strict):
         return self.devices[1] if isinstance(self.devices, tuple) else self.devices
 
 
+class DeclaredNodeSpec(Strict):
+    name: str = Field(min_length=1)
+    devices: int = Field(ge=1)
+    memory_gb: float = Field(gt=0)
+    kind: Literal["gpu", "cpu"] = "gpu"
+    model: str = ""
+    nvlink_pairs: list[tuple[int, int]] = Field(default_factory=list)
+
+
 class ClusterSection(Strict):
     cpu_slots: int | None = Field(default=None, ge=1, description="CPU slots when there is no GPU; unset: one per core")
+    nodes: list[DeclaredNodeSpec] | None = Field(
+        default=None, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
 
 
 class TrackingSection(Strict):

@@ -97,3 +97,29 @@ def test_start_size_leaves_room_for_the_queue():
     assert start_size(elastic, place, others_waiting_min=2, free_devices=4) == 2
     assert start_size(elastic, place, others_waiting_min=9, free_devices=4) == 1  # its minimum at least
     assert start_size(elastic, lambda n: None, 0, 4) is None
+
+
+def test_campaign_plan_places_on_the_declared_cluster(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    spec = {
+        "campaign": {"name": "plan"}, "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 10, "batch_size": 64, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2, 0.3]},
+        "resources": {"devices": 2},
+        "cluster": {"nodes": [{"name": "a", "devices": 2, "memory_gb": 16, "nvlink_pairs": [[0, 1]]},
+                              {"name": "b", "devices": 2, "memory_gb": 16}]},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(app, ["plan", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert result.output.count("waits for devices") == 1  # two 2-device gangs fit, the third waits
+    assert "a/gpu0, a/gpu1" in result.output and "b/gpu0, b/gpu1" in result.output  # gangs kept on one node
+
+    spec["cluster"]["nodes"][1]["nvlink_pairs"] = [[0, 5]]
+    path.write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2 and "'b'" in result.output  # the inconsistent node is named

@@ -40,7 +40,7 @@ from training.train import pick_device
 from training.trainer import DistEnv
 
 # Sizes of the bare all-reduce probe: from latency-bound to bandwidth-bound.
-PROBE_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20, 8 * 2**20)
+PROBE_BYTES = tuple(4**k * 2**10 for k in range(1, 7))  # 4 KiB .. 4 MiB
 
 
 def ring_bytes(buffer_bytes: int, world_size: int) -> float:
@@ -121,7 +121,7 @@ def _sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def probe_link(device: torch.device, world_size: int, sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = 10) -> LinkEstimate:
+def probe_link(device: torch.device, world_size: int, sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = 20) -> LinkEstimate:
     """Time bare all-reduces of float32 buffers (median per size) and fit the link."""
     points = []
     for size in sizes:
