@@ -9,9 +9,10 @@ of the same model on digits-shaped data, timed here).
 
 Part "prior": predicted versus measured DDP step time at 1 and 2 processes (real
 torchrun, gloo on CPU, one core and one thread per process) for models of different
-shapes. Each model is profiled in this process; the link (bandwidth, latency) comes from
-the all-reduce probe of the *first* model's 2-process run and is reused for the others,
-so only the first model's 2-process prediction has seen any of its own DDP measurement.
+shapes. Each model is profiled in this process (one thread). The first model's DDP runs
+calibrate what the prior cannot see in a profile: the link (the bare all-reduce probe at
+2 processes) and DDP's per-bucket cost (the all-reduce time at 1 process); the other
+models' predictions use those and their own profile only.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ def run_ddp(name: str, nproc: int, batch: int, steps: int, port: int) -> DdpProf
     model, kwargs = MODELS[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-               "CAMPAIGN_CPU_CORES": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+        # Not pinned to cores (no CAMPAIGN_CPU_CORES): on a host shared with other work a pinned
+        # rank cannot dodge a busy core, and the profile it is compared with runs unpinned too.
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env.pop("CAMPAIGN_CPU_CORES", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "-m", "training.profile_ddp", "--model", model, "--model-kwargs", json.dumps(kwargs),
                "--batch-size", str(batch), "--steps", str(steps), "--out", str(out)]
@@ -94,38 +97,50 @@ def run_ddp(name: str, nproc: int, batch: int, steps: int, port: int) -> DdpProf
         return DdpProfile.from_json(out.read_text())
 
 
+def spread(values: list[float]) -> str:
+    return f"{max(values) / min(values) - 1:.0%}" if len(values) > 1 else "-"
+
+
 def prior(args: argparse.Namespace) -> None:
-    print(f"\n== step-time prior vs measured DDP step (global batch {args.batch}, gloo on CPU, {args.rounds} round(s), medians)")
+    print(f"\n== step-time prior vs measured DDP step (global batch {args.batch}, gloo on CPU, 1 thread per process, "
+          f"{args.rounds} round(s), medians; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     port = 29500 + os.getpid() % 1000
-    link_ddp = None
+    calibration: list[DdpProfile] = []  # the first model's runs: the link (2 processes), DDP's per-bucket cost (1)
     rows = []
     for name in args.models:
         model, kwargs = MODELS[name]
-        profile = profile_model(build_model(model, **kwargs), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
-        measured: dict[int, list[float]] = {1: [], 2: []}
-        ddp2 = None
-        for _ in range(args.rounds):
-            for n in (1, 2):
-                ddp = run_ddp(name, n, args.batch, args.steps, port)
-                measured[n].append(ddp.step_s)
-                if n == 2:
-                    ddp2 = ddp
-        link_ddp = link_ddp or ddp2
-        prior_model = ProfileStepTimeModel.from_profile(profile, link_ddp)
+        predicted: dict[int, list[float]] = {1: [], 2: []}
+        measured: dict[int, list[DdpProfile]] = {1: [], 2: []}
+        for _ in range(args.rounds):  # profile and measure in the same round: the host's load drifts
+            profile = profile_model(build_model(model, **kwargs), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
+            runs = {n: run_ddp(name, n, args.batch, args.steps, port) for n in (1, 2)}
+            calibration = calibration or list(runs.values())
+            prior_model = ProfileStepTimeModel.from_profile(profile, calibration)
+            for n, run in runs.items():
+                measured[n].append(run)
+                predicted[n].append(prior_model.step_time(n))
         for n in (1, 2):
-            got, want = prior_model.step_time(n), statistics.median(measured[n])
-            b = prior_model.breakdown(n)
-            rows.append((name, n, got, want, b))
-    print(f"{'model':10} {'n':>2} {'predicted ms':>12} {'measured ms':>11} {'error':>7}   predicted: compute / all-reduce (exposed)")
-    for name, n, got, want, b in rows:
+            rows.append((name, n, predicted[n], measured[n], prior_model.breakdown(n), name == args.models[0]))
+    print(f"{'model':10} {'n':>2} {'predicted':>9} {'measured':>8} {'error':>7} {'spread':>6}   "
+          "predicted compute / all-reduce / DDP overhead;  measured all-reduce (waiting for the other rank)")
+    errors = []
+    for name, n, predicted, runs, b, calibrated in rows:
+        got, want = statistics.median(predicted), statistics.median(r.step_s for r in runs)
+        if not calibrated:
+            errors.append(abs(got - want) / want)
         compute = b.forward_s + b.backward_s + b.optimizer_s
-        print(f"{name:10} {n:>2} {got * 1e3:12.3f} {want * 1e3:11.3f} {(got - want) / want:+7.1%}   "
-              f"{compute * 1e3:.3f} / {b.allreduce_s * 1e3:.3f} ({b.exposed_allreduce_s * 1e3:.3f})")
-    errors = [abs(got - want) / want for _, _, got, want, _ in rows]
-    print(f"mean |error| {statistics.fmean(errors):.1%}, max |error| {max(errors):.1%}")
-    if link_ddp is not None and link_ddp.link is not None:
-        print(f"link (from {link_ddp.model} at 2 processes): {link_ddp.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-              f"all-reduce latency {link_ddp.link.latency_s * 1e6:.0f} us; points {link_ddp.link.points}")
+        wait = statistics.median(r.peer_wait_s or 0.0 for r in runs)
+        print(f"{name:10} {n:>2} {got * 1e3:9.2f} {want * 1e3:8.2f} {(got - want) / want:+7.1%} {spread([r.step_s for r in runs]):>6}   "
+              f"{compute * 1e3:.2f} / {b.exposed_allreduce_s * 1e3:.2f} / {b.overhead_s * 1e3:.2f};  "
+              f"{statistics.median(r.allreduce_s for r in runs) * 1e3:.2f} ({wait * 1e3:.2f})" + ("   [calibration model]" if calibrated else ""))
+    print("times in ms; spread: slowest over fastest measured round, minus one")
+    if errors:
+        print(f"models not used for calibration: mean |error| {statistics.fmean(errors):.1%}, max |error| {max(errors):.1%}")
+    link = next((r.link for r in calibration if r.link is not None), None)
+    if link is not None:
+        print(f"link probe ({args.models[0]}, 2 processes): {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, all-reduce latency "
+              f"{link.latency_s * 1e6:.0f} us; median ms by size: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f}" for b, t in link.points))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
@@ -134,7 +149,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=40, help="measured DDP steps per run")
-    parser.add_argument("--rounds", type=int, default=1, help="DDP runs per model and size (median)")
+    parser.add_argument("--rounds", type=int, default=2, help="DDP runs per model and size (median)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     if args.part in ("overhead", "all"):

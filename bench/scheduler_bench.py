@@ -2,7 +2,9 @@
 
 Each workload is sampled from the Philly trace (Microsoft, 2017, as distributed with the
 Pollux OSDI'21 artifact): jobs submitted in a daily 8-hour window, arriving at their time
-of day, on a cluster of 16 nodes x 4 GPUs; more jobs in the window is a higher load. Every
+of day, on a cluster of 16 nodes x 4 GPUs; more jobs in the window is a higher load. The
+baselines run each job at its requested size; ours may run it at 1 to `--growth` times
+that (4 by default; 1 lets it only shrink). Every
 policy replays the same workloads in the discrete-event simulator (simulated clock; only
 the policy's own decision time is wall-clock). Then the decision time alone is measured at
 4,096 GPUs (1,024 nodes x 4) with 2,000 active jobs.
@@ -41,7 +43,7 @@ TRACE = Path("/work/shared/data/traces/philly_jobs.csv")
 
 def main() -> None:
     args = _parse()
-    console = Console()
+    console = Console(width=150)
     console.print(f"[bold]command:[/bold] {' '.join(sys.argv)}")
     console.print(f"python {platform.python_version()} on {platform.machine()}, {platform.processor() or 'cpu'}")
     cluster = Cluster.uniform(args.nodes, args.per_node)
@@ -59,7 +61,7 @@ def main() -> None:
     ratios: dict[str, list[float]] = {name: [] for name, _, _ in policies}
     for jobs in args.jobs:
         for seed in args.seeds:
-            workload = sample_philly(trace, cluster, jobs, seed=seed)
+            workload = sample_philly(trace, cluster, jobs, seed=seed, growth=args.growth)
             gpu_hours = sum(j.duration * j.requested for j in workload) / 3600
             results = {}
             for name, policy, cfg in policies:
@@ -171,6 +173,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--per-node", type=int, default=4)
     parser.add_argument("--pause", type=float, default=20.0, help="seconds lost per start, resize or restart")
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between periodic decisions")
+    parser.add_argument("--growth", type=int, default=4, help="an elastic job may take up to this many times its request")
     parser.add_argument("--oracle", action="store_true", help="also run ours with the true speed-up curves")
     parser.add_argument("--big-nodes", type=int, default=1024)
     parser.add_argument("--big-jobs", type=int, default=2000)

@@ -103,7 +103,8 @@ class Job:
     `attained` is the device-time it has held so far (device-seconds), the basis of
     least-attained-service priority; `since` is when its placement last changed (its
     arrival if it never ran): a waiting job has waited `now - since`, a running one has run
-    that long at its current placement.
+    that long at its current placement. `explored_nodes` is the most nodes it has run on
+    long enough to report a step time: its model has seen no wider spread.
     """
 
     id: str
@@ -115,6 +116,7 @@ class Job:
     attained: float = 0.0
     placement: Placement = field(default_factory=dict)
     since: float | None = None
+    explored_nodes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_devices <= self.max_devices:
@@ -125,6 +127,14 @@ class Job:
     @property
     def devices(self) -> int:
         return devices_of(self.placement)
+
+    @property
+    def unchanged_since(self) -> float:
+        return self.arrival if self.since is None else self.since
+
+    def unchanged_for(self, now: float) -> float:
+        """How long it has been waiting (if waiting) or running as it is (if running)."""
+        return now - self.unchanged_since
 
     @property
     def running(self) -> bool:

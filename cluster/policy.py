@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from cluster.jobs import Cluster, Job, Placement, devices_of, nodes_of, speedup
 
@@ -70,42 +70,28 @@ class NodePool:
             if count:
                 self._move(self.index[node], count)
 
-    def _best_fit(self, count: int, prefer: Sequence[int]) -> int | None:
-        """The node with the fewest free devices that still holds `count` (preferred first)."""
-        fitting = [i for i in prefer if self.free[i] >= count]
-        if fitting:
-            return min(fitting, key=lambda i: (self.free[i], i))
-        for f in range(count, self.top + 1):
-            if self.buckets[f]:
-                return self.buckets[f][0]
-        return None
-
     def plan(self, count: int, prefer: Sequence[int] = ()) -> dict[str, int] | None:
         """Where `count` devices would go, without taking them; None if they do not fit.
 
-        One node if any holds them all (best fit); otherwise the fullest-free nodes first,
-        then a best fit for the remainder, which uses the fewest nodes.
+        One node if any holds them all (best fit: the fewest free that suffice, `prefer`
+        nodes first); otherwise the nodes with most free first, then a best fit for the
+        remainder: the fewest nodes.
         """
         if count > self.total_free:
             return None
-        plan: dict[str, int] = {}
         used: dict[int, int] = {}
         remaining = count
         while remaining:
-            fits = self._best_fit_excluding(remaining, prefer, used)
+            fits = self._best_fit(remaining, prefer, used)
             if fits is not None:
                 used[fits] = remaining
                 break
-            i = self._fullest_excluding(prefer, used)
+            i = self._fullest(prefer, used)
             used[i] = self.free[i]
             remaining -= self.free[i]
-        for i, c in used.items():
-            plan[self.names[i]] = c
-        return plan
+        return {self.names[i]: c for i, c in used.items()}
 
-    def _best_fit_excluding(self, count: int, prefer: Sequence[int], used: dict[int, int]) -> int | None:
-        if not used:
-            return self._best_fit(count, prefer)
+    def _best_fit(self, count: int, prefer: Sequence[int], used: Mapping[int, int]) -> int | None:
         fitting = [i for i in prefer if self.free[i] >= count and i not in used]
         if fitting:
             return min(fitting, key=lambda i: (self.free[i], i))
@@ -115,7 +101,7 @@ class NodePool:
                     return i
         return None
 
-    def _fullest_excluding(self, prefer: Sequence[int], used: dict[int, int]) -> int:
+    def _fullest(self, prefer: Sequence[int], used: Mapping[int, int]) -> int:
         for f in range(self.top, 0, -1):
             candidates = [i for i in prefer if self.free[i] == f and i not in used]
             if candidates:
@@ -183,10 +169,11 @@ class LasPolicy:
     """Tiresias-like least attained service at the requested size, preemptive.
 
     Jobs fall into queues by attained device-time (`thresholds`, device-seconds); lower
-    queues go first, FIFO within a queue. The Pollux artifact's Tiresias has one threshold
-    (16 GPU-hours); these five queues gave a 5-20% lower average completion time than it
-    on Philly samples, so the baseline is the stronger one. Jobs run in that order while devices last (a job that does not fit is
-    skipped); a running job keeps its devices unless it is preempted.
+    queues go first, FIFO within a queue. Jobs run in that order while devices last (a job
+    that does not fit is skipped); a running job keeps its devices unless preempted. The
+    Pollux artifact's Tiresias has one threshold (16 GPU-hours); on our Philly samples
+    these five queues cut its average completion time by 0-20%, so the baseline here is
+    the stronger one.
     """
 
     thresholds: tuple[float, ...] = (600.0, 3600.0, 4 * 3600.0, 16 * 3600.0)
@@ -240,7 +227,10 @@ class ElasticPolicy:
     - starvation: a job waiting `starvation_s` runs at its minimum before anything else;
       while it cannot, no job starts or grows, so it runs once protections expire;
     - locality: jobs go on the fewest nodes (best fit), growing jobs extend in place where
-      that is better, and a spread job sheds devices if fewer nodes would be faster.
+      that is better, and a spread job sheds devices if fewer nodes would be faster;
+    - exploration: devices no job wants under its model let a long-running job (run for
+      `explore_after_s`) that fills its nodes try one node more, once, so that a model
+      whose prior says spreading does not pay learns whether it really does not.
     """
 
     pause_s: float = 20.0
@@ -251,14 +241,17 @@ class ElasticPolicy:
     min_gain: float = 0.05
     min_horizon_s: float = 600.0
     starvation_s: float = 6 * 3600.0
+    explore_after_s: float = 1800.0
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
         jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
-        plans = [self._plan(cluster, job, now) for job in jobs]
+        plans = [self._plan(job, now) for job in jobs]
         self._admit_starving(cluster, plans)
         for plan in plans:
             plan.hull = self._hull(cluster, plan)
+        # Growths not worth their pause are frozen at the current size and the devices
+        # handed out again; a few rounds settle it (what is left after them stays frozen).
         frozen: set[int] = set()
         for _ in range(3):
             sizes = _greedy(plans, cluster.total, frozen)
@@ -268,22 +261,22 @@ class ElasticPolicy:
             frozen |= newly
         else:
             sizes = _greedy(plans, cluster.total, frozen)
+        self._explore(cluster, plans, sizes)
         return self._place(cluster, plans, sizes)
 
     # -- sizing -------------------------------------------------------------------
 
-    def _plan(self, cluster: Cluster, job: Job, now: float) -> _JobPlan:
-        current = job.devices
+    def _plan(self, job: Job, now: float) -> _JobPlan:
         weight = (1.0 + job.attained / self.las_scale_s) ** -self.las_power
-        protected = current > 0 and now - (job.since or 0.0) < self.min_run_s
-        starving = current == 0 and now - (job.since or job.arrival) >= self.starvation_s
-        return _JobPlan(job, weight, protected, starving, floor=current if protected else 0)
+        protected = job.running and job.unchanged_for(now) < self.min_run_s
+        starving = not job.running and job.unchanged_for(now) >= self.starvation_s
+        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
 
     def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
         """Starving jobs, longest waiting first, get their minimum before any greedy choice."""
         capacity = cluster.total - sum(p.floor for p in plans)
         blocked = False
-        for plan in sorted((p for p in plans if p.starving), key=lambda p: (p.job.since or 0.0, p.job.id)):
+        for plan in sorted((p for p in plans if p.starving), key=lambda p: (p.job.unchanged_since, p.job.id)):
             if plan.job.min_devices <= capacity:
                 plan.floor = plan.job.min_devices
                 capacity -= plan.floor
@@ -334,6 +327,27 @@ class ElasticPolicy:
         after = _speedup_packed(cluster, job, size)
         return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
 
+    def _explore(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> None:
+        """Give idle devices to long jobs to run on one more node than they ever did."""
+        idle = cluster.total - sum(sizes)
+        if idle <= 0 or any(p.cap is not None for p in plans):
+            return
+        node = cluster.largest_node
+        candidates = []
+        for i, plan in enumerate(plans):
+            job, size = plan.job, sizes[i]
+            if not size or job.attained / size < self.explore_after_s:
+                continue
+            nodes = cluster.min_nodes(size)
+            target = min(job.max_devices, node * (nodes + 1))
+            if job.explored_nodes <= nodes and size == node * nodes and cluster.min_nodes(target) == nodes + 1:
+                candidates.append((-job.attained / size, i, target))
+        for _, i, target in sorted(candidates):  # the longest-running first
+            if target - sizes[i] <= idle:
+                idle -= target - sizes[i]
+                sizes[i] = target
+                plans[i].exploring = True
+
     # -- placement ----------------------------------------------------------------
 
     def _place(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> dict[str, dict[str, int]]:
@@ -353,16 +367,17 @@ class ElasticPolicy:
         starting = [i for i, (p, s) in enumerate(zip(plans, sizes)) if s and not p.job.devices]
         for i in sorted(growing + starting, key=lambda i: (-sizes[i], i)):
             job = plans[i].job
-            placed = self._grow(pool, job, sizes[i]) if job.devices else pool.place(sizes[i])
+            placed = self._grow(pool, job, sizes[i], plans[i].exploring) if job.devices else pool.place(sizes[i])
             assert placed is not None, "the greedy never hands out more than the cluster holds"
-            if placed is not job.placement:
+            if placed is not job.placement and not plans[i].exploring:
                 placed = self._trim_spread(cluster, pool, job, placed)
             out[job.id] = dict(placed)
         self._backfill(pool, plans, sizes, out)
         return out
 
-    def _grow(self, pool: NodePool, job: Job, size: int) -> Placement:
-        """Extend in place or move whole, whichever spans fewer nodes; keep it if no better."""
+    def _grow(self, pool: NodePool, job: Job, size: int, exploring: bool = False) -> Placement:
+        """Extend in place or move whole, whichever spans fewer nodes; keep it if no better
+        (unless exploring: then the point is to measure what the model doubts)."""
         held = dict(job.placement)
         extra = size - devices_of(held)
         extended = dict(held)
@@ -382,7 +397,7 @@ class ElasticPolicy:
         moved = pool.plan(size, pool.prefer(held))
         assert moved is not None
         best = moved if nodes_of(moved) < nodes_of(extended) else extended
-        if speedup(job.model, size, nodes_of(best)) <= speedup(job.model, devices_of(held), nodes_of(held)):
+        if not exploring and speedup(job.model, size, nodes_of(best)) <= speedup(job.model, devices_of(held), nodes_of(held)):
             pool.take(held)
             return job.placement  # spreading would undo the growth: stay as it is
         pool.take(best)
@@ -424,10 +439,10 @@ class _JobPlan:
 
     job: Job
     weight: float
-    protected: bool
     starving: bool
-    floor: int  # devices it keeps whatever the greedy does
+    floor: int  # devices it keeps whatever the greedy does (protected or starving)
     cap: int | None = None  # devices it may not exceed (None: its max)
+    exploring: bool = False  # given idle devices to measure one more node
     points: list[tuple[int, float]] | None = None  # (devices, value) from the floor up
     hull: list[tuple[int, float]] | None = None  # their upper concave hull
 

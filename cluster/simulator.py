@@ -247,6 +247,7 @@ class _Simulation:
                 attained=live.attained,
                 placement=live.placement,
                 since=live.since,
+                explored_nodes=self._explored_nodes(live),
             )
             for live in self.active.values()
         ]
@@ -259,6 +260,11 @@ class _Simulation:
             raise InvalidAllocation(f"policy {self.policy.name} at t={self.now:.1f}s: {e}") from None
         for job_id, live in self.active.items():
             self._apply(live, allocation.get(job_id) or {})
+
+    def _explored_nodes(self, live: _Live) -> int:
+        if isinstance(live.model, OnlineStepTime):
+            return max((k for _, k in live.model.observations), default=0)
+        return len(self.cluster.nodes)  # the true curve: nothing left to explore
 
     def _apply(self, live: _Live, placement: Placement) -> None:
         if same_placement(placement, live.placement):

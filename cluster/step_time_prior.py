@@ -5,9 +5,10 @@ Data parallel with the global batch fixed, so each of n devices trains on B/n sa
 
     step(n) = forward(b) + backward(b) + exposed all-reduce + optimizer(b) + DDP overhead
 
-- forward, backward and optimizer times are affine in the per-device batch b, fitted on the
-  whole steps the profile measured at B, B/2, B/4, B/8 (measured time, not FLOPs over peak:
-  small layers run far below the roofline, and each step has a fixed cost).
+- forward, backward and optimizer times at the per-device batch b come from the whole
+  steps the profile measured at B, B/2, B/4, B/8, interpolated (measured time, not FLOPs
+  over peak: small layers run far below the roofline, each step has a fixed cost, and the
+  cost per sample changes as activations outgrow the caches).
 - DDP all-reduces gradients bucket by bucket as backward produces them (last layers first).
   A bucket is ready once backward has passed its layers (the profile's per-layer backward
   times say when); its ring all-reduce then costs
@@ -17,6 +18,9 @@ Data parallel with the global batch fixed, so each of n devices trains on B/n sa
   transfers have their own engine (NCCL on a GPU), none where they take the rank's only
   core (gloo on a CPU slot).
 - DDP also costs a fixed dispatch per bucket at every size, one process included.
+- Ranks on one node slow each other's compute (shared caches, memory bandwidth, cores):
+  by a factor measured at a calibration world size, taken to grow linearly with the
+  number of ranks a node holds (none by default: separate GPUs barely interfere).
 - Across nodes the ring runs at the slower of the two links.
 
 Pure: it reads the plain profile data (training.profiler) and imports neither torch nor
@@ -77,29 +81,41 @@ DEFAULT_OVERLAP_EFFICIENCY = {"cpu": 0.0, "cuda": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
-class Affine:
-    """seconds = fixed + per_sample * batch, both non-negative."""
+class BatchCurve:
+    """Seconds as a function of the per-device batch, through measured (batch, seconds) points.
 
-    fixed: float
-    per_sample: float
+    Between points: linear interpolation (the profile measures B, B/2, B/4, B/8, exactly
+    the per-device batches of 1, 2, 4, 8 devices). Outside them: the line through the two
+    nearest points, never below zero. Time never falls as the batch grows, so a point that
+    timing noise put below a smaller batch's is raised to it."""
 
-    def __call__(self, batch: float) -> float:
-        return self.fixed + self.per_sample * batch
+    points: tuple[tuple[int, float], ...]  # sorted by batch, non-decreasing in time
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, float]]) -> "Affine":
-        """Least squares over (batch, seconds); proportional through one point. A negative
-        coefficient (timing noise) is dropped and the other refitted."""
-        if len(points) == 1 or len({b for b, _ in points}) == 1:
-            b, t = points[0]
-            return cls(0.0, t / b)
-        batches, times = [float(b) for b, _ in points], [t for _, t in points]
-        slope, intercept = statistics.linear_regression(batches, times)
-        if slope < 0:
-            return cls(statistics.fmean(times), 0.0)
-        if intercept < 0:
-            return cls(0.0, sum(times) / sum(batches))
-        return cls(intercept, slope)
+    def fit(cls, points: Sequence[tuple[int, float]]) -> "BatchCurve":
+        merged: dict[int, list[float]] = {}
+        for batch, seconds in points:
+            merged.setdefault(batch, []).append(seconds)
+        out, floor = [], 0.0
+        for batch in sorted(merged):
+            floor = max(floor, statistics.median(merged[batch]))
+            out.append((batch, floor))
+        if not out:
+            raise ValueError("a batch curve needs at least one measured point")
+        return cls(tuple(out))
+
+    def __call__(self, batch: float) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * batch / pts[0][0]  # one point: proportional
+        if batch <= pts[0][0]:
+            (b0, t0), (b1, t1) = pts[0], pts[1]
+        elif batch >= pts[-1][0]:
+            (b0, t0), (b1, t1) = pts[-2], pts[-1]
+        else:
+            i = next(i for i, (b, _) in enumerate(pts) if b >= batch)
+            (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return max(0.0, t0 + (t1 - t0) * (batch - b0) / (b1 - b0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,14 +182,15 @@ class ProfileStepTimeModel:
     """cluster.types.StepTimeModel from a per-layer profile (and DDP measurements if any)."""
 
     global_batch: int
-    forward: Affine
-    backward: Affine
-    optimizer: Affine
+    forward: BatchCurve
+    backward: BatchCurve
+    optimizer: BatchCurve
     buckets: tuple[Bucket, ...]
     intra_node: LinkParams
     inter_node: LinkParams
     bucket_overhead_s: float = 0.0
     overlap_efficiency: float = 1.0  # share of the backward-overlapping communication hidden
+    corun_slowdown_per_rank: float = 0.0  # compute slows by this for each other rank on the node
 
     @classmethod
     def from_profile(
@@ -185,12 +202,14 @@ class ProfileStepTimeModel:
         inter_node: LinkParams | None = None,
         bucket_overhead_s: float | None = None,
         overlap_efficiency: float | None = None,
+        corun_slowdown_per_rank: float | None = None,
     ) -> "ProfileStepTimeModel":
         """Build the prior from `profile` and, where given, DDP measurements of any model
         (training.profile_ddp) at any world sizes. Each parameter is, in order of preference:
         given here; measured (the link: the all-reduce probe of the largest world size; the
-        per-bucket cost: the all-reduce time at world size 1; the buckets: those DDP built,
-        if a measurement is of this model); the documented default for the device kind."""
+        per-bucket cost: the all-reduce time at world size 1; the co-run slowdown: runs at
+        2+ processes; the buckets: those DDP built, if a measurement is of this model); the
+        documented default for the device kind."""
         kind = "cuda" if profile.device.startswith("cuda") else "cpu"
         runs = [] if ddp is None else [ddp] if not isinstance(ddp, Sequence) else list(ddp)
         probed = [r for r in runs if r.link is not None]
@@ -200,6 +219,9 @@ class ProfileStepTimeModel:
         singles = [r for r in runs if r.world_size == 1 and r.buckets]
         if bucket_overhead_s is None and singles:
             bucket_overhead_s = statistics.fmean(r.allreduce_s / len(r.buckets) for r in singles)
+        shared = [r for r in runs if r.world_size > 1]
+        if corun_slowdown_per_rank is None and shared:
+            corun_slowdown_per_rank = statistics.fmean((r.corun_slowdown - 1) / (r.world_size - 1) for r in shared)
 
         layer_names = {l.name for l in profile.layers}
         own = [  # a measurement of this very model: same gradient bytes, parameters of its layers
@@ -217,21 +239,23 @@ class ProfileStepTimeModel:
         scaling = profile.scaling
         return cls(
             global_batch=profile.batch_size,
-            forward=Affine.fit([(s.batch_size, s.forward_s) for s in scaling]),
-            backward=Affine.fit([(s.batch_size, s.backward_s) for s in scaling]),
-            optimizer=Affine.fit([(s.batch_size, s.optimizer_s) for s in scaling]),
+            forward=BatchCurve.fit([(s.batch_size, s.forward_s) for s in scaling]),
+            backward=BatchCurve.fit([(s.batch_size, s.backward_s) for s in scaling]),
+            optimizer=BatchCurve.fit([(s.batch_size, s.optimizer_s) for s in scaling]),
             buckets=buckets,
             intra_node=intra_node or DEFAULT_INTRA_NODE[kind],
             inter_node=inter_node or DEFAULT_INTER_NODE,
             bucket_overhead_s=DEFAULT_BUCKET_OVERHEAD_S[kind] if bucket_overhead_s is None else bucket_overhead_s,
             overlap_efficiency=DEFAULT_OVERLAP_EFFICIENCY[kind] if overlap_efficiency is None else overlap_efficiency,
+            corun_slowdown_per_rank=corun_slowdown_per_rank or 0.0,
         )
 
     def breakdown(self, devices: int, nodes: int = 1) -> StepTimeBreakdown:
         if devices < 1 or nodes < 1 or nodes > devices:
             raise ValueError(f"need 1 <= nodes <= devices, got devices={devices}, nodes={nodes}")
         batch = math.ceil(self.global_batch / devices)
-        backward = self.backward(batch)
+        slowdown = 1 + self.corun_slowdown_per_rank * (math.ceil(devices / nodes) - 1)
+        backward = self.backward(batch) * slowdown
         link = self.intra_node if nodes == 1 else LinkParams.slower(self.intra_node, self.inter_node)
         comm_free, total_comm = 0.0, 0.0
         for bucket in self.buckets:  # all-reduces run one at a time, in bucket order
@@ -242,7 +266,7 @@ class ProfileStepTimeModel:
         exposed = total_comm - self.overlap_efficiency * (total_comm - exposed_if_hidden)
         return StepTimeBreakdown(
             devices=devices, nodes=nodes, per_device_batch=batch,
-            forward_s=self.forward(batch), backward_s=backward, optimizer_s=self.optimizer(batch),
+            forward_s=self.forward(batch) * slowdown, backward_s=backward, optimizer_s=self.optimizer(batch) * slowdown,
             allreduce_s=total_comm, exposed_allreduce_s=exposed, overhead_s=self.bucket_overhead_s * len(self.buckets),
         )
 

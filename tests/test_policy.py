@@ -23,7 +23,17 @@ from cluster.jobs import (
 from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, NodePool
 from cluster.throughput import AnalyticStepTime, OnlineStepTime, mean_relative_error, prior_from_size
 
-POLICIES = [ElasticPolicy(), ElasticPolicy(hysteresis=0.0, min_run_s=0.0, starvation_s=600.0), FifoPolicy(), LasPolicy()]
+POLICIES = [ElasticPolicy(), FifoPolicy(), LasPolicy()]
+elastic_policies = st.builds(
+    ElasticPolicy,
+    hysteresis=st.floats(0.0, 2.0),
+    las_scale_s=st.floats(1.0, 1e5),
+    las_power=st.floats(0.0, 3.0),
+    min_run_s=st.floats(0.0, 1e5),
+    min_gain=st.floats(0.0, 1.0),
+    starvation_s=st.floats(0.0, 1e6),
+)
+any_policy = st.one_of(st.sampled_from(POLICIES), elastic_policies)
 GOOD_SCALING = AnalyticStepTime(fixed=0.002, compute=1.0, intra=0.005, inter=0.02, per_node=0.001)
 POOR_SCALING = AnalyticStepTime(fixed=0.1, compute=0.9, intra=0.06, inter=0.5, per_node=0.02)
 
@@ -81,11 +91,10 @@ def scenarios(draw) -> tuple[Cluster, list[Job]]:
 # ---------------------------------------------------------------- every policy
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenario=scenarios(), which=st.integers(0, len(POLICIES) - 1))
-def test_decisions_are_legal_and_deterministic(scenario, which):
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), policy=any_policy)
+def test_decisions_are_legal_and_deterministic(scenario, policy):
     cluster, jobs = scenario
-    policy = POLICIES[which]
     allocation = policy.decide(cluster, jobs, 100_000.0)
     validate_allocation(cluster, jobs, allocation)  # no over-commitment, gangs whole
     for placement in allocation.values():
@@ -94,7 +103,7 @@ def test_decisions_are_legal_and_deterministic(scenario, which):
     assert policy.decide(cluster, list(reversed(jobs)), 100_000.0) == allocation
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
 def test_elastic_leaves_recently_changed_jobs_whole(scenario):
     cluster, jobs = scenario
@@ -107,7 +116,7 @@ def test_elastic_leaves_recently_changed_jobs_whole(scenario):
             assert devices_of(allocation.get(job.id)) >= job.devices, job.id
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
 def test_elastic_runs_a_starving_job_when_unprotected_devices_allow(scenario):
     cluster, jobs = scenario
@@ -169,6 +178,20 @@ def test_elastic_skips_a_resize_too_small_to_pay_for_its_pause():
     assert ElasticPolicy().decide(cluster, [job], 7200.0)["flat"] == {"node0": 2}
     steep = Job("steep", 0.0, 2, 1, 4, GOOD_SCALING, attained=7200.0, placement={"node0": 2}, since=0.0)
     assert ElasticPolicy().decide(cluster, [steep], 7200.0)["steep"] == {"node0": 4}
+
+
+def test_elastic_lets_a_long_job_try_one_more_node_with_idle_devices():
+    cluster = Cluster.uniform(4, 4)
+    running = Job("long", 0.0, 1, 1, 16, POOR_SCALING, attained=4 * 3600.0, placement={"node0": 4}, since=0.0, explored_nodes=1)
+    allocation = ElasticPolicy().decide(cluster, [running], 3600.0)
+    assert (devices_of(allocation["long"]), nodes_of(allocation["long"])) == (8, 2)
+    # Once measured on two nodes, its model is believed: back to the one node it prefers.
+    tried = replace(running, placement=allocation["long"], explored_nodes=2)
+    allocation = ElasticPolicy().decide(cluster, [tried], 7200.0)
+    assert (devices_of(allocation["long"]), nodes_of(allocation["long"])) == (4, 1)
+    # A young job does not explore: the pauses would cost it more than it could learn.
+    young = replace(running, attained=600.0)
+    assert ElasticPolicy().decide(cluster, [young], 3600.0)["long"] == {"node0": 4}
 
 
 def test_elastic_gives_a_new_job_devices_from_a_long_running_one():
@@ -272,7 +295,7 @@ def test_online_model_learns_the_shape_beyond_measured_sizes():
     for _ in range(5):
         for n, k in ((1, 1), (2, 1), (4, 1), (8, 2), (12, 3)):
             model.observe(n, k, truth.step_time(n, k))
-    assert mean_relative_error(model, truth, unseen) < min(before / 5, 0.1)
+    assert mean_relative_error(model, truth, unseen) < min(before / 3, 0.1)
 
 
 def test_online_model_follows_any_prior_until_it_measures():

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from cluster.step_time_prior import Affine, Bucket, LinkParams, ProfileStepTimeModel, emulate_buckets, measured_buckets
+from cluster.step_time_prior import BatchCurve, Bucket, LinkParams, ProfileStepTimeModel, emulate_buckets, measured_buckets
 from training.errors import CampaignError
 from training.models import MLP, SmallCNN
 from training.profiler import (
-    BatchTooLargeError, DdpProfile, LayerProfile, LayerTraceError, ModelProfile, StepTiming,
+    BatchTooLargeError, BucketProfile, DdpProfile, LayerProfile, LayerTraceError, LinkEstimate, ModelProfile, StepTiming,
     profile_model, to_markdown, to_rich_table,
 )
 from training.roofline import DevicePeaks, DeviceUnavailableError, plot_roofline, probe_device, read_nvml
@@ -220,6 +220,7 @@ def test_two_process_ddp_all_reduces_exactly_the_gradients(tmp_path):
     assert 0 < ddp.allreduce_s and 0 <= ddp.overlap_s <= ddp.allreduce_s
     assert 0 < ddp.forward_s < ddp.step_s and 0 < ddp.backward_s < ddp.step_s
     assert ddp.link is not None and ddp.link.bandwidth_bytes_per_s > 0 and ddp.link.latency_s >= 0
+    assert ddp.peer_wait_s is not None and 0 <= ddp.peer_wait_s <= ddp.allreduce_s
 
     # The prior takes DDP's real buckets: the last layer's bucket is ready first.
     profile = profile_model(model, digits(32), F.cross_entropy, CPU, repeats=2)
@@ -245,12 +246,21 @@ def synthetic_profile(batch: int, fixed: float, per_sample: float, layer_grads: 
 
 
 @settings(max_examples=50, deadline=None)
-@given(
-    fixed=st.floats(0, 1e-2), per_sample=st.floats(1e-6, 1e-3), n_fit=st.integers(2, 4),
-)
-def test_affine_fit_recovers_an_affine_law(fixed, per_sample, n_fit):
-    fit = Affine.fit([(b, fixed + per_sample * b) for b in (8, 16, 32, 64)[:n_fit]])
-    assert fit.fixed == pytest.approx(fixed, abs=1e-9) and fit.per_sample == pytest.approx(per_sample, rel=1e-6)
+@given(points=st.lists(st.tuples(st.integers(1, 512), st.floats(0, 1.0)), min_size=1, max_size=5), batch=st.floats(0.5, 2048))
+def test_batch_curve_passes_through_its_points_and_never_falls(points, batch):
+    curve = BatchCurve.fit(points)
+    assert [b for b, _ in curve.points] == sorted({b for b, _ in points})
+    if len(curve.points) > 1:
+        assert all(curve(b) == pytest.approx(t) for b, t in curve.points)
+    assert curve(batch) >= 0 and curve(batch) <= curve(batch * 1.5) + 1e-12
+
+
+def test_batch_curve_interpolates_and_extrapolates_along_the_nearest_segment():
+    curve = BatchCurve.fit([(8, 1.0), (16, 1.5), (32, 3.0), (64, 7.0)])
+    assert curve(24) == pytest.approx(2.25)
+    assert curve(128) == pytest.approx(15.0)  # the per-sample cost of large batches
+    assert curve(4) == pytest.approx(0.75)  # the fixed cost of small ones
+    assert BatchCurve.fit([(64, 2.0), (32, 3.0)]).points == ((32, 3.0), (64, 3.0))  # noise cannot make more work faster
 
 
 @settings(max_examples=50, deadline=None)
@@ -285,7 +295,8 @@ def test_prior_properties(batch, fixed, per_sample, grads, devices, nodes):
     assert 0 <= b.exposed_allreduce_s <= b.allreduce_s + 1e-12
     assert model.step_time(devices, min(nodes, devices)) == pytest.approx(b.step_s)
     if devices == 1:
-        assert b.allreduce_s == 0 and b.step_s == pytest.approx(profile.step.forward_s + profile.step.backward_s + profile.step.optimizer_s)
+        assert b.allreduce_s == 0
+        assert b.step_s - b.overhead_s == pytest.approx(profile.step.forward_s + profile.step.backward_s + profile.step.optimizer_s)
     if nodes <= devices and nodes > 1:
         assert model.step_time(devices, nodes) >= model.step_time(devices, 1)  # the network is the slower link
     free = ProfileStepTimeModel.from_profile(profile, intra_node=LinkParams(float("inf"), 0.0))
@@ -293,15 +304,33 @@ def test_prior_properties(batch, fixed, per_sample, grads, devices, nodes):
 
 
 def test_a_bucket_ready_early_hides_behind_backward_and_a_late_one_does_not():
-    def model(ready: float) -> ProfileStepTimeModel:
+    def model(ready: float, efficiency: float = 1.0) -> ProfileStepTimeModel:
         return ProfileStepTimeModel(
-            global_batch=2, forward=Affine(0, 0), backward=Affine(10e-3, 0), optimizer=Affine(0, 0),
-            buckets=(Bucket(10**6, ready),), intra_node=LinkParams(1e9, 0.0), inter_node=LinkParams(1e9, 0.0),
+            global_batch=2, forward=BatchCurve(((1, 0.0),)), backward=BatchCurve(((1, 10e-3), (2, 10e-3))), optimizer=BatchCurve(((1, 0.0),)),
+            buckets=(Bucket(10**6, ready),), intra_node=LinkParams(1e9, 0.0), inter_node=LinkParams(1e9, 0.0), overlap_efficiency=efficiency,
         )
     # 1 MB over 2 devices at 1 GB/s: 1 ms of all-reduce.
     assert model(0.5).breakdown(2).exposed_allreduce_s == 0
     assert model(1.0).breakdown(2).exposed_allreduce_s == pytest.approx(1e-3)
     assert model(0.95).breakdown(2).exposed_allreduce_s == pytest.approx(0.5e-3)
+    # Where communication takes the compute's own core, nothing hides.
+    assert model(0.5, efficiency=0.0).breakdown(2).exposed_allreduce_s == pytest.approx(1e-3)
+    assert model(0.5, efficiency=0.5).breakdown(2).exposed_allreduce_s == pytest.approx(0.5e-3)
+
+
+def test_prior_takes_what_ddp_measured():
+    profile = synthetic_profile(64, 1e-3, 1e-5, [4096, 8192])  # layers l0, l1
+    buckets = (BucketProfile(0, 8192, ("l1.weight",)), BucketProfile(1, 4096, ("l0.weight",)))
+    def run(world: int, link: LinkEstimate | None, allreduce_s: float) -> DdpProfile:
+        return DdpProfile("m", world, "gloo", 64, 10, buckets, 12288, allreduce_s, 0.0, 1e-2, 1e-3, 1e-3, 1e-4, link)
+    single = run(1, None, 4e-4)
+    pair = run(2, LinkEstimate(2, 2e9, 3e-4, ((4096, 3e-4),)), 2e-3)
+    model = ProfileStepTimeModel.from_profile(profile, [single, pair])
+    assert model.bucket_overhead_s == pytest.approx(2e-4)  # 0.4 ms over 2 buckets, at world size 1
+    assert model.intra_node == LinkParams(2e9, 1.5e-4)  # 0.3 ms over the 2 hops of a 2-ring
+    assert [b.bytes for b in model.buckets] == [8192, 4096] and [b.ready_fraction for b in model.buckets] == [0.5, 1.0]
+    chosen = ProfileStepTimeModel.from_profile(profile, pair, intra_node=LinkParams(1e9, 0.0), bucket_overhead_s=0.0)
+    assert chosen.intra_node == LinkParams(1e9, 0.0) and chosen.bucket_overhead_s == 0.0
 
 
 def test_prior_refuses_impossible_spreads():

@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,13 +90,23 @@ def latest_valid_checkpoint(root: Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves and loads a trial's state; every rank calls every method (they are collective)."""
+    """Saves and loads a trial's state; every rank calls every method (they are collective).
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int):
+    `save(..., blocking=False)` returns once the state is staged (copied to CPU memory); the
+    write runs in a background thread over `async_group`, a process group of its own so its
+    collectives never interleave with training's. Rank 0 writes the manifest and renames the
+    checkpoint into view when the write has completed on every rank (DCP writes its metadata
+    only then). One save is in flight at a time.
+    """
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None):
         self.root = Path(root)
         self.keep = max(1, keep)
         self.rank = rank
         self.world_size = world_size
+        self.async_group = async_group
+        self._pending: Future | None = None
+        self._finalized: Future | None = None
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -109,30 +120,59 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def clean_stale(self) -> None:
+        """Remove half-written checkpoints left by a run that was killed while saving."""
+        if self.rank == 0 and self.root.is_dir():
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        self._barrier()
+
+    def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> Path:
+        self.wait()
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
-        self._barrier()
-        dcp.save(state, checkpoint_id=tmp)
-        self._barrier()
+        if blocking or self.async_group is None:
+            dcp.save(state, checkpoint_id=tmp)
+            self._barrier()
+            if self.rank == 0:
+                self._finalize(step, tmp, final)
+            self._barrier()
+            return final
+        self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group)
         if self.rank == 0:
-            write_manifest(tmp, step, self.world_size)
-            if final.exists():  # the same step saved again after a resume: replace it whole
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_dir(self.root)
-            self._prune()
-        self._barrier()
+            # The callback runs after waiters on the write wake up: it must hold its own
+            # reference to the future it completes, not read it from self.
+            finalized = self._finalized = Future()
+            self._pending.add_done_callback(lambda done: self._finalize_when(done, step, tmp, final, finalized))
         return final
 
-    def _prune(self) -> None:
+    def _finalize_when(self, done: Future, step: int, tmp: Path, final: Path, finalized: Future) -> None:
+        try:
+            done.result()
+            self._finalize(step, tmp, final)
+            finalized.set_result(final)
+        except BaseException as e:  # surfaced by wait(), on the training thread
+            finalized.set_exception(e)
+
+    def _finalize(self, step: int, tmp: Path, final: Path) -> None:
+        write_manifest(tmp, step, self.world_size)
+        if final.exists():  # the same step saved again after a resume: replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(self.root)
         for old in list_checkpoints(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and, on rank 0, visible."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        if self._finalized is not None:
+            finalized, self._finalized = self._finalized, None
+            finalized.result()
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest valid checkpoint into `state`; its step, or None if there is none."""

@@ -31,6 +31,9 @@ class TrialConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     eval_every: int = 50
+    max_device_batch: int | None = None  # micro-batch limit per process: gradient accumulation above it
+    async_checkpoints: bool = True  # periodic checkpoints written off the training path
+    control_every: int = 10  # steps between checks for a resize request (elastic trials)
     trial_dir: str = "."  # checkpoints, progress and result files live here
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from training.dropout import SampleDropout
+
 
 class SmallCNN(nn.Module):
     """Two 3x3 conv blocks and a linear head, for 1x8x8 images (sklearn digits).
@@ -30,7 +32,7 @@ class SmallCNN(nn.Module):
         pooled = image_size // 2
         self.head = nn.Sequential(
             nn.Flatten(),
-            nn.Dropout(dropout),
+            SampleDropout(dropout, layer_id=0),
             nn.Linear(2 * width * pooled * pooled, num_classes),
         )
 
@@ -46,7 +48,7 @@ class MLP(nn.Module):
         layers: list[nn.Module] = [nn.Flatten()]
         features = in_features
         for _ in range(depth):
-            layers += [nn.Linear(features, width), nn.ReLU(), nn.Dropout(dropout)]
+            layers += [nn.Linear(features, width), nn.ReLU(), SampleDropout(dropout, layer_id=len(layers))]
             features = width
         layers.append(nn.Linear(features, num_classes))
         self.net = nn.Sequential(*layers)

@@ -7,8 +7,12 @@ Trains `--steps` steps of the model on random digits-shaped data at the global b
 split over the world size from torchrun's environment, exactly as the trainer does (same
 loss scaling, SGD with momentum, DDP defaults). A DDP communication hook wrapping the
 default all-reduce records, per step, each bucket's bytes and the interval its all-reduce
-was in flight; post-accumulate-grad hooks mark the end of backward compute. Then a short
-probe times bare all-reduces of a few sizes and fits the link's bandwidth and latency.
+was in flight; post-accumulate-grad hooks mark the end of backward compute. On one node
+the ranks' bucket-ready times also give how long the first rank waited for the last (a
+straggler shows up there, not as a slow link). Before that, each rank trains a few steps
+alone, then all together, without DDP: the ratio is how much ranks sharing a node slow
+each other's compute. After, a short probe times bare all-reduces of a few sizes and fits
+the link's bandwidth and latency.
 Rank 0 writes a training.profiler.DdpProfile as JSON.
 
 Times are host clocks: exact on CPU (gloo); on a GPU (NCCL) each phase is synchronised,
@@ -18,7 +22,9 @@ and bucket intervals are when the host saw them start and finish, an approximati
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -80,6 +86,7 @@ def union_length(intervals: list[tuple[float, float]], lo: float = -np.inf, hi: 
 class _StepRecord:
     buckets: dict[int, tuple[int, tuple[str, ...]]] = field(default_factory=dict)  # index -> (bytes, params)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    starts: dict[int, float] = field(default_factory=dict)  # bucket index -> when it was ready here
     grads_done: float = 0.0
 
 
@@ -107,6 +114,7 @@ class _CommRecorder:
         buffer = bucket.buffer()
         params = tuple(self.names[p] for p in bucket.parameters())
         record.buckets[bucket.index()] = (buffer.numel() * buffer.element_size(), params)
+        record.starts[bucket.index()] = start
 
         def finished(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             record.intervals.append((start, time.perf_counter()))
@@ -122,20 +130,62 @@ def _sync(device: torch.device) -> float:
 
 
 def probe_link(device: torch.device, world_size: int, sizes: tuple[int, ...] = PROBE_BYTES, repeats: int = 20) -> LinkEstimate:
-    """Time bare all-reduces of float32 buffers (median per size) and fit the link."""
-    points = []
-    for size in sizes:
-        buf = torch.ones(size // 4, device=device)
-        times = []
-        for i in range(repeats + 2):
+    """Time bare all-reduces of float32 buffers (median per size) and fit the link. Sizes
+    take turns, so a burst of load on the host spreads over all of them, not one."""
+    buffers = {size: torch.ones(size // 4, device=device) for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for i in range(repeats + 2):
+        for size, buf in buffers.items():
             dist.barrier()
             t0 = _sync(device)
             dist.all_reduce(buf)
-            t = _sync(device) - t0
-            if i >= 2:
-                times.append(t)
-        points.append((size, statistics.median(times)))
-    return fit_link(points, world_size)
+            if i >= 2:  # the first rounds set up connections and buffers
+                times[size].append(_sync(device) - t0)
+    return fit_link([(size, statistics.median(times[size])) for size in sizes], world_size)
+
+
+def _plain_step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, steps: int, aligned: bool) -> list[float]:
+    """Seconds of each training step without DDP (no communication). `aligned`: every rank
+    starts each step together, after a barrier, as a synchronous DDP step would."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    times = []
+    for i in range(steps + 2):
+        optimizer.zero_grad(set_to_none=True)
+        if aligned:
+            dist.barrier()
+        t0 = _sync(device)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if i >= 2:
+            times.append(_sync(device) - t0)
+    return times
+
+
+def measure_corun_slowdown(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, env: DistEnv, device: torch.device, steps: int) -> float:
+    """How much slower the slowest rank computes a step while every rank computes than a
+    rank computes it alone.
+
+    Ranks of one node share caches, memory bandwidth and, on a shared host, cores; and a
+    synchronous step waits for the slowest of them. Each rank runs plain steps alone in
+    turn, then all ranks run them together, step by step; the ratio compares the median
+    of the per-step slowest rank with the median time alone."""
+    if env.world_size == 1:
+        return 1.0
+    work = copy.deepcopy(model)
+    alone = 0.0
+    for turn in range(env.world_size):
+        dist.barrier()
+        if turn == env.rank:
+            alone = statistics.median(_plain_step_times(work, x, y, device, steps, aligned=False))
+    together = _max_over_ranks(_plain_step_times(work, x, y, device, steps, aligned=True), device)
+    mean_alone = statistics.fmean(_gather(alone, env.world_size, device))
+    return max(1.0, statistics.median(together) / mean_alone)
+
+
+def _gather(value: float, world_size: int, device: torch.device) -> list[float]:
+    out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world_size)]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64, device=device))
+    return [t.item() for t in out]
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -158,8 +208,12 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
     generator = torch.Generator().manual_seed(args.seed + env.rank)
     x = torch.rand(local, *args.input_shape, generator=generator).to(device)
     y = torch.randint(0, args.classes, (local,), generator=generator).to(device)
+    corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1)
 
-    rows = []  # per measured step: forward, backward, optimizer, step, all-reduce, overlap
+    # perf_counter is the host's monotonic clock, the same in every process of one node: there
+    # the ranks' bucket-ready times compare, and the wait for the last rank can be measured.
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) == env.world_size
+    rows = []  # per measured step: forward, backward, optimizer, step, all-reduce, overlap, peer wait
     for i in range(args.warmup + args.steps):
         optimizer.zero_grad(set_to_none=True)
         record = recorder.new_step()
@@ -173,7 +227,10 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
         if i >= args.warmup:
             comm = union_length(record.intervals, t1, t2)
             overlap = union_length(record.intervals, t1, max(t1, record.grads_done))
-            rows.append(_max_over_ranks([t1 - t0, t2 - t1, t3 - t2, t3 - t0, comm, overlap], device))
+            starts = [record.starts[k] for k in sorted(record.starts)]
+            latest = _max_over_ranks(starts, device) if one_node else starts
+            wait = min(comm, sum(last - mine for last, mine in zip(latest, starts)))
+            rows.append(_max_over_ranks([t1 - t0, t2 - t1, t3 - t2, t3 - t0, comm, overlap, wait], device))
     link = probe_link(device, env.world_size, args.probe_bytes) if env.world_size > 1 else None
 
     med = [statistics.median(column) for column in zip(*rows)]
@@ -182,6 +239,7 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
         model=args.model, world_size=env.world_size, backend=dist.get_backend(), global_batch=args.batch_size, steps=args.steps,
         buckets=buckets, allreduce_bytes=sum(b.bytes for b in buckets),
         forward_s=med[0], backward_s=med[1], optimizer_s=med[2], step_s=med[3], allreduce_s=med[4], overlap_s=med[5],
+        peer_wait_s=med[6] if one_node else None, corun_slowdown=corun,
         link=link, threads=torch.get_num_threads() if device.type == "cpu" else 0,
     )
 

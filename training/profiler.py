@@ -194,6 +194,8 @@ class DdpProfile:
     backward_s: float  # includes waiting for the last all-reduce
     optimizer_s: float
     link: LinkEstimate | None  # None at world size 1
+    peer_wait_s: float | None = None  # of allreduce_s, waiting for the slowest rank (one node only)
+    corun_slowdown: float = 1.0  # a rank's compute with all ranks computing, over alone
     threads: int = 1
 
     @property
@@ -577,6 +579,8 @@ def _ddp_markdown(ddp: DdpProfile) -> str:
         f"all-reduce {_si(ddp.allreduce_bytes, 'B')} per step in {_ms(ddp.allreduce_s)} ms, "
         f"{ddp.overlap_fraction:.0%} of it overlapped with backward ({_ms(ddp.exposed_s)} ms exposed).",
     ]
+    if ddp.peer_wait_s is not None:
+        lines[-1] += f" Of the all-reduce time, {_ms(ddp.peer_wait_s)} ms was waiting for the slowest rank."
     if ddp.link is not None:
         lines[-1] += f" Link fit: {ddp.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, latency {ddp.link.latency_s * 1e6:.0f} us."
     lines += ["", "| bucket | bytes | params |", "|---:|---:|---|"]

@@ -55,13 +55,15 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     trainer = None
     try:
-        trainer = Trainer(cfg, env, device)
+        trainer = Trainer(cfg, device)
+        trainer.attach(env)
         resumed = trainer.resume()
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed}" if resumed is not None else "fresh start"), flush=True)
         result = trainer.train()
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: finished {result['steps']} steps, {result['metrics']}", flush=True)
+        trainer.detach()
     finally:
         if trainer is not None:
             trainer.close()

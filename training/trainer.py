@@ -1,20 +1,28 @@
 """The DDP trainer: owns the loop; the Checkpointer owns saving.
 
-Invariant (DESIGN.md #1): the result does not depend on the world size or on restarts.
-- Each step trains on the same global batch (training.data.SampleOrder), split by rank.
+Invariant (DESIGN.md #1): the result does not depend on the world size, on restarts or on
+resizes.
+- Each step trains on the same global batch (training.data.SampleOrder), split by rank,
+  and split again into micro-batches of at most `max_device_batch` (gradient accumulation).
 - The loss is summed and scaled by world_size / global_batch, so DDP's gradient average
-  equals the gradient of the mean loss over the global batch, even for uneven shards.
-- Randomness (dropout) is reseeded every step from (seed, step, rank): the RNG state of a
-  step is a function of the step, which the checkpoint stores.
+  equals the gradient of the mean loss over the global batch, for any split.
+- Dropout masks come from (seed, step, global sample position) (training.dropout), and the
+  global RNG is reseeded every step from (seed, step, rank) for anything else.
+
+A Trainer outlives process groups: `attach` binds it to the current default group (a
+torchrun job, or one generation of an elastic trial), `detach` lets it go, and
+`state_bytes`/`load_state_bytes` move its state through memory to a process that joins.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from training.checkpoint import Checkpointer
 from training.config import TrialConfig
 from training.data import SampleOrder, load_digits_npz
+from training.dropout import batch_context
 from training.files import write_json_atomic
 from training.metrics import MetricsLogger
 from training.models import build_model
@@ -57,9 +66,19 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
+def shard_offsets(batch_size: int, world_size: int) -> list[int]:
+    """Where each rank's contiguous shard starts in the global batch (np.array_split's split)."""
+    sizes = [len(a) for a in np.array_split(np.arange(batch_size), world_size)]
+    return [int(x) for x in np.cumsum([0] + sizes[:-1])]
+
+
+# Called every `control_every` steps on every rank; True stops training at this boundary.
+StopCheck = Callable[[int], bool]
+
+
 class Trainer(Stateful):
-    def __init__(self, cfg: TrialConfig, env: DistEnv, device: torch.device):
-        self.cfg, self.env, self.device = cfg, env, device
+    def __init__(self, cfg: TrialConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
         data = load_digits_npz(cfg.data_path)
         self.train_x, self.train_y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
         self.val_x, self.val_y = torch.from_numpy(data.val_x).to(device), torch.from_numpy(data.val_y).to(device)
@@ -67,16 +86,43 @@ class Trainer(Stateful):
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
         self.model = build_model(cfg.model, **cfg.model_kwargs).to(device)
-        self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg.schedule, cfg.warmup_steps, cfg.steps, s)
         )
         self.step = 0
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, env.rank, env.world_size)
-        self.is_rank0 = env.rank == 0
-        self.metrics = MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if self.is_rank0 else MetricsLogger(None, None)
         self.latest: dict[str, float] = {}
+        self.env: DistEnv | None = None
+        self.ddp: DDP | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.metrics = MetricsLogger(None, None)
+        self._async_group = None
+
+    # --- binding to a process group -----------------------------------------------------
+    def attach(self, env: DistEnv) -> None:
+        """Bind to the default process group just initialized (collective)."""
+        self.env = env
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # Checkpoint writes run in a background thread: give their collectives a group of their own.
+        self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
+        self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group)
+        if env.rank == 0 and not self.metrics.enabled:
+            self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id)
+        elif env.rank != 0:
+            self.metrics.close()
+            self.metrics = MetricsLogger(None, None)
+
+    def detach(self) -> None:
+        """Finish what is in flight and let go of the process group (collective)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+        self.ddp, self.checkpointer, self._async_group = None, None, None
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env is not None and self.env.rank == 0
 
     # --- Stateful: what a checkpoint holds -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -97,21 +143,52 @@ class Trainer(Stateful):
             raise RuntimeError(f"checkpoint was written with seed {state['progress']['seed']}, this trial has {self.cfg.seed}")
         self.step = int(state["progress"]["step"])
 
+    def state_bytes(self) -> bytes:
+        """The whole training state, for a process joining through memory (not disk)."""
+        buf = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "step": self.step}, buf)
+        return buf.getvalue()
+
+    def load_state_bytes(self, payload: bytes) -> None:
+        state = torch.load(io.BytesIO(payload), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
     # --- the loop ----------------------------------------------------------------------
     def resume(self) -> int | None:
+        """Load the newest valid checkpoint, if any (collective); its step."""
+        self.checkpointer.clean_stale()
         return self.checkpointer.load_latest({"trainer": self})
 
+    def save_checkpoint(self, blocking: bool = True) -> None:
+        self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
+
     def train_step(self, step: int) -> float:
-        batch = self.order.global_batch(step, self.cfg.batch_size)
-        local = torch.from_numpy(SampleOrder.shard(batch, self.env.rank, self.env.world_size))
-        x, y = self.train_x[local].to(self.device), self.train_y[local].to(self.device)
-        torch.manual_seed(step_seed(self.cfg.seed, step, self.env.rank))
-        loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
-        (loss_sum * self.env.world_size / self.cfg.batch_size).backward()
+        cfg, env = self.cfg, self.env
+        batch = self.order.global_batch(step, cfg.batch_size)
+        local = SampleOrder.shard(batch, env.rank, env.world_size)
+        offset = shard_offsets(cfg.batch_size, env.world_size)[env.rank]
+        chunks = math.ceil(len(local) / cfg.max_device_batch) if cfg.max_device_batch else 1
+        torch.manual_seed(step_seed(cfg.seed, step, env.rank))
+        total = 0.0
+        start = 0
+        for i, micro in enumerate(np.array_split(local, chunks)):
+            x = self.train_x[torch.from_numpy(micro)].to(self.device)
+            y = self.train_y[torch.from_numpy(micro)].to(self.device)
+            last = i == chunks - 1
+            # Gradients are reduced across ranks once per step, on the last micro-batch.
+            with (self.ddp.no_sync() if not last else contextlib.nullcontext()), batch_context(cfg.seed, step, offset + start, cfg.batch_size):
+                loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
+                (loss_sum * env.world_size / cfg.batch_size).backward()
+            total += loss_sum.item()
+            start += len(micro)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum.item() / len(local)
+        return total / len(local)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -123,18 +200,21 @@ class Trainer(Stateful):
             "val_accuracy": (logits.argmax(1) == self.val_y).float().mean().item(),
         }
 
-    def _write_progress(self, state: str) -> None:
+    def write_progress(self, state: str) -> None:
         write_json_atomic(self.cfg.progress_path, {
             "state": state, "step": self.step, "steps": self.cfg.steps, "world_size": self.env.world_size,
             "metrics": self.latest, "updated": time.time(),
         })
 
-    def train(self) -> dict[str, Any]:
+    def train(self, should_stop: StopCheck | None = None) -> dict[str, Any] | None:
+        """Train to the end (returns the result) or until `should_stop` says so (returns None)."""
         cfg = self.cfg
         started, start_step = time.time(), self.step
         if self.is_rank0:
-            self._write_progress("running")
+            self.write_progress("running")
         while self.step < cfg.steps:
+            if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
+                return None
             t0 = time.perf_counter()
             loss = self.train_step(self.step)
             self.step += 1
@@ -143,10 +223,11 @@ class Trainer(Stateful):
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     self.latest.update(self.evaluate())
                 self.metrics.log(self.step, **self.latest)
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                self.checkpointer.save(self.step, {"trainer": self})
-            if self.is_rank0 and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
-                self._write_progress("running")
+            if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                self.save_checkpoint(blocking=False)
+            if self.is_rank0 and self.step % cfg.log_every == 0:
+                self.write_progress("running")
+        self.save_checkpoint(blocking=True)  # the final state is durable before the result says so
         if self.is_rank0 and "val_accuracy" not in self.latest:
             self.latest.update(self.evaluate())  # resumed from the final checkpoint: no step ran
         result = {
@@ -156,9 +237,10 @@ class Trainer(Stateful):
             "checkpoint": str(self.checkpointer.root / f"step-{self.step:08d}"),
         }
         if self.is_rank0:
-            self._write_progress("finished")
+            self.write_progress("finished")
             write_json_atomic(cfg.result_path, result)
         return result
 
     def close(self) -> None:
         self.metrics.close()
+
