@@ -1,6 +1,6 @@
 """Bench of the per-layer profiler and the step-time prior. Prints figures; passes nothing.
 
-    PYTHONPATH=. .venv/bin/python bench/profile_bench.py            # both parts, ~2 min here
+    PYTHONPATH=. .venv/bin/python bench/profile_bench.py            # both parts, ~70 s here
     PYTHONPATH=. .venv/bin/python bench/profile_bench.py --part prior --steps 60 --rounds 3
 
 Part "overhead": what profiling a trial costs (probe + profile of the default SmallCNN at
@@ -8,11 +8,16 @@ batch 64), in seconds and as a share of that trial's run (a plain 300-step train
 of the same model on digits-shaped data, timed here).
 
 Part "prior": predicted versus measured DDP step time at 1 and 2 processes (real
-torchrun, gloo on CPU, one core and one thread per process) for models of different
-shapes. Each model is profiled in this process (one thread). The first model's DDP runs
-calibrate what the prior cannot see in a profile: the link (the bare all-reduce probe at
-2 processes) and DDP's per-bucket cost (the all-reduce time at 1 process); the other
-models' predictions use those and their own profile only.
+torchrun, gloo on CPU, one thread per process, not pinned) for models of different
+shapes. Each round profiles each model in this process (one thread) and then measures it
+with training.profile_ddp, so both see the host's load of that moment. The first model's
+DDP runs calibrate what a profile cannot see: the link (the bare all-reduce probe and the
+all-reduces inside steps, at 2 processes), the wait for the slower rank, DDP's
+per-bucket cost (the all-reduce time at 1 process) and how much ranks computing together
+slow each other; the other models' predictions use those, the
+roofline probe's memory bandwidth and their own profile, nothing of their own DDP runs.
+"Spread" is the measurement's own round-to-round variation: an error below it cannot be
+told from noise.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from cluster.step_time_prior import ProfileStepTimeModel  # noqa: E402
 from training.models import build_model  # noqa: E402
-from training.profiler import DdpProfile, profile_model  # noqa: E402
+from training.profiler import DdpProfile, ModelProfile, profile_model  # noqa: E402
 from training.roofline import cpu_threads, probe_device  # noqa: E402
 
 MODELS = {  # name: (registered model, kwargs)
@@ -71,15 +76,17 @@ def overhead(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     peaks = probe_device(torch.device("cpu"))
     probe_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    profile_model(build_model("small_cnn"), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
-    profile_s = time.perf_counter() - t0
-    total = probe_s + profile_s
+    profile_s = []
+    for _ in range(2):  # the first call in a process also pays one-time set-up (kernels, flop counter)
+        t0 = time.perf_counter()
+        profile_model(build_model("small_cnn"), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
+        profile_s.append(time.perf_counter() - t0)
     print(f"\n== overhead of profiling a trial (SmallCNN width 16, batch {args.batch}, 1 CPU thread)")
     print(f"plain training, {args.train_steps} steps: {train_s:.2f} s")
     print(f"roofline probe: {probe_s:.2f} s ({peaks.peak_flops / 1e9:.1f} GFLOP/s, {peaks.peak_bytes_per_s / 1e9:.1f} GB/s)")
-    print(f"per-layer profile: {profile_s:.2f} s")
-    print(f"total: {total:.2f} s = {total / train_s:.0%} of the trial's training time")
+    print(f"per-layer profile: {profile_s[0]:.2f} s (a second call: {profile_s[1]:.2f} s)")
+    total = probe_s + profile_s[0]
+    print(f"probe + profile: {total:.2f} s = {total / train_s:.0%} of the trial's training time")
 
 
 def run_ddp(name: str, nproc: int, batch: int, steps: int, port: int) -> DdpProfile:
@@ -105,24 +112,23 @@ def prior(args: argparse.Namespace) -> None:
     print(f"\n== step-time prior vs measured DDP step (global batch {args.batch}, gloo on CPU, 1 thread per process, "
           f"{args.rounds} round(s), medians; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     port = 29500 + os.getpid() % 1000
-    calibration: list[DdpProfile] = []  # the first model's runs: the link (2 processes), DDP's per-bucket cost (1)
-    rows = []
-    for name in args.models:
-        model, kwargs = MODELS[name]
-        predicted: dict[int, list[float]] = {1: [], 2: []}
-        measured: dict[int, list[DdpProfile]] = {1: [], 2: []}
-        for _ in range(args.rounds):  # profile and measure in the same round: the host's load drifts
+    peaks = probe_device(torch.device("cpu"))
+    measured: dict[str, list[tuple[ModelProfile, dict[int, DdpProfile]]]] = {name: [] for name in args.models}
+    for _ in range(args.rounds):  # each model profiled and measured in the same round: the host's load drifts
+        for name in args.models:
+            model, kwargs = MODELS[name]
             profile = profile_model(build_model(model, **kwargs), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
-            runs = {n: run_ddp(name, n, args.batch, args.steps, port) for n in (1, 2)}
-            calibration = calibration or list(runs.values())
-            prior_model = ProfileStepTimeModel.from_profile(profile, calibration)
-            for n, run in runs.items():
-                measured[n].append(run)
-                predicted[n].append(prior_model.step_time(n))
+            measured[name].append((profile, {n: run_ddp(name, n, args.batch, args.steps, port) for n in (1, 2)}))
+    # The first model's runs, all rounds: the link and wait (2 processes), DDP's per-bucket cost (1).
+    calibration = [run for _, runs in measured[args.models[0]] for run in runs.values()]
+    rows = []
+    for name, rounds in measured.items():
         for n in (1, 2):
-            rows.append((name, n, predicted[n], measured[n], prior_model.breakdown(n), name == args.models[0]))
+            priors = [ProfileStepTimeModel.from_profile(p, calibration, memory_bytes_per_s=peaks.peak_bytes_per_s) for p, _ in rounds]
+            predicted = [prior.step_time(n) for prior in priors]
+            rows.append((name, n, predicted, [runs[n] for _, runs in rounds], priors[-1].breakdown(n), name == args.models[0]))
     print(f"{'model':10} {'n':>2} {'predicted':>9} {'measured':>8} {'error':>7} {'spread':>6}   "
-          "predicted compute / all-reduce / DDP overhead;  measured all-reduce (waiting for the other rank)")
+          "predicted compute / all-reduce / wait / DDP overhead;  measured all-reduce (of it waiting)")
     errors = []
     for name, n, predicted, runs, b, calibrated in rows:
         got, want = statistics.median(predicted), statistics.median(r.step_s for r in runs)
@@ -131,15 +137,19 @@ def prior(args: argparse.Namespace) -> None:
         compute = b.forward_s + b.backward_s + b.optimizer_s
         wait = statistics.median(r.peer_wait_s or 0.0 for r in runs)
         print(f"{name:10} {n:>2} {got * 1e3:9.2f} {want * 1e3:8.2f} {(got - want) / want:+7.1%} {spread([r.step_s for r in runs]):>6}   "
-              f"{compute * 1e3:.2f} / {b.exposed_allreduce_s * 1e3:.2f} / {b.overhead_s * 1e3:.2f};  "
+              f"{compute * 1e3:.2f} / {b.exposed_allreduce_s * 1e3:.2f} / {b.straggler_s * 1e3:.2f} / {b.overhead_s * 1e3:.2f};  "
               f"{statistics.median(r.allreduce_s for r in runs) * 1e3:.2f} ({wait * 1e3:.2f})" + ("   [calibration model]" if calibrated else ""))
     print("times in ms; spread: slowest over fastest measured round, minus one")
     if errors:
         print(f"models not used for calibration: mean |error| {statistics.fmean(errors):.1%}, max |error| {max(errors):.1%}")
-    link = next((r.link for r in calibration if r.link is not None), None)
-    if link is not None:
-        print(f"link probe ({args.models[0]}, 2 processes): {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, all-reduce latency "
-              f"{link.latency_s * 1e6:.0f} us; median ms by size: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f}" for b, t in link.points))
+    cal = ProfileStepTimeModel.from_profile(measured[args.models[0]][-1][0], calibration, memory_bytes_per_s=peaks.peak_bytes_per_s)
+    print(f"calibrated on {args.models[0]}: link {cal.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s and "
+          f"{cal.intra_node.hop_latency_s * 1e6:.0f} us a hop, waiting for the slower rank {cal.straggler_fraction:.0%} of compute, "
+          f"co-run slowdown {cal.corun_slowdown_per_rank:.0%} per extra rank, DDP {cal.bucket_overhead_s * 1e6:.0f} us a bucket, "
+          f"memory {cal.memory_bytes_per_s / 1e9:.1f} GB/s")
+    for run in calibration:
+        if run.link is not None:
+            print(f"  all-reduce probe, median ms by size: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f}" for b, t in run.link.points))
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

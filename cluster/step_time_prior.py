@@ -3,7 +3,8 @@
 Data parallel with the global batch fixed, so each of n devices trains on B/n samples
 (the largest shard when B does not divide: the slowest rank sets the pace).
 
-    step(n) = forward(b) + backward(b) + exposed all-reduce + optimizer(b) + DDP overhead
+    step(n) = (forward(b) + backward(b) + optimizer(b)) * co-run slowdown
+              + exposed all-reduce + wait for the slowest rank + DDP overhead
 
 - forward, backward and optimizer times at the per-device batch b come from the whole
   steps the profile measured at B, B/2, B/4, B/8, interpolated (measured time, not FLOPs
@@ -17,7 +18,10 @@ Data parallel with the global batch fixed, so each of n devices trains on B/n sa
   runs during backward, a share (the overlap efficiency) is hidden: all of it where the
   transfers have their own engine (NCCL on a GPU), none where they take the rank's only
   core (gloo on a CPU slot).
-- DDP also costs a fixed dispatch per bucket at every size, one process included.
+- DDP also costs, at every size, one process included, a dispatch per bucket and the
+  copies of the gradients into the buckets and back.
+- A synchronous step waits for its slowest rank: a share of the compute, measured at a
+  calibration world size, growing like the maximum of n samples of noise (sqrt(ln n)).
 - Ranks on one node slow each other's compute (shared caches, memory bandwidth, cores):
   by a factor measured at a calibration world size, taken to grow linearly with the
   number of ranks a node holds (none by default: separate GPUs barely interfere).
@@ -74,6 +78,10 @@ DEFAULT_INTER_NODE = LinkParams(1.2e9, 50e-6)
 # - Each bucket costs DDP a fixed dispatch (the reducer, the backend's queue), even alone:
 #   about 150 us with gloo on a CPU core, 30 us with NCCL.
 DEFAULT_BUCKET_OVERHEAD_S = {"cpu": 150e-6, "cuda": 30e-6}
+# - DDP copies every gradient into its bucket and, after the all-reduce, back: two copies,
+#   each a read and a write, at the device's memory bandwidth (one CPU core streams about
+#   10 GB/s; a GPU's HBM about 1 TB/s). training.roofline.probe_device measures it.
+DEFAULT_MEMORY_BYTES_PER_S = {"cpu": 10e9, "cuda": 1e12}
 # - How much of the communication that overlaps backward in time is really hidden: on a
 #   CPU slot gloo's transfers run on the rank's own core and steal it from backward (0);
 #   NCCL runs on the GPU beside the compute kernels (1).
@@ -134,11 +142,12 @@ class StepTimeBreakdown:
     optimizer_s: float
     allreduce_s: float  # all buckets' ring all-reduces, end to end
     exposed_allreduce_s: float  # the part not hidden behind backward compute
-    overhead_s: float  # DDP's fixed per-bucket cost, at any size
+    overhead_s: float  # DDP's own cost (bucket dispatch, gradient copies), at any size
+    straggler_s: float = 0.0  # waiting for the slowest rank
 
     @property
     def step_s(self) -> float:
-        return self.forward_s + self.backward_s + self.exposed_allreduce_s + self.optimizer_s + self.overhead_s
+        return self.forward_s + self.backward_s + self.exposed_allreduce_s + self.optimizer_s + self.overhead_s + self.straggler_s
 
 
 def emulate_buckets(layers: Sequence[tuple[int, float]], first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_CAP_BYTES) -> tuple[Bucket, ...]:
@@ -177,6 +186,72 @@ def measured_buckets(ddp: "DdpProfile", layers: Sequence[tuple[str, float]]) -> 
     )
 
 
+# --- what DDP measurements say (training.profile_ddp) ------------------------------------------
+
+def link_from(runs: Sequence["DdpProfile"]) -> LinkParams | None:
+    """The link at the largest world size measured (medians over its runs): bandwidth from
+    the all-reduce probe; hop latency from the probe, or from the all-reduces inside the
+    training steps where those cost more (cold caches after backward, threads woken from
+    sleep, the backend's queue), after taking out the bandwidth part and the waiting for
+    the slowest rank."""
+    probed = [r for r in runs if r.link is not None]
+    if not probed:
+        return None
+    n = max(r.world_size for r in probed)
+    probed = [r for r in probed if r.world_size == n]
+    hops = 2 * (n - 1)
+    bandwidth = statistics.median(r.link.bandwidth_bytes_per_s for r in probed)
+    hop_latency = statistics.median(r.link.latency_s for r in probed) / hops
+    in_step = [
+        (r.allreduce_s - r.peer_wait_s - sum(hops / n * b.bytes / bandwidth for b in r.buckets)) / (hops * len(r.buckets))
+        for r in probed if r.buckets and r.peer_wait_s is not None
+    ]
+    if in_step:
+        hop_latency = max(hop_latency, statistics.median(in_step))
+    return LinkParams(bandwidth, hop_latency)
+
+
+def straggler_fraction_from(runs: Sequence["DdpProfile"]) -> tuple[float, int] | None:
+    """How long ranks wait for the slowest one, as a share of a step's compute (the mean over
+    the runs of the largest world size), and that world size."""
+    timed = [r for r in runs if r.world_size > 1 and r.peer_wait_s is not None]
+    if not timed:
+        return None
+    n = max(r.world_size for r in timed)
+
+    def fraction(r: "DdpProfile") -> float:
+        compute = r.forward_s + r.backward_s - r.allreduce_s + r.overlap_s + r.optimizer_s
+        return r.peer_wait_s / compute if compute > 0 else 0.0
+
+    return statistics.fmean(fraction(r) for r in timed if r.world_size == n), n
+
+
+def bucket_overhead_from(runs: Sequence["DdpProfile"]) -> float | None:
+    """At world size 1 an all-reduce moves nothing: what it takes is DDP's dispatch."""
+    singles = [r for r in runs if r.world_size == 1 and r.buckets]
+    return statistics.fmean(r.allreduce_s / len(r.buckets) for r in singles) if singles else None
+
+
+def corun_slowdown_from(runs: Sequence["DdpProfile"]) -> float | None:
+    """The co-run slowdown per additional rank on a node."""
+    shared = [r for r in runs if r.world_size > 1]
+    return statistics.fmean((r.corun_slowdown - 1) / (r.world_size - 1) for r in shared) if shared else None
+
+
+def buckets_of(profile: "ModelProfile", runs: Sequence["DdpProfile"]) -> tuple[Bucket, ...]:
+    """The buckets DDP built, from a measurement of this very model (same gradient bytes,
+    parameters of its layers); else DDP's bucketing emulated over the profile's layers."""
+    layer_names = {l.name for l in profile.layers}
+    for r in runs:
+        if r.buckets and r.allreduce_bytes == profile.gradient_bytes and all(
+            p.rpartition(".")[0] in layer_names for b in r.buckets for p in b.params
+        ):
+            return measured_buckets(r, [(l.name, l.backward_s) for l in profile.layers])
+    buckets = emulate_buckets([(l.gradient_bytes, l.backward_s) for l in profile.layers])
+    missing = profile.gradient_bytes - sum(b.bytes for b in buckets)  # parameters outside leaf layers
+    return buckets + ((Bucket(missing, 1.0),) if missing > 0 else ())
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileStepTimeModel:
     """cluster.types.StepTimeModel from a per-layer profile (and DDP measurements if any)."""
@@ -191,6 +266,9 @@ class ProfileStepTimeModel:
     bucket_overhead_s: float = 0.0
     overlap_efficiency: float = 1.0  # share of the backward-overlapping communication hidden
     corun_slowdown_per_rank: float = 0.0  # compute slows by this for each other rank on the node
+    memory_bytes_per_s: float = math.inf  # for DDP's gradient copies
+    straggler_fraction: float = 0.0  # waiting for the slowest rank, as a share of compute ...
+    straggler_world: int = 2  # ... at this world size
 
     @classmethod
     def from_profile(
@@ -203,51 +281,41 @@ class ProfileStepTimeModel:
         bucket_overhead_s: float | None = None,
         overlap_efficiency: float | None = None,
         corun_slowdown_per_rank: float | None = None,
+        memory_bytes_per_s: float | None = None,
+        straggler_fraction: float | None = None,
+        straggler_world: int = 2,
     ) -> "ProfileStepTimeModel":
         """Build the prior from `profile` and, where given, DDP measurements of any model
         (training.profile_ddp) at any world sizes. Each parameter is, in order of preference:
-        given here; measured (the link: the all-reduce probe of the largest world size; the
-        per-bucket cost: the all-reduce time at world size 1; the co-run slowdown: runs at
-        2+ processes; the buckets: those DDP built, if a measurement is of this model); the
-        documented default for the device kind."""
+        given here; measured (the link: the all-reduce probe of the largest world size and
+        the all-reduces inside its steps; the straggler share: the same run; the per-bucket cost: the all-reduce time at world size 1; the co-run slowdown: runs at
+        2+ processes; the buckets: those DDP built, if a measurement is of this model;
+        memory bandwidth: pass DevicePeaks.peak_bytes_per_s); the documented default for
+        the device kind."""
         kind = "cuda" if profile.device.startswith("cuda") else "cpu"
         runs = [] if ddp is None else [ddp] if not isinstance(ddp, Sequence) else list(ddp)
-        probed = [r for r in runs if r.link is not None]
-        if intra_node is None and probed:
-            link = max(probed, key=lambda r: r.world_size).link
-            intra_node = LinkParams(link.bandwidth_bytes_per_s, link.latency_s / (2 * (link.world_size - 1)))
-        singles = [r for r in runs if r.world_size == 1 and r.buckets]
-        if bucket_overhead_s is None and singles:
-            bucket_overhead_s = statistics.fmean(r.allreduce_s / len(r.buckets) for r in singles)
-        shared = [r for r in runs if r.world_size > 1]
-        if corun_slowdown_per_rank is None and shared:
-            corun_slowdown_per_rank = statistics.fmean((r.corun_slowdown - 1) / (r.world_size - 1) for r in shared)
-
-        layer_names = {l.name for l in profile.layers}
-        own = [  # a measurement of this very model: same gradient bytes, parameters of its layers
-            r for r in runs
-            if r.buckets and r.allreduce_bytes == profile.gradient_bytes
-            and all(p.rpartition(".")[0] in layer_names for b in r.buckets for p in b.params)
-        ]
-        if own:
-            buckets = measured_buckets(own[0], [(l.name, l.backward_s) for l in profile.layers])
-        else:
-            buckets = emulate_buckets([(l.gradient_bytes, l.backward_s) for l in profile.layers])
-            missing = profile.gradient_bytes - sum(b.bytes for b in buckets)  # parameters outside leaf layers
-            if missing > 0:
-                buckets += (Bucket(missing, 1.0),)
+        if intra_node is None:
+            intra_node = link_from(runs)
+        if straggler_fraction is None:
+            straggler_fraction, straggler_world = straggler_fraction_from(runs) or (0.0, 2)
+        if bucket_overhead_s is None:
+            bucket_overhead_s = bucket_overhead_from(runs)
+        if corun_slowdown_per_rank is None:
+            corun_slowdown_per_rank = corun_slowdown_from(runs)
         scaling = profile.scaling
         return cls(
             global_batch=profile.batch_size,
             forward=BatchCurve.fit([(s.batch_size, s.forward_s) for s in scaling]),
             backward=BatchCurve.fit([(s.batch_size, s.backward_s) for s in scaling]),
             optimizer=BatchCurve.fit([(s.batch_size, s.optimizer_s) for s in scaling]),
-            buckets=buckets,
+            buckets=buckets_of(profile, runs),
             intra_node=intra_node or DEFAULT_INTRA_NODE[kind],
             inter_node=inter_node or DEFAULT_INTER_NODE,
             bucket_overhead_s=DEFAULT_BUCKET_OVERHEAD_S[kind] if bucket_overhead_s is None else bucket_overhead_s,
             overlap_efficiency=DEFAULT_OVERLAP_EFFICIENCY[kind] if overlap_efficiency is None else overlap_efficiency,
             corun_slowdown_per_rank=corun_slowdown_per_rank or 0.0,
+            memory_bytes_per_s=memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S[kind],
+            straggler_fraction=straggler_fraction, straggler_world=straggler_world,
         )
 
     def breakdown(self, devices: int, nodes: int = 1) -> StepTimeBreakdown:
@@ -264,11 +332,27 @@ class ProfileStepTimeModel:
             total_comm += cost
         exposed_if_hidden = max(0.0, comm_free - backward)  # what sticks out even with perfect overlap
         exposed = total_comm - self.overlap_efficiency * (total_comm - exposed_if_hidden)
+        forward, optimizer = self.forward(batch) * slowdown, self.optimizer(batch) * slowdown
         return StepTimeBreakdown(
             devices=devices, nodes=nodes, per_device_batch=batch,
-            forward_s=self.forward(batch) * slowdown, backward_s=backward, optimizer_s=self.optimizer(batch) * slowdown,
-            allreduce_s=total_comm, exposed_allreduce_s=exposed, overhead_s=self.bucket_overhead_s * len(self.buckets),
+            forward_s=forward, backward_s=backward, optimizer_s=optimizer,
+            allreduce_s=total_comm, exposed_allreduce_s=exposed, overhead_s=self.ddp_overhead_s,
+            straggler_s=self._straggler_s(devices, forward + backward + optimizer),
         )
+
+    def _straggler_s(self, devices: int, compute_s: float) -> float:
+        """The slowest of n ranks lags the typical one like the maximum of n samples of the
+        same noise does: in proportion to sqrt(ln n)."""
+        if devices == 1 or self.straggler_world < 2:
+            return 0.0
+        return self.straggler_fraction * compute_s * math.sqrt(math.log(devices) / math.log(self.straggler_world))
+
+    @property
+    def ddp_overhead_s(self) -> float:
+        """DDP's cost per step at any size: a dispatch per bucket, and copying each gradient
+        into its bucket and back (4 bytes of traffic per gradient byte)."""
+        gradient_bytes = sum(b.bytes for b in self.buckets)
+        return self.bucket_overhead_s * len(self.buckets) + 4 * gradient_bytes / self.memory_bytes_per_s
 
     def step_time(self, devices: int, nodes: int = 1) -> float:
         return self.breakdown(devices, nodes).step_s

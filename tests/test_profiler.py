@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -88,6 +89,12 @@ def test_profile_accounts_for_every_parameter_and_measures_every_layer():
     assert [s.batch_size for s in profile.scaling] == [32, 16, 8, 4]
     assert profile.step.step_s > 0 and profile.threads == 1
     assert ModelProfile.from_json(profile.to_json()) == profile
+
+
+def test_in_place_layers_are_profiled_on_their_own_inputs():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(inplace=True), nn.Linear(16, 10))
+    relu = layer(profile_model(model, digits(8), F.cross_entropy, CPU, repeats=2), "2")
+    assert relu.kind == "ReLU" and relu.bytes_moved > 0 and relu.backward_s > 0
 
 
 def test_markdown_and_rich_tables_have_a_row_per_layer_and_name_the_bound():
@@ -224,6 +231,11 @@ def test_two_process_ddp_all_reduces_exactly_the_gradients(tmp_path):
 
     # The prior takes DDP's real buckets: the last layer's bucket is ready first.
     profile = profile_model(model, digits(32), F.cross_entropy, CPU, repeats=2)
+    md = to_markdown(profile, PEAKS, ddp)
+    assert "DDP at 2 process(es) (gloo), global batch 32" in md
+    assert sum(line.startswith(("| 0 |", "| 1 |", "| 2 |")) for line in md.splitlines()) == len(ddp.buckets)
+    emulated = emulate_buckets([(l.gradient_bytes, l.backward_s) for l in profile.layers])
+    assert [b.bytes for b in emulated] == [b.bytes for b in ddp.buckets]  # the emulation agrees with DDP
     buckets = measured_buckets(ddp, [(l.name, l.backward_s) for l in profile.layers])
     assert sum(b.bytes for b in buckets) == grad_bytes(model)
     assert [b.ready_fraction for b in buckets] == sorted(b.ready_fraction for b in buckets)
@@ -324,13 +336,34 @@ def test_prior_takes_what_ddp_measured():
     def run(world: int, link: LinkEstimate | None, allreduce_s: float) -> DdpProfile:
         return DdpProfile("m", world, "gloo", 64, 10, buckets, 12288, allreduce_s, 0.0, 1e-2, 1e-3, 1e-3, 1e-4, link)
     single = run(1, None, 4e-4)
-    pair = run(2, LinkEstimate(2, 2e9, 3e-4, ((4096, 3e-4),)), 2e-3)
+    pair = dataclasses.replace(run(2, LinkEstimate(2, 2e9, 3e-4, ((4096, 3e-4),)), 2e-3), corun_slowdown=1.3)
     model = ProfileStepTimeModel.from_profile(profile, [single, pair])
     assert model.bucket_overhead_s == pytest.approx(2e-4)  # 0.4 ms over 2 buckets, at world size 1
     assert model.intra_node == LinkParams(2e9, 1.5e-4)  # 0.3 ms over the 2 hops of a 2-ring
     assert [b.bytes for b in model.buckets] == [8192, 4096] and [b.ready_fraction for b in model.buckets] == [0.5, 1.0]
+    # Ranks sharing a node slow each other's compute; ranks on separate nodes do not.
+    alone = model.forward(32)
+    assert model.breakdown(2, nodes=1).forward_s == pytest.approx(1.3 * alone)
+    assert model.breakdown(2, nodes=2).forward_s == pytest.approx(alone)
+    assert model.breakdown(4, nodes=1).forward_s == pytest.approx(1.9 * model.forward(16))
     chosen = ProfileStepTimeModel.from_profile(profile, pair, intra_node=LinkParams(1e9, 0.0), bucket_overhead_s=0.0)
     assert chosen.intra_node == LinkParams(1e9, 0.0) and chosen.bucket_overhead_s == 0.0
+
+
+def test_prior_takes_the_cost_of_all_reduces_inside_steps_and_the_wait_for_the_slowest_rank():
+    profile = synthetic_profile(64, 1e-3, 1e-5, [4096, 8192])
+    buckets = (BucketProfile(0, 8192, ("l1.weight",)), BucketProfile(1, 4096, ("l0.weight",)))
+    link = LinkEstimate(2, 2e9, 3e-4, ((4096, 3e-4),))
+    # Per step: forward 2 ms, backward 6 ms of which 2 ms all-reduce (0.7 ms waiting), optimizer 1 ms.
+    run = DdpProfile("m", 2, "gloo", 64, 10, buckets, 12288, 2e-3, 0.0, 9e-3, 2e-3, 6e-3, 1e-3, link, peer_wait_s=0.7e-3)
+    model = ProfileStepTimeModel.from_profile(profile, run, bucket_overhead_s=0.0)
+    transfer = 2e-3 - 0.7e-3 - 12288 / 2e9  # what is left for latency: 2 buckets of 2 hops
+    assert model.intra_node == LinkParams(2e9, pytest.approx(transfer / 4))
+    assert model.straggler_fraction == pytest.approx(0.7e-3 / 7e-3)
+    b2, b4 = model.breakdown(2), model.breakdown(4)
+    assert model.breakdown(1).straggler_s == 0
+    assert b2.straggler_s == pytest.approx(0.1 * (b2.forward_s + b2.backward_s + b2.optimizer_s))
+    assert b4.straggler_s == pytest.approx(0.1 * (b4.forward_s + b4.backward_s + b4.optimizer_s) * 2**0.5)
 
 
 def test_prior_refuses_impossible_spreads():

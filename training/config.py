@@ -34,6 +34,7 @@ class TrialConfig:
     max_device_batch: int | None = None  # micro-batch limit per process: gradient accumulation above it
     async_checkpoints: bool = True  # periodic checkpoints written off the training path
     control_every: int = 10  # steps between checks for a resize request (elastic trials)
+    trace: bool = False  # audit: record the samples and loss of every step of every process
     trial_dir: str = "."  # checkpoints, progress and result files live here
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging

@@ -300,8 +300,9 @@ class _Call:
                     return leaf
                 leaf.requires_grad_(True)
                 leaves.append(leaf)
-                # An in-place layer cannot write into a leaf that requires grad: give it a view.
-                return leaf.view_as(leaf) if inplace else leaf
+                # An in-place layer cannot write into a leaf that requires grad (nor a view of
+                # one): give it a copy made inside the graph.
+                return leaf.clone() if inplace else leaf
             if isinstance(obj, (list, tuple)):
                 return type(obj)(fresh(o) for o in obj)
             if isinstance(obj, dict):
@@ -421,13 +422,16 @@ def _profile_leaf(name: str, module: nn.Module, calls: list[_Call], timer: _Time
             for t in (*params, *input_leaves):
                 t.grad = None
 
-        fwd_s += timer.median(lambda: module(*args, **kwargs), repeats)
+        # Time the forward on inputs of its own: an in-place layer rewrites them, which would
+        # invalidate the graph that the backward timing below replays.
+        f_args, f_kwargs, _ = call.inputs(inplace)
+        fwd_s += timer.median(lambda: module(*f_args, **f_kwargs), repeats)
         if outs:
             bwd_s += timer.median(lambda: torch.autograd.backward(outs, grad_outs, retain_graph=True), repeats, setup=clear_grads)
         clear_grads()
         act_in += call.in_bytes
         act_out += call.out_bytes
-        if not _is_view(out, (args, kwargs)):  # a reshape or a no-op moves no data
+        if inplace or not _is_view(out, (args, kwargs)):  # a reshape or a no-op moves no data
             bytes_moved += _bytes_moved(weights, grads, call.in_bytes, call.out_bytes, bool(input_leaves), bool(outs))
     return LayerProfile(
         name=name, kind=type(module).__name__, params=sum(p.numel() for p in params),
@@ -581,6 +585,8 @@ def _ddp_markdown(ddp: DdpProfile) -> str:
     ]
     if ddp.peer_wait_s is not None:
         lines[-1] += f" Of the all-reduce time, {_ms(ddp.peer_wait_s)} ms was waiting for the slowest rank."
+    if ddp.world_size > 1:
+        lines[-1] += f" Ranks computing together were {ddp.corun_slowdown - 1:.0%} slower than alone."
     if ddp.link is not None:
         lines[-1] += f" Link fit: {ddp.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, latency {ddp.link.latency_s * 1e6:.0f} us."
     lines += ["", "| bucket | bytes | params |", "|---:|---:|---|"]

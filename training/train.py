@@ -20,14 +20,14 @@ from training.process import die_with_parent
 from training.trainer import DistEnv, Trainer
 
 
-def pick_device(env: DistEnv) -> torch.device:
-    """This rank's device: its GPU, or its CPU slot (a core it is pinned to)."""
+def pick_device(local_rank: int) -> torch.device:
+    """This process's device: its GPU, or its CPU slot (a core it is pinned to)."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-        return torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     cores = [int(c) for c in os.environ.get("CAMPAIGN_CPU_CORES", "").split(",") if c]
     if cores:
-        os.sched_setaffinity(0, {cores[env.local_rank % len(cores)]})
+        os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
         torch.set_num_threads(1)  # one slot is one core
     return torch.device("cpu")
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
         return
-    device = pick_device(env)
+    device = pick_device(env.local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     trainer = None
     try:

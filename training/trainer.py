@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -91,17 +93,23 @@ class Trainer(Stateful):
             self.optimizer, lambda s: lr_factor(cfg.schedule, cfg.warmup_steps, cfg.steps, s)
         )
         self.step = 0
+        self.last_step_at: float | None = None  # wall time the latest step completed
         self.latest: dict[str, float] = {}
         self.env: DistEnv | None = None
         self.ddp: DDP | None = None
         self.checkpointer: Checkpointer | None = None
         self.metrics = MetricsLogger(None, None)
         self._async_group = None
+        self.trace = None  # an open file when cfg.trace: every (step, samples, loss) this process trains on
 
     # --- binding to a process group -----------------------------------------------------
-    def attach(self, env: DistEnv) -> None:
+    def attach(self, env: DistEnv, trace_name: str | None = None) -> None:
         """Bind to the default process group just initialized (collective)."""
         self.env = env
+        if self.cfg.trace:
+            trace_dir = Path(self.cfg.trial_dir) / "trace"
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            self.trace = open(trace_dir / f"{trace_name or f'rank{env.rank}'}.jsonl", "a", buffering=1)
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
@@ -118,7 +126,9 @@ class Trainer(Stateful):
             self.checkpointer.wait()
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)
-        self.ddp, self.checkpointer, self._async_group = None, None, None
+        if self.trace is not None:
+            self.trace.close()
+        self.ddp, self.checkpointer, self._async_group, self.trace = None, None, None, None
 
     @property
     def is_rank0(self) -> bool:
@@ -184,6 +194,8 @@ class Trainer(Stateful):
                 loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
                 (loss_sum * env.world_size / cfg.batch_size).backward()
             total += loss_sum.item()
+            if self.trace is not None:
+                self.trace.write(json.dumps({"step": step, "offset": offset + start, "samples": micro.tolist(), "loss_sum": loss_sum.item()}) + "\n")
             start += len(micro)
         self.optimizer.step()
         self.scheduler.step()
@@ -206,8 +218,12 @@ class Trainer(Stateful):
             "metrics": self.latest, "updated": time.time(),
         })
 
-    def train(self, should_stop: StopCheck | None = None) -> dict[str, Any] | None:
-        """Train to the end (returns the result) or until `should_stop` says so (returns None)."""
+    def train(self, should_stop: StopCheck | None = None, after_first_step: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Train to the end (returns the result) or until `should_stop` says so (returns None).
+
+        `should_stop` is called on every rank at the same steps (it may be collective);
+        `after_first_step` once, when the first step of this call has completed.
+        """
         cfg = self.cfg
         started, start_step = time.time(), self.step
         if self.is_rank0:
@@ -218,6 +234,9 @@ class Trainer(Stateful):
             t0 = time.perf_counter()
             loss = self.train_step(self.step)
             self.step += 1
+            self.last_step_at = time.time()
+            if after_first_step is not None and self.step == start_step + 1:
+                after_first_step()
             if self.is_rank0:
                 self.latest.update(train_loss=loss, lr=self.scheduler.get_last_lr()[0], step_time_s=time.perf_counter() - t0)
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:

@@ -1,0 +1,246 @@
+"""The agent of an elastic trial: one worker per device, resized on command, fast.
+
+    python -m training.elastic --config trial.json --control <dir>
+
+The launcher writes commands as `<dir>/command-<seq>.json`: `{"seq", "devices": [{"id",
+"env"}], "mode": "resize" | "restart", "requested_at"}`. Sequence 0 starts the trial. The
+agent applies each command in order and writes what it runs now to `<dir>/state.json`.
+
+A resize (the fast path):
+1. start workers for the new devices; they load everything while the trial keeps training;
+2. when they are ready, ask the current generation to stop at its next control step;
+3. start the next generation: the workers that stay keep their state in memory and rank 0
+   (always one that stays) broadcasts it to the joiners; workers not in it exit.
+With no worker staying (a move to all-new devices) the state goes through the durable
+checkpoint instead. `"mode": "restart"` is the naive path, kept for comparison: stop,
+checkpoint to disk, end every process, start all anew, load from disk. An empty device
+list preempts: checkpoint, stop everything, exit with PREEMPTED.
+
+If any worker dies, the agent ends the others and exits non-zero: the launcher's retry
+resumes from the last complete checkpoint (a half-written one is never loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from training.files import read_json, write_json_atomic
+from training.process import die_with_parent
+
+FINISHED, FAILED, PREEMPTED = 0, 1, 3
+POLL_S = 0.005
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Worker:
+    wid: str
+    device_id: str
+    proc: subprocess.Popen
+    assignments: int = 0
+    leaving: bool = False
+
+
+def command_path(control: Path, seq: int) -> Path:
+    return control / f"command-{seq:06d}.json"
+
+
+def write_command(control: Path, seq: int, devices: list[dict], mode: str = "resize") -> None:
+    """What a launcher calls to start (seq 0) or resize a trial."""
+    write_json_atomic(command_path(control, seq), {"seq": seq, "devices": devices, "mode": mode, "requested_at": time.time()})
+
+
+class Agent:
+    def __init__(self, config: Path, control: Path, python: str = sys.executable):
+        self.config, self.control, self.python = config, control, python
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(days=7))
+        self.workers: dict[str, Worker] = {}
+        self.members: list[str] = []
+        self.gen = -1
+        self.seq = -1
+        self._next_wid = 0
+
+    # --- workers -------------------------------------------------------------------
+    def spawn(self, device: dict) -> str:
+        wid = f"w{self._next_wid}"
+        self._next_wid += 1
+        env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_PORT": str(self.store.port),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", "--config", str(self.config)], env=env)
+        self.workers[wid] = Worker(wid, device["id"], proc)
+        return wid
+
+    def assign(self, wid: str, payload: dict) -> None:
+        worker = self.workers[wid]
+        self.store.set(f"assign/{wid}/{worker.assignments}", json.dumps(payload))
+        worker.assignments += 1
+
+    def check_workers(self) -> None:
+        """Reap workers that left as told; any other exit is a failure of the trial."""
+        for wid, worker in list(self.workers.items()):
+            code = worker.proc.poll()
+            if code is None:
+                continue
+            if worker.leaving and code == 0:
+                del self.workers[wid]
+                continue
+            if code == 0 and wid in self.members:
+                continue  # finished training: the agent sees all members end
+            raise WorkerDied(f"worker {wid} on {worker.device_id} exited with code {code}")
+
+    def members_finished(self) -> bool:
+        return bool(self.members) and all(self.workers[w].proc.poll() == 0 for w in self.members)
+
+    def wait_for(self, keys: list[str], timeout_s: float = 600.0) -> bool:
+        """Wait for the store keys; False if the trial finished first (nothing left to resize)."""
+        deadline = time.time() + timeout_s
+        while not self.store.check(keys):
+            self.check_workers()
+            if self.members_finished():
+                return False
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {keys}")
+            time.sleep(POLL_S)
+        return True
+
+    def kill_all(self) -> None:
+        for worker in self.workers.values():
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+        for worker in self.workers.values():
+            worker.proc.wait()
+
+    # --- generations ---------------------------------------------------------------
+    def start_generation(self, members: list[str], source: str, joiners: list[str], request: dict | None) -> None:
+        self.gen += 1
+        self.members = members
+        payload = {"gen": self.gen, "members": members, "source": source, "joiners": joiners, "request": request}
+        for wid in members:
+            self.assign(wid, payload)
+
+    def stop_generation(self, save: bool) -> dict | None:
+        """Ask the running generation to stop at its next control step: its stop record, or
+        None when it finished training before it could stop."""
+        self.store.set(f"stop/{self.gen}", json.dumps({"save": save}))
+        if not self.wait_for([f"stopped/{self.gen}"], timeout_s=3600):
+            return None
+        return json.loads(self.store.get(f"stopped/{self.gen}"))
+
+    def dismiss(self, wids: list[str]) -> None:
+        for wid in wids:
+            self.workers[wid].leaving = True
+            self.assign(wid, {"exit": True})
+
+    def devices(self) -> list[str]:
+        return [self.workers[w].device_id for w in self.members]
+
+    def write_state(self, status: str) -> None:
+        write_json_atomic(self.control / "state.json", {"seq": self.seq, "gen": self.gen, "devices": self.devices(), "status": status, "time": time.time()})
+
+    # --- commands ------------------------------------------------------------------
+    def start(self, command: dict) -> None:
+        wids = [self.spawn(d) for d in command["devices"]]
+        self.wait_for([f"ready/{w}" for w in wids])
+        self.start_generation(wids, "disk", [], None)  # resume from the latest valid checkpoint, if any
+
+    def apply(self, command: dict) -> int | None:
+        """Apply one command; an exit code when the trial is to end, else None."""
+        new = command["devices"]
+        before = self.devices()
+        if not new:  # preemption: durable state, then every process ends
+            if self.stop_generation(save=True) is None:
+                return FINISHED
+            self.dismiss(list(self.members))
+            self.members = []
+            return PREEMPTED
+        request = {"seq": command["seq"], "mode": command["mode"], "requested_at": command["requested_at"], "from": before, "to": [d["id"] for d in new]}
+        if command["mode"] == "restart":
+            stopped = self.stop_generation(save=True)
+            if stopped is None:
+                return FINISHED
+            self.dismiss(list(self.members))
+            wids = [self.spawn(d) for d in new]
+            self.wait_for([f"ready/{w}" for w in wids])
+            request.update(ready_at=time.time(), stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])
+            self.start_generation(wids, "disk", wids, request)
+            return None
+        by_device = {self.workers[w].device_id: w for w in self.members}
+        stayers = [w for w in self.members if self.workers[w].device_id in request["to"]]
+        joiners = [self.spawn(d) for d in new if d["id"] not in by_device]
+        ready = self.wait_for([f"ready/{w}" for w in joiners])  # the trial trains on meanwhile
+        request["ready_at"] = time.time()
+        stopped = self.stop_generation(save=not stayers) if ready else None
+        if stopped is None:  # it finished before the resize could happen
+            self.dismiss(joiners)
+            return FINISHED
+        request.update(stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])
+        self.dismiss([w for w in self.members if w not in stayers])
+        self.start_generation(stayers + joiners, "memory" if stayers else "disk", joiners, request)
+        return None
+
+    def next_command(self) -> dict | None:
+        return read_json(command_path(self.control, self.seq + 1))
+
+    def run(self) -> int:
+        first = self.next_command()
+        if first is None:
+            raise FileNotFoundError(f"no {command_path(self.control, 0)}: nothing to start")
+        self.seq = 0
+        self.start(first)
+        self.write_state("running")
+        while True:
+            self.check_workers()
+            if self.members_finished():
+                self.write_state("finished")
+                return FINISHED
+            command = self.next_command()
+            if command is not None:
+                self.seq = command["seq"]
+                outcome = self.apply(command)
+                if outcome is not None:
+                    self.wait_for_exits()
+                    self.write_state("finished" if outcome == FINISHED else "preempted")
+                    return outcome
+                self.write_state("running")
+            time.sleep(POLL_S * 4)
+
+    def wait_for_exits(self) -> None:
+        """Until every worker told to leave (or finished) has exited."""
+        while any(w.proc.poll() is None for w in self.workers.values()):
+            self.check_workers()
+            time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run an elastic trial: one worker per device, resized on command.")
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--control", required=True, type=Path, help="directory of command-<seq>.json files")
+    args = parser.parse_args(argv)
+    die_with_parent(signal.SIGTERM)
+    agent = Agent(args.config, args.control)
+    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(), os._exit(FAILED)))
+    try:
+        return agent.run()
+    except (WorkerDied, TimeoutError) as e:
+        print(f"elastic agent: {e}; ending the trial's other processes", file=sys.stderr, flush=True)
+        agent.kill_all()
+        agent.write_state("failed")
+        return FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

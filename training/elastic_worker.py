@@ -1,0 +1,149 @@
+"""One process of an elastic trial: trains through successive generations of its group.
+
+Started by training/elastic.py, one per device. It builds its Trainer (imports, data,
+model) *before* saying it is ready, so that a joining process costs the running trial no
+time. Then, for each assignment the agent gives it:
+
+    init the process group of generation g -> get the state (from the durable checkpoint,
+    or in memory from rank 0 by broadcast) -> train until the agent asks to stop -> let go
+
+Every `control_every` steps rank 0 looks for the agent's stop flag and broadcasts it, so
+all ranks stop at the same step boundary. A process that is not in the next generation
+exits; the others keep their model, optimizer and step in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from training.config import TrialConfig
+from training.files import write_json_atomic
+from training.process import die_with_parent
+from training.train import pick_device
+from training.trainer import DistEnv, Trainer
+
+STORE_TIMEOUT = timedelta(days=7)  # a worker may wait a whole training generation for its next assignment
+
+
+def comm_device(trainer: Trainer) -> torch.device:
+    return trainer.device if trainer.device.type == "cuda" else torch.device("cpu")
+
+
+def share_state(trainer: Trainer, rank: int, joiner: bool) -> None:
+    """Rank 0 hands the whole training state to the joiners, through memory (collective)."""
+    device = comm_device(trainer)
+    payload = trainer.state_bytes() if rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if rank == 0:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0)
+    if joiner:
+        trainer.load_state_bytes(buffer.cpu().numpy().tobytes())
+
+
+def stop_check(store: dist.Store, key: str, rank: int, device: torch.device):
+    """A StopCheck: rank 0 reads the agent's flag, every rank gets rank 0's answer."""
+    def should_stop(step: int) -> bool:
+        flag = torch.tensor([1 if rank == 0 and store.check([key]) else 0], device=device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+    return should_stop
+
+
+def pause_breakdown(marks: dict[str, float]) -> dict[str, float]:
+    """Where the pause went: the time up to each mark, for the marks after the last old step.
+
+    The order differs by path: the fast resize starts joiners before the last step, the naive
+    restart starts every process after it ("ready").
+    """
+    ordered = sorted((t, name) for name, t in marks.items() if t >= marks["last_step"])
+    return {name: t - prev for (prev, _), (t, name) in zip(ordered, ordered[1:])}
+
+
+def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
+    """Rank 0 of a new generation: the event, in the trial's record and its MLflow run."""
+    request = assignment.get("request")
+    now = time.time()
+    world = len(assignment["members"])
+    trainer.metrics.log(trainer.step, world_size=world)
+    if not request:
+        return
+    marks = {
+        "requested": request["requested_at"], "ready": request["ready_at"], "last_step": request["last_step_at"],
+        "stopped": request["stopped_at"], "assigned": timings["assigned"], "process_group": timings["attached"],
+        "state": timings["state"], "first_step": now,
+    }
+    event = {
+        "time": now, "step": trainer.step, "seq": request["seq"], "mode": request["mode"],
+        "from": request["from"], "to": request["to"],
+        # Training made no progress from the old size's last step to the new size's first.
+        "pause_s": now - request["last_step_at"],
+        # From the request to the first step at the new size (joiners start while training goes on).
+        "latency_s": now - request["requested_at"],
+        "pause_breakdown_s": pause_breakdown(marks),
+    }
+    with open(os.path.join(trainer.cfg.trial_dir, "resizes.jsonl"), "a") as f:
+        f.write(json.dumps(event) + "\n")
+    trainer.metrics.log(trainer.step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One process of an elastic trial (started by training.elastic).")
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    cfg = TrialConfig.from_file(args.config)
+    wid = os.environ["CAMPAIGN_WORKER_ID"]
+    store = dist.TCPStore("127.0.0.1", int(os.environ["CAMPAIGN_STORE_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
+    trainer = Trainer(cfg, pick_device(0))
+    backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+    store.set(f"ready/{wid}", str(time.time()))
+    try:
+        for k in range(10**9):
+            key = f"assign/{wid}/{k}"
+            store.wait([key])
+            assignment = json.loads(store.get(key))
+            if assignment.get("exit"):
+                return
+            timings = {"assigned": time.time()}
+            gen, members = assignment["gen"], assignment["members"]
+            rank = members.index(wid)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
+            trainer.attach(DistEnv(rank, len(members), 0), trace_name=f"{wid}-gen{gen}")
+            timings["attached"] = time.time()
+            if assignment["source"] == "disk":
+                trainer.resume()
+            else:
+                share_state(trainer, rank, joiner=wid in assignment["joiners"])
+            timings["state"] = time.time()
+            stop_key = f"stop/{gen}"
+            report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
+            result = trainer.train(stop_check(store, stop_key, rank, comm_device(trainer)), after_first_step=report)
+            if result is not None:  # finished: the result is written, nothing more to do
+                trainer.detach()
+                dist.destroy_process_group()
+                return
+            stop = json.loads(store.get(stop_key))
+            if stop["save"]:
+                trainer.save_checkpoint(blocking=True)
+            trainer.detach()
+            if rank == 0:
+                trainer.write_progress("resizing")
+                store.set(f"stopped/{gen}", json.dumps({"step": trainer.step, "last_step_at": trainer.last_step_at, "time": time.time()}))
+            dist.destroy_process_group()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()
