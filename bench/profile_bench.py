@@ -1,6 +1,6 @@
 """Bench of the per-layer profiler and the step-time prior. Prints figures; passes nothing.
 
-    PYTHONPATH=. .venv/bin/python bench/profile_bench.py            # both parts, ~70 s here
+    PYTHONPATH=. .venv/bin/python bench/profile_bench.py            # both parts, ~2 min here
     PYTHONPATH=. .venv/bin/python bench/profile_bench.py --part prior --steps 60 --rounds 3
 
 Part "overhead": what profiling a trial costs (probe + profile of the default SmallCNN at
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=40, help="measured DDP steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="DDP runs per model and size (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="DDP runs per model and size (median)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     if args.part in ("overhead", "all"):

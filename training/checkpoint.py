@@ -187,6 +187,8 @@ class Checkpointer:
 def load_model_weights(checkpoint: Path, model: "torch.nn.Module") -> "torch.nn.Module":
     """Load only the model's weights from a trial checkpoint, in one process (export, tests)."""
     state = {"trainer": {"model": model.state_dict()}}
-    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     model.load_state_dict(state["trainer"]["model"])
     return model

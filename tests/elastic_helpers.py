@@ -1,0 +1,99 @@
+"""Driving a real elastic trial (agent + workers, gloo on CPU slots) from a test or bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from training.checkpoint import load_model_weights
+from training.config import TrialConfig
+from training.elastic import write_command
+from training.models import build_model
+
+
+def cpu_slot(i: int) -> dict:
+    return {"id": f"cpu{i}", "env": {"CAMPAIGN_CPU_CORES": str(i % os.cpu_count()), "CUDA_VISIBLE_DEVICES": ""}}
+
+
+def trial_config(trial_dir: Path, data: Path, **overrides) -> TrialConfig:
+    base = dict(trial_id=trial_dir.name, seed=11, model="small_cnn", model_kwargs={"width": 8, "dropout": 0.1},
+                data_path=str(data), steps=1500, batch_size=30, lr=0.05, warmup_steps=20,
+                checkpoint_every=100, eval_every=1500, trial_dir=str(trial_dir), trace=True, control_every=5)
+    return TrialConfig(**{**base, **overrides})
+
+
+def start(cfg: TrialConfig, devices: int) -> subprocess.Popen:
+    trial_dir = Path(cfg.trial_dir)
+    (trial_dir / "control").mkdir(parents=True, exist_ok=True)
+    (trial_dir / "trial.json").write_text(cfg.to_json())
+    existing = sorted((trial_dir / "control").glob("command-*.json"))
+    for old in existing:  # a relaunch starts a new command sequence, as the launcher does
+        old.unlink()
+    write_command(trial_dir / "control", 0, [cpu_slot(i) for i in range(devices)])
+    log = open(trial_dir / "agent.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"),
+                             "--control", str(trial_dir / "control")], stdout=log, stderr=subprocess.STDOUT)
+
+
+def step_of(cfg: TrialConfig) -> int:
+    try:
+        return json.loads(Path(cfg.progress_path).read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def wait_for_step(cfg: TrialConfig, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while step_of(cfg) < step:
+        assert proc.poll() is None, f"trial ended early:\n{(Path(cfg.trial_dir) / 'agent.log').read_text()[-3000:]}"
+        assert time.time() < deadline, f"step {step} not reached"
+        time.sleep(0.005)
+
+
+def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> None:
+    write_command(Path(cfg.trial_dir) / "control", seq, [cpu_slot(i) for i in range(devices)], mode=mode)
+
+
+def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:
+    """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices)."""
+    proc = start(cfg, start_devices)
+    for seq, (step, devices) in enumerate(plan, 1):
+        wait_for_step(cfg, step, proc)
+        resize(cfg, seq, devices, mode)
+    return proc
+
+
+def finish(proc: subprocess.Popen, cfg: TrialConfig, timeout: float = 300) -> None:
+    code = proc.wait(timeout=timeout)
+    assert code == 0, f"agent exited {code}:\n{(Path(cfg.trial_dir) / 'agent.log').read_text()[-3000:]}"
+
+
+def trace(cfg: TrialConfig) -> dict[int, tuple[list[int], float]]:
+    """Per step: the global batch's sample ids in order, and its mean loss, from every process."""
+    rows: dict[int, list[dict]] = {}
+    for path in (Path(cfg.trial_dir) / "trace").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row["step"], []).append(row)
+    out = {}
+    for step, parts in rows.items():
+        parts.sort(key=lambda r: r["offset"])
+        # A step re-run after a crash appears twice (same offsets): keep the last of each offset.
+        by_offset = {r["offset"]: r for r in parts}
+        ordered = [by_offset[o] for o in sorted(by_offset)]
+        out[step] = ([s for r in ordered for s in r["samples"]], sum(r["loss_sum"] for r in ordered) / cfg.batch_size)
+    return out
+
+
+def final_weights(cfg: TrialConfig):
+    result = json.loads(Path(cfg.result_path).read_text())
+    return load_model_weights(Path(result["checkpoint"]), build_model(cfg.model, **cfg.model_kwargs)).state_dict()
+
+
+def resizes(cfg: TrialConfig) -> list[dict]:
+    path = Path(cfg.trial_dir) / "resizes.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
