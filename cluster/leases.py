@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 from training.errors import CampaignError
 
@@ -217,6 +217,16 @@ class LeaseStore:
         self._run(lambda conn: conn.execute("DELETE FROM leases WHERE holder = ?", (holder,)))
         with self._held_lock:
             self._held.pop(holder, None)
+
+    def release_devices(self, holder: str, device_ids: Iterable[str]) -> None:
+        """Gives back some of `holder`'s devices (a trial that shrank); it keeps the rest."""
+        gone = list(device_ids)
+        self._run(lambda conn: conn.executemany(
+            "DELETE FROM leases WHERE holder = ? AND device_id = ?", [(holder, d) for d in gone]))
+        with self._held_lock:
+            held = self._held.get(holder)
+            if held is not None:
+                held.claims = {d: c for d, c in held.claims.items() if d not in gone}
 
     def reclaim(self) -> list[Lease]:
         """Removes the leases of dead holders (process gone or heartbeat expired); returns them."""

@@ -486,3 +486,26 @@ def pack(
         multi_node=multi_node, seed=seed,
     )
     return [p for r in requests if (p := packer.place(r)) is not None]
+
+
+def resize_devices(
+    inventory: Inventory, current: Sequence[str], target: int, memory_bytes: int, used: Mapping[str, int]
+) -> tuple[str, ...] | None:
+    """The devices a running trial goes on with at `target` devices, or None if too few are free.
+
+    Shrinking keeps a prefix of `current`: rank 0 and the first ranks stay, so the state
+    stays in memory. Growing keeps all of `current` and adds free devices of the same node,
+    best linked to the current ones first. `used` counts leased bytes, the trial's own too.
+    """
+    if target <= len(current):
+        return tuple(current[:target])
+    node = inventory.device(current[0]).node
+    candidates = [
+        d for d in inventory.devices
+        if d.node == node and d.id not in current and used.get(d.id, 0) + memory_bytes <= d.memory_bytes
+    ]
+    candidates.sort(key=lambda d: (max(inventory.link(d.id, c) for c in current), sum(inventory.link(d.id, c) for c in current), d.index))
+    missing = target - len(current)
+    if len(candidates) < missing:
+        return None
+    return tuple(current) + tuple(d.id for d in candidates[:missing])

@@ -8,9 +8,7 @@ that fits on the free devices, waits for any to finish, releases its devices and
 from __future__ import annotations
 
 import os
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +19,19 @@ from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
-from cluster.types import Device, Inventory, Placement
+from cluster.types import Inventory
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.sizing import size_trials
 from tasks.records import campaign_dir, completed_result, update_record, write_campaign
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
+from flows.live import LeaseHeartbeat, Running, serve_resizes
 from tasks.trial import run_trial
 from training.config import TrialConfig
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
+CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
 
 
 def inventory_for(spec: CampaignSpec) -> Inventory:
@@ -69,49 +69,6 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     )
 
 
-@dataclass
-class Running:
-    trial: Trial
-    placement: Placement
-    devices: list[Device]
-    holder: str
-    run_id: str
-
-
-class LeaseHeartbeat:
-    """Renews this campaign's leases while trials run, so other campaigns see us alive."""
-
-    def __init__(self, store: LeaseStore, period_s: float):
-        self.store, self.period_s = store, period_s
-        self.holders: set[str] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
-        self._thread.start()
-
-    def add(self, holder: str) -> None:
-        with self._lock:
-            self.holders.add(holder)
-
-    def release(self, holder: str) -> None:
-        with self._lock:
-            self.holders.discard(holder)
-        self.store.release(holder)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            with self._lock:
-                holders = list(self.holders)
-            for holder in holders:
-                self.store.renew(holder)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        for holder in list(self.holders):
-            self.release(holder)
-
-
 @flow(name="campaign", log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None) -> dict[str, Any]:
     logger = get_run_logger()
@@ -126,7 +83,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
     write_campaign(spec.tracking.runs_dir, name, {
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
-        "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides} for t in trials],
+        "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides,
+                    "devices": [requests[t.id].min_devices, requests[t.id].max_devices]} for t in trials],
     })
 
     results: dict[str, dict[str, Any]] = {}
@@ -163,25 +121,36 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
                 devices = [inventory.device(d) for d in placement.device_ids]
                 run_id = open_trial_run(uri, parent_run_id, name, trial)
                 config = trial_config(spec, trial, root / trial.id, run_id)
+                elastic = request.min_devices < request.max_devices
                 update_record(root / trial.id, state="starting", devices=list(placement.device_ids))
                 logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
-                future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()))
-                running[future] = Running(trial, placement, devices, holder, run_id)
+                future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic)
+                running[future] = Running(trial, request, devices, holder, run_id, root / trial.id, elastic)
                 pending.remove(trial)
             if not running:
                 if pending:  # every device we could use is leased by someone else
                     time.sleep(WAIT_FOR_DEVICES_S)
                 continue
-            future = next(as_completed(list(running)))
+            try:
+                future = next(as_completed(list(running), timeout=CONTROL_POLL_S))
+            except TimeoutError:
+                for job in running.values():
+                    if line := serve_resizes(job, inventory, store, capacity):
+                        logger.info(line)
+                continue
             job = running.pop(future)
             heartbeat.release(job.holder)
-            device_ids = [d.id for d in job.devices]
+            device_ids = job.device_ids
             try:
                 result = future.result()
             except Exception as e:  # the task failed after its retries: record it, go on with the rest
                 failed[job.trial.id] = str(e)
                 close_trial_run(uri, job.run_id, None, device_ids, error=str(e))
                 logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
+                continue
+            if result.get("preempted"):
+                logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
+                pending.append(job.trial)
                 continue
             results[job.trial.id] = result
             close_trial_run(uri, job.run_id, result, device_ids)

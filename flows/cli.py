@@ -124,6 +124,44 @@ def status(
 
 
 @app.command()
+def resize(
+    trial: str = typer.Argument(..., help="trial id (see `campaign status`)"),
+    devices: int = typer.Argument(..., help="number of devices to continue on; 0 preempts"),
+    campaign: Optional[str] = typer.Option(None, help="campaign name (default: the latest launched)"),
+    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
+    wait_s: float = typer.Option(120.0, help="how long to wait for the running campaign to answer"),
+) -> None:
+    """Ask a running elastic trial to continue on another number of devices."""
+    from tasks.records import campaign_dir, latest_campaign
+    from tasks.resize import request_resize, wait_for_answer
+    from training.files import read_json
+
+    name = campaign or latest_campaign(runs_dir)
+    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") if name else None
+    if record is None:
+        _fail(f"no campaign {name or ''} under {runs_dir}/: check the name (or --runs-dir)")
+    entry = next((t for t in record["trials"] if t["id"] == trial), None)
+    if entry is None:
+        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in record['trials'])}")
+    low, high = entry.get("devices", [None, None])
+    if low == high:
+        _fail(f"trial {trial} has a fixed size of {low} device(s): declare resources.devices as [min, max] to make it elastic")
+    if devices != 0 and not low <= devices <= high:
+        _fail(f"trial {trial} runs on {low} to {high} devices (0 preempts it): {devices} is outside that range")
+    trial_dir = campaign_dir(runs_dir, name) / trial
+    state = (read_json(trial_dir / "control" / "state.json") or {}).get("status")
+    if state != "running":
+        _fail(f"trial {trial} is not running (its agent says: {state or 'not started'}): only a running trial can be resized")
+    request_id = request_resize(trial_dir, devices)
+    result = wait_for_answer(trial_dir, request_id, wait_s)
+    if result is None:
+        _fail(f"no answer within {wait_s:.0f} s: is the campaign that runs {trial} still running?", code=1)
+    if result["status"] != "applied":
+        _fail(result["detail"])
+    console.print(f"trial {trial}: {result['detail']}")
+
+
+@app.command()
 def cluster(cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU")) -> None:
     """Show the devices, who holds them (leases) and how busy they are."""
     from cluster.inventory import device_usage, discover

@@ -22,6 +22,7 @@ from cluster.inventory import visible_devices_env
 from cluster.types import Device
 from tasks.records import update_record
 from training.config import TrialConfig
+from training.elastic import write_command
 from training.errors import CampaignError
 from training.files import read_json, write_atomic
 from training.process import die_with_parent
@@ -33,6 +34,9 @@ class TrialFailed(CampaignError):
     """torchrun exited with an error; the message holds the end of the trial's log."""
 
 
+PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     command: list[str]
@@ -40,18 +44,26 @@ class LaunchPlan:
     cwd: Path
     config_path: Path
     log_path: Path
+    # Elastic trials: the agent's first command, one entry per worker: its device and env.
+    workers: tuple[dict, ...] = ()
+
+    @property
+    def elastic(self) -> bool:
+        return bool(self.workers)
 
 
-def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable) -> LaunchPlan:
+def control_dir(config: TrialConfig) -> Path:
+    return Path(config.trial_dir) / "control"
+
+
+def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable, elastic: bool = False) -> LaunchPlan:
+    """torchrun for a fixed-size trial; the elastic agent (one worker per device) otherwise."""
     trial_dir = Path(config.trial_dir)
-    env = {
-        **visible_devices_env(devices),
-        # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        "MASTER_ADDR": "127.0.0.1",
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    if elastic:
+        workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
+        command = [python, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control_dir(config))]
+        return LaunchPlan(command, _launch_env(), cwd, trial_dir / "trial.json", trial_dir / "train.log", workers)
+    env = {**visible_devices_env(devices), **_launch_env()}
     command = [
         python, "-m", "torch.distributed.run",
         "--standalone",  # a single-node rendezvous on a free port: trials never collide
@@ -61,6 +73,16 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
     return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")
 
 
+def _launch_env() -> dict[str, str]:
+    return {
+        # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def _torchrun_dies_with_campaign() -> None:
     # SIGTERM lets torchrun stop its workers; they also die with torchrun (training/train.py).
     die_with_parent(signal.SIGTERM)
@@ -68,6 +90,13 @@ def _torchrun_dies_with_campaign() -> None:
 
 def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
     write_atomic(plan.config_path, config.to_json().encode())
+    if plan.elastic:  # a new agent starts a new command sequence
+        control = control_dir(config)
+        control.mkdir(parents=True, exist_ok=True)
+        for old in control.glob("command-*.json"):
+            old.unlink()
+        (control / "state.json").unlink(missing_ok=True)
+        write_command(control, 0, list(plan.workers))
     with open(plan.log_path, "ab") as log:
         proc = subprocess.Popen(
             plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
@@ -90,20 +119,26 @@ def log_tail(path: Path) -> str:
 
 
 @task(retries=1, retry_delay_seconds=2)
-def run_trial(config: TrialConfig, devices: list[Device], cwd: str) -> dict[str, Any]:
-    """One segment of a trial on its devices; a retry resumes from the last checkpoint."""
+def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: bool = False) -> dict[str, Any]:
+    """One segment of a trial on its devices; a retry resumes from the last checkpoint.
+
+    Returns the trial's result, or {"preempted": True} when it was resized to zero devices.
+    """
     trial_dir = Path(config.trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
     record = update_record(trial_dir, state="running", devices=[d.id for d in devices])
     # Who had which device when: one interval per attempt.
     intervals = record.get("intervals", []) + [{"devices": [d.id for d in devices], "start": time.time(), "end": None}]
     update_record(trial_dir, attempts=int(record.get("attempts", 0)) + 1, intervals=intervals)
-    plan = plan_launch(config, devices, Path(cwd))
+    plan = plan_launch(config, devices, Path(cwd), elastic=elastic)
     try:
         code = apply_launch(plan, config)
     finally:
         intervals[-1]["end"] = time.time()
         update_record(trial_dir, intervals=intervals)
+    if plan.elastic and code == PREEMPTED:
+        update_record(trial_dir, state="preempted", exit_code=code)
+        return {"preempted": True}
     result = read_json(config.result_path)
     if code != 0 or result is None:
         update_record(trial_dir, state="failed", exit_code=code)

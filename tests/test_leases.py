@@ -351,3 +351,15 @@ def test_damaged_file_is_either_intact_or_rebuilt_never_misread(tmp_path, data):
         seen = LeaseStore(path, clock=Clock()).leases()
     rebuilt = any(issubclass(w.category, LeaseStoreRebuilt) for w in caught)
     assert (seen == [] and rebuilt) or (seen == leases and not rebuilt)
+
+
+def test_release_devices_gives_back_part_of_a_holding(tmp_path):
+    store = LeaseStore(tmp_path / "partial.db")
+    capacity = {"a": 10, "b": 10}
+    assert store.acquire("trial", {"a": 10, "b": 10}, capacity)
+    store.release_devices("trial", ["b"])
+    assert store.usage() == {"a": 10}
+    assert store.acquire("other", {"b": 10}, capacity)  # the given-back device is free for others
+    assert not store.acquire("other2", {"a": 10}, capacity)  # the kept one is not
+    store.renew("trial")  # the holder is still alive and holds what it kept
+    assert {(l.holder, l.device_id) for l in store.leases()} == {("trial", "a"), ("other", "b")}

@@ -95,6 +95,8 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
     with open(os.path.join(trainer.cfg.trial_dir, "resizes.jsonl"), "a") as f:
         f.write(json.dumps(event) + "\n")
     trainer.metrics.log(trainer.step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
+    trainer.metrics.tag(f"resize.{request['seq']}", json.dumps(
+        {k: event[k] for k in ("time", "step", "from", "to", "pause_s", "mode")}))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,11 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self._queue.put((key, float(value), stamp, step))
 
+    def tag(self, key: str, value: str) -> None:
+        """A run tag (an event worth reading as text), sent with the next batch."""
+        if self.enabled:
+            self._queue.put((key, value, None, None))
+
     def _drain(self) -> list:
         items = []
         while True:
@@ -42,16 +47,18 @@ class MetricsLogger:
 
     def _run(self) -> None:
         from mlflow import MlflowClient
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         client = MlflowClient(tracking_uri=self._uri)
         while True:
             stopping = self._stop.wait(self._flush_s)
             items = self._drain()
-            for start in range(0, len(items), MAX_BATCH):
-                batch = [Metric(k, v, t, s) for k, v, t, s in items[start:start + MAX_BATCH]]
+            tags = [RunTag(k, v) for k, v, t, _ in items if t is None]
+            metrics = [Metric(k, v, t, s) for k, v, t, s in items if t is not None]
+            for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
+                batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
                 try:
-                    client.log_batch(self._run_id, metrics=batch, synchronous=True)
+                    client.log_batch(self._run_id, metrics=batch, tags=batch_tags, synchronous=True)
                 except Exception as e:  # a tracking hiccup must not kill training
                     warnings.warn(f"MLflow log_batch failed, {len(batch)} metrics dropped: {e}")
             if stopping:

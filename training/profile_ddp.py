@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import time
@@ -194,26 +195,14 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> DdpProfile:
-    if args.batch_size < env.world_size:
-        raise CampaignError(f"--batch-size {args.batch_size} is smaller than the world size {env.world_size}: every rank needs a sample")
-    torch.manual_seed(args.seed)
-    model = build_model(args.model, **args.model_kwargs).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    recorder = _CommRecorder(model)
-    ddp.register_comm_hook(None, recorder.hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-    local = len(np.array_split(np.arange(args.batch_size), env.world_size)[env.rank])
-    generator = torch.Generator().manual_seed(args.seed + env.rank)
-    x = torch.rand(local, *args.input_shape, generator=generator).to(device)
-    y = torch.randint(0, args.classes, (local,), generator=generator).to(device)
-    corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1)
-
+def _timed_steps(ddp: DDP, recorder: _CommRecorder, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, env: DistEnv, device: torch.device) -> list[list[float]]:
+    """Train the trainer's step; per measured step (slowest rank): forward, backward,
+    optimizer, step, all-reduce in flight, of it overlapping backward, of it peer wait."""
+    optimizer = torch.optim.SGD(ddp.module.parameters(), lr=1e-3, momentum=0.9)
     # perf_counter is the host's monotonic clock, the same in every process of one node: there
     # the ranks' bucket-ready times compare, and the wait for the last rank can be measured.
     one_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) == env.world_size
-    rows = []  # per measured step: forward, backward, optimizer, step, all-reduce, overlap, peer wait
+    rows = []
     for i in range(args.warmup + args.steps):
         optimizer.zero_grad(set_to_none=True)
         record = recorder.new_step()
@@ -224,22 +213,44 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
         t2 = _sync(device)
         optimizer.step()
         t3 = _sync(device)
-        if i >= args.warmup:
-            comm = union_length(record.intervals, t1, t2)
-            overlap = union_length(record.intervals, t1, max(t1, record.grads_done))
-            starts = [record.starts[k] for k in sorted(record.starts)]
-            latest = _max_over_ranks(starts, device) if one_node else starts
-            wait = min(comm, sum(last - mine for last, mine in zip(latest, starts)))
-            rows.append(_max_over_ranks([t1 - t0, t2 - t1, t3 - t2, t3 - t0, comm, overlap, wait], device))
+        if i < args.warmup:
+            continue
+        comm = union_length(record.intervals, t1, t2)
+        overlap = union_length(record.intervals, t1, max(t1, record.grads_done))
+        starts = [record.starts[k] for k in sorted(record.starts)]
+        latest = _max_over_ranks(starts, device) if one_node else starts
+        wait = min(comm, sum(last - mine for last, mine in zip(latest, starts))) if one_node else math.nan
+        rows.append(_max_over_ranks([t1 - t0, t2 - t1, t3 - t2, t3 - t0, comm, overlap, wait], device))
+    return rows
+
+
+def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> DdpProfile:
+    if args.batch_size < env.world_size or args.steps < 1:
+        raise CampaignError(
+            f"--batch-size {args.batch_size} and --steps {args.steps}: every rank needs a sample (batch >= world size "
+            f"{env.world_size}) and at least one step must be measured"
+        )
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, **args.model_kwargs).to(device)
+    local = len(np.array_split(np.arange(args.batch_size), env.world_size)[env.rank])
+    generator = torch.Generator().manual_seed(args.seed + env.rank)
+    x = torch.rand(local, *args.input_shape, generator=generator).to(device)
+    y = torch.randint(0, args.classes, (local,), generator=generator).to(device)
+    corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1)
+
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    recorder = _CommRecorder(model)
+    ddp.register_comm_hook(None, recorder.hook)
+    rows = _timed_steps(ddp, recorder, x, y, args, env, device)
     link = probe_link(device, env.world_size, args.probe_bytes) if env.world_size > 1 else None
 
     med = [statistics.median(column) for column in zip(*rows)]
-    buckets = tuple(BucketProfile(i, b, p) for i, (b, p) in sorted(record.buckets.items()))
+    buckets = tuple(BucketProfile(i, b, p) for i, (b, p) in sorted(recorder.step.buckets.items()))
     return DdpProfile(
         model=args.model, world_size=env.world_size, backend=dist.get_backend(), global_batch=args.batch_size, steps=args.steps,
         buckets=buckets, allreduce_bytes=sum(b.bytes for b in buckets),
         forward_s=med[0], backward_s=med[1], optimizer_s=med[2], step_s=med[3], allreduce_s=med[4], overlap_s=med[5],
-        peer_wait_s=med[6] if one_node else None, corun_slowdown=corun,
+        peer_wait_s=None if math.isnan(med[6]) else med[6], corun_slowdown=corun,
         link=link, threads=torch.get_num_threads() if device.type == "cpu" else 0,
     )
 
@@ -263,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = DistEnv.from_environ()
-    device = pick_device(env)
+    device = pick_device(env.local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         with cpu_threads(args.threads if device.type == "cpu" else None):

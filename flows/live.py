@@ -1,0 +1,124 @@
+"""What the campaign flow keeps about running trials: leases kept alive, resizes applied.
+
+Orchestration only: the device choice is cluster.packing.resize_devices, the lease
+bookkeeping is cluster.leases, the mechanism is the trial's agent (training/elastic.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.inventory import visible_devices_env
+from cluster.leases import LeaseStore
+from cluster.packing import resize_devices
+from cluster.sizing import SizedRequest
+from cluster.types import Device, Inventory
+from tasks.grid import Trial
+from tasks.resize import answer, pending_request
+from training.elastic import write_command
+from training.files import read_json
+
+
+class LeaseHeartbeat:
+    """Renews this campaign's leases while trials run, so other campaigns see us alive."""
+
+    def __init__(self, store: LeaseStore, period_s: float):
+        self.store, self.period_s = store, period_s
+        self.holders: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, holder: str) -> None:
+        with self._lock:
+            self.holders.add(holder)
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self.holders.discard(holder)
+        self.store.release(holder)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with self._lock:
+                holders = list(self.holders)
+            for holder in holders:
+                self.store.renew(holder)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for holder in list(self.holders):
+            self.release(holder)
+
+
+@dataclass
+class Running:
+    trial: Trial
+    request: SizedRequest
+    devices: list[Device]
+    holder: str
+    run_id: str
+    trial_dir: Path
+    elastic: bool
+    next_seq: int = 1
+    awaiting: tuple[int, list[Device], str] | None = None  # (agent seq, devices, request id) not yet applied
+    handled: set[str] = field(default_factory=set)
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [d.id for d in self.devices]
+
+
+def claims(job: Running, devices: list[Device]) -> dict[str, int]:
+    memory = job.request.at(len(devices)).memory_bytes if devices else 0
+    return {d.id: memory for d in devices}
+
+
+def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int]) -> str | None:
+    """Move a running elastic trial's pending resize one step on; a line to log, if any."""
+    control = job.trial_dir / "control"
+    if job.awaiting is not None:
+        seq, devices, request_id = job.awaiting
+        state = read_json(control / "state.json") or {}
+        if state.get("seq", -1) < seq or not devices:
+            return None  # not applied yet (a preemption ends with the task)
+        left = [d.id for d in job.devices if d not in devices]
+        job.devices, job.awaiting = devices, None
+        store.release_devices(job.holder, left)
+        answer(job.trial_dir, request_id, "applied", f"now on {', '.join(job.device_ids)}")
+        return f"trial {job.trial.id} resized to {len(devices)} device(s): {', '.join(job.device_ids)}"
+
+    request = pending_request(job.trial_dir, job.handled)
+    if request is None:
+        return None
+    job.handled.add(request["id"])
+    target, low, high = request["devices"], job.request.min_devices, job.request.max_devices
+    if not job.elastic:
+        answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} has a fixed size of {len(job.devices)} device(s): declare resources.devices as [min, max] to resize it")
+        return None
+    if target != 0 and not low <= target <= high:
+        answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} runs on {low} to {high} devices (0 preempts it); {target} is outside")
+        return None
+    if target == len(job.devices):
+        answer(job.trial_dir, request["id"], "applied", f"already on {target} device(s)")
+        return None
+    if target == 0:
+        devices: list[Device] = []
+    else:
+        memory = job.request.at(target).memory_bytes
+        chosen = resize_devices(inventory, job.device_ids, target, memory, store.usage())
+        if chosen is None:
+            answer(job.trial_dir, request["id"], "rejected", f"not enough free devices on {job.devices[0].node} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
+            return None
+        devices = [inventory.device(d) for d in chosen]
+        if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
+            answer(job.trial_dir, request["id"], "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
+            return None
+    write_command(control, job.next_seq, [{"id": d.id, "env": visible_devices_env([d])} for d in devices])
+    job.awaiting = (job.next_seq, devices, request["id"])
+    job.next_seq += 1
+    return f"trial {job.trial.id}: resize to {target} device(s) requested"

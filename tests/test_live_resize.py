@@ -1,0 +1,91 @@
+"""A trial in a real campaign is resized by hand (`campaign resize`) and keeps going."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from cluster.inventory import discover
+from cluster.leases import LeaseStore
+from training.files import read_json
+
+
+@pytest.fixture(scope="module")
+def prefect_backend():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def resize(runs: Path, trial: str, devices: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial, str(devices), "--runs-dir", str(runs), "--wait-s", "90"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    params = {
+        "campaign": {"name": "live", "seed": 1},
+        "data": {"path": str(digits_npz)},
+        "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 12000, "batch_size": 30, "lr": 0.05, "checkpoint_every": 2000, "eval_every": 4000, "log_every": 50},
+        "resources": {"devices": [1, 2]},
+        "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "live", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    slots = [d.id for d in discover(cpu_slots=2).devices]
+    outcomes: dict[str, subprocess.CompletedProcess] = {}
+
+    def drive():
+        deadline = time.time() + 120
+        record = None
+        while record is None and time.time() < deadline:
+            record = read_json(runs / "live" / "campaign.json")
+            time.sleep(0.1)
+        trial = record["trials"][0]["id"]
+        trial_dir = runs / "live" / trial
+        while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
+            time.sleep(0.05)
+        outcomes["too many"] = resize(runs, trial, 3)
+        outcomes["shrink"] = resize(runs, trial, 1)
+        store = LeaseStore()
+        capacity = {s: discover(cpu_slots=2).device(s).memory_bytes for s in slots}
+        assert store.acquire("someone-else/x", {slots[1]: capacity[slots[1]]}, capacity)
+        outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is now held by another campaign
+        store.release("someone-else/x")
+        outcomes["grow"] = resize(runs, trial, 2)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    summary = campaign_flow(str(tmp_path / "params.yaml"))
+    driver.join()
+    assert summary["finished"] == 1
+
+    assert outcomes["too many"].returncode == 2 and "1 to 2 devices" in outcomes["too many"].stderr
+    assert outcomes["shrink"].returncode == 0, outcomes["shrink"].stderr
+    assert outcomes["blocked"].returncode == 2 and "not enough free devices" in outcomes["blocked"].stderr
+    assert outcomes["grow"].returncode == 0, outcomes["grow"].stderr
+
+    record = json.loads((runs / "live" / "campaign.json").read_text())
+    trial = record["trials"][0]["id"]
+    events = [json.loads(l) for l in (runs / "live" / trial / "resizes.jsonl").read_text().splitlines()]
+    assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)]
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = [r for r in client.search_runs([client.get_experiment_by_name("live").experiment_id]) if r.data.tags.get("campaign.kind") == "trial"]
+    assert {"resize.1", "resize.2"} <= set(run.data.tags)
+    sizes = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step)]
+    assert sizes == [2, 1, 2]  # the trial's history of sizes, read back
+    assert run.info.status == "FINISHED" and LeaseStore().leases() == []
