@@ -1,8 +1,11 @@
 """The campaign flow: spec -> trials -> placed on leased devices -> DDP runs -> records.
 
 Orchestration only: grid expansion lives in tasks/grid.py, placement in cluster/packing.py,
-leases in cluster/leases.py, training in training/. The loop below starts every trial
-that fits on the free devices, waits for any to finish, releases its devices and repeats.
+the elastic policy in cluster/policy.py, leases in cluster/leases.py, training in
+training/. The loop starts trials on free devices, serves resizes, waits for any trial to
+finish, releases its devices and repeats. Fixed-size trials start first-come first-served
+at their size; elastic trials ([min, max] devices) are sized and resized by the policy,
+which grows them when devices free up and shrinks them when others wait.
 """
 
 from __future__ import annotations
@@ -19,16 +22,19 @@ from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
-from cluster.types import Inventory
+from cluster.types import Inventory, Placement
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.sizing import size_trials
-from tasks.records import campaign_dir, completed_result, update_record, write_campaign
+from tasks.records import campaign_dir, completed_result, log_allocation, update_record, write_campaign
+from tasks.resize import pending_request, request_resize
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
+from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import run_trial
 from training.config import TrialConfig
+from training.files import read_json
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
@@ -69,6 +75,156 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     )
 
 
+class CampaignRun:
+    """The state of one campaign flow run: what is pending, running, finished, and on what."""
+
+    def __init__(self, spec: CampaignSpec, trials: list[Trial], inventory: Inventory, requests: dict[str, SizedRequest],
+                 parent_run_id: str, lease_db: str | None, logger):
+        self.spec, self.inventory, self.requests, self.logger = spec, inventory, requests, logger
+        self.name, self.uri = spec.campaign.name, tracking_uri(spec.tracking)
+        self.root = campaign_dir(spec.tracking.runs_dir, self.name)
+        self.parent_run_id = parent_run_id
+        self.capacity = {d.id: d.memory_bytes for d in inventory.devices}
+        self.store = LeaseStore(lease_db)
+        self.heartbeat = LeaseHeartbeat(self.store, period_s=max(1.0, self.store.heartbeat_timeout_s / 4))
+        self.results: dict[str, dict[str, Any]] = {}
+        self.failed: dict[str, str] = {}
+        self.pending: list[Trial] = []
+        self.running: dict[PrefectFuture, Running] = {}
+        self.scheduler: LiveScheduler | None = None
+        if any(r.min_devices < r.max_devices for r in requests.values()):
+            per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
+            policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s)
+            self.scheduler = LiveScheduler(policy, per_node)
+        for t in trials:
+            done = completed_result(self.root / t.id)
+            if done is not None:
+                logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
+                self.results[t.id] = done
+            else:
+                self.add_pending(t)
+
+    def add_pending(self, trial: Trial) -> None:
+        self.pending.append(trial)
+        if self.scheduler is not None:
+            r = self.requests[trial.id]
+            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time())
+
+    # --- starting trials -------------------------------------------------------------
+    def start(self, trial: Trial, placement: Placement) -> bool:
+        """Lease the placement's devices and launch the trial on them; False if they were taken."""
+        holder = f"{self.name}/{trial.id}@{os.getpid()}"
+        if not self.store.acquire(holder, {d: placement.memory_bytes for d in placement.device_ids}, self.capacity):
+            return False  # another campaign took a device a moment ago: next round
+        self.heartbeat.add(holder)
+        request = self.requests[trial.id]
+        devices = [self.inventory.device(d) for d in placement.device_ids]
+        run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
+        config = trial_config(self.spec, trial, self.root / trial.id, run_id)
+        elastic = request.min_devices < request.max_devices
+        update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
+        log_allocation(self.root, trial.id, placement.device_ids, "start")
+        self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
+        future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic)
+        self.running[future] = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
+        self.pending.remove(trial)
+        if self.scheduler is not None:
+            self.scheduler.running(trial.id, devices[0].node, len(devices), time.time())
+        return True
+
+    def packer(self) -> Packer:
+        pending_min = [self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending]
+        return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min))
+
+    def start_first_come(self) -> None:
+        """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
+        packer = self.packer()
+        for trial in list(self.pending):
+            request = self.requests[trial.id]
+            queued_min = sum(self.requests[t.id].min_devices for t in self.pending if t is not trial)
+            free = sum(packer.free_bytes(d.id) == d.memory_bytes for d in self.inventory.devices)
+            placement = start_size(request, lambda n: packer.place(request.at(n)), queued_min, free)
+            if placement is not None and not self.start(trial, placement):
+                packer.release(placement)
+
+    def schedule_elastic(self) -> None:
+        """Elastic trials: the policy decides who runs on how many devices, now."""
+        now = time.time()
+        for job in self.running.values():
+            progress = read_json(job.trial_dir / "progress.json") or {}
+            if progress.get("world_size") == len(job.devices) and "step_time_s" in progress.get("metrics", {}):
+                self.scheduler.observe(job.trial.id, len(job.devices), progress["metrics"]["step_time_s"])
+            self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)
+            if job.pinned_by_person:
+                self.scheduler.pin(job.trial.id, len(job.devices))
+        ours = f"{self.name}/"
+        foreign = {lease.device_id for lease in self.store.leases() if not lease.holder.startswith(ours)}
+        actions = self.scheduler.decide(usable_devices(self.inventory, foreign), now)
+        for job in self.running.values():
+            target = actions.resize.get(job.trial.id)
+            if target is not None and job.awaiting is None and pending_request(job.trial_dir, job.handled) is None:
+                request_resize(job.trial_dir, target, by="policy")  # served like a person's, in serve_resizes
+        packer = self.packer()
+        for trial in [t for t in self.pending if t.id in actions.start]:
+            placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
+            if placement is not None and not self.start(trial, placement):
+                packer.release(placement)
+
+    # --- running trials --------------------------------------------------------------
+    def serve(self) -> None:
+        for job in self.running.values():
+            before = job.device_ids
+            if line := serve_resizes(job, self.inventory, self.store, self.capacity):
+                self.logger.info(line)
+            if job.device_ids != before:
+                log_allocation(self.root, job.trial.id, job.device_ids, "resize")
+
+    def collect(self, future: PrefectFuture) -> None:
+        job = self.running.pop(future)
+        self.heartbeat.release(job.holder)
+        log_allocation(self.root, job.trial.id, [], "end")
+        if self.scheduler is not None:
+            self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
+        try:
+            result = future.result()
+        except Exception as e:  # the task failed after its retries: record it, go on with the rest
+            self.failed[job.trial.id] = str(e)
+            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e))
+            self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
+            if self.scheduler is not None:
+                self.scheduler.finish(job.trial.id)
+            return
+        if result.get("preempted"):
+            self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
+            self.pending.append(job.trial)
+            return
+        self.results[job.trial.id] = result
+        if self.scheduler is not None:
+            self.scheduler.finish(job.trial.id)
+        close_trial_run(self.uri, job.run_id, result, job.device_ids)
+        self.logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
+
+    def run(self) -> None:
+        try:
+            while self.pending or self.running:
+                if self.scheduler is not None:
+                    self.schedule_elastic()
+                else:
+                    self.start_first_come()
+                if not self.running:
+                    if self.pending:  # every device we could use is leased by someone else
+                        time.sleep(WAIT_FOR_DEVICES_S)
+                    continue
+                try:
+                    future = next(as_completed(list(self.running), timeout=CONTROL_POLL_S))
+                except TimeoutError:
+                    self.serve()
+                    continue
+                self.collect(future)
+        finally:
+            self.heartbeat.close()
+
+
 @flow(name="campaign", log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None) -> dict[str, Any]:
     logger = get_run_logger()
@@ -79,87 +235,17 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     requests = checked_requests(spec, trials, inventory)  # a request no node can hold fails now
 
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
-    root = campaign_dir(spec.tracking.runs_dir, name)
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
     write_campaign(spec.tracking.runs_dir, name, {
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
         "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides,
                     "devices": [requests[t.id].min_devices, requests[t.id].max_devices]} for t in trials],
     })
+    run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger)
+    run.run()
 
-    results: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    pending: list[Trial] = []
-    for t in trials:
-        done = completed_result(root / t.id)
-        if done is not None:
-            logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
-            results[t.id] = done
-        else:
-            pending.append(t)
-
-    capacity = {d.id: d.memory_bytes for d in inventory.devices}
-    store = LeaseStore(lease_db)
-    heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4))
-    running: dict[PrefectFuture, Running] = {}
-    try:
-        while pending or running:
-            packer = Packer(inventory, store.usage(), workload=workload_of([requests[t.id].at(requests[t.id].min_devices) for t in pending]))
-            for trial in list(pending):
-                request = requests[trial.id]
-                queued_min = sum(requests[t.id].min_devices for t in pending if t is not trial)
-                free = sum(packer.free_bytes(d.id) == d.memory_bytes for d in inventory.devices)
-                placement = start_size(request, lambda n: packer.place(request.at(n)), queued_min, free)
-                if placement is None:
-                    continue
-                holder = f"{name}/{trial.id}@{os.getpid()}"
-                claims = {d: placement.memory_bytes for d in placement.device_ids}
-                if not store.acquire(holder, claims, capacity):
-                    packer.release(placement)  # another campaign took a device a moment ago: next round
-                    continue
-                heartbeat.add(holder)
-                devices = [inventory.device(d) for d in placement.device_ids]
-                run_id = open_trial_run(uri, parent_run_id, name, trial)
-                config = trial_config(spec, trial, root / trial.id, run_id)
-                elastic = request.min_devices < request.max_devices
-                update_record(root / trial.id, state="starting", devices=list(placement.device_ids))
-                logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
-                future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic)
-                running[future] = Running(trial, request, devices, holder, run_id, root / trial.id, elastic)
-                pending.remove(trial)
-            if not running:
-                if pending:  # every device we could use is leased by someone else
-                    time.sleep(WAIT_FOR_DEVICES_S)
-                continue
-            try:
-                future = next(as_completed(list(running), timeout=CONTROL_POLL_S))
-            except TimeoutError:
-                for job in running.values():
-                    if line := serve_resizes(job, inventory, store, capacity):
-                        logger.info(line)
-                continue
-            job = running.pop(future)
-            heartbeat.release(job.holder)
-            device_ids = job.device_ids
-            try:
-                result = future.result()
-            except Exception as e:  # the task failed after its retries: record it, go on with the rest
-                failed[job.trial.id] = str(e)
-                close_trial_run(uri, job.run_id, None, device_ids, error=str(e))
-                logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
-                continue
-            if result.get("preempted"):
-                logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
-                pending.append(job.trial)
-                continue
-            results[job.trial.id] = result
-            close_trial_run(uri, job.run_id, result, device_ids)
-            logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
-    finally:
-        heartbeat.close()
-
-    summary = write_summary(spec, trials, results, failed)
+    summary = write_summary(spec, trials, run.results, run.failed)
     close_campaign_run(uri, parent_run_id, summary)
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(trials)} trials failed: {', '.join(failed)}; see `campaign status {name}`")
+    if run.failed:
+        raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")
     return summary

@@ -98,6 +98,49 @@ def plan(params: Path = PARAMS) -> None:
 
 
 @app.command()
+def profile(
+    params: Path = PARAMS,
+    trial: Optional[str] = typer.Option(None, "--trial", help="trial id (default: the grid's first; `campaign status` lists them)"),
+) -> None:
+    """Profile one trial on this host: per-layer table, roofline, DDP buckets and all-reduce, predicted step times."""
+    from flows.campaign import checked_requests, inventory_for
+    from flows.profile import profile_flow, select_trial
+    from flows.spec import load_spec
+    from tasks.grid import expand_grid
+    from tasks.profile import PREDICTION_COLUMNS, prediction_rows
+    from training.errors import CampaignError
+    from training.profiler import to_rich_table
+
+    try:
+        spec = load_spec(params)
+        chosen = select_trial(expand_grid(spec), trial)
+        checked_requests(spec, [chosen], inventory_for(spec))
+    except CampaignError as e:
+        _fail(str(e))
+    try:
+        summary = profile_flow(str(params), chosen.id)
+    except Exception as e:  # devices busy, or the flow failed: it has logged the details
+        _fail(str(e), code=1)
+    result = summary.result
+    if result is None:
+        _fail(f"trial {chosen.id} could not be profiled: the warning above says why", code=1)
+    console.print(to_rich_table(result.profile, result.peaks))
+    if result.ddp is not None:
+        d = result.ddp
+        console.print(f"DDP at {d.world_size} processes ({d.backend}): step {d.step_s * 1e3:.3f} ms, all-reduce {d.allreduce_bytes} B "
+                      f"in {len(d.buckets)} bucket(s), {d.allreduce_s * 1e3:.3f} ms, {d.overlap_fraction:.0%} overlapped with backward")
+    elif result.ddp_error:
+        console.print(f"[yellow]DDP part failed:[/] {result.ddp_error.splitlines()[0]}")
+    table = Table(title=f"predicted step time of {chosen.id} (global batch {result.profile.batch_size}, one node)", title_justify="left")
+    for column in PREDICTION_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in prediction_rows(result.predictions, result.profile.batch_size, result.ddp):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"profile in {result.directory}/ ({', '.join(result.files)}); MLflow run {summary.mlflow_run_id}; Prefect artifact {summary.artifact_key}")
+
+
+@app.command()
 def status(
     campaign: Optional[str] = typer.Argument(None, help="campaign name (default: the latest launched)"),
     runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),

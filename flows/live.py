@@ -67,6 +67,7 @@ class Running:
     next_seq: int = 1
     awaiting: tuple[int, list[Device], str] | None = None  # (agent seq, devices, request id) not yet applied
     handled: set[str] = field(default_factory=set)
+    pinned_by_person: bool = False  # the last request a person made was accepted: the policy keeps off
 
     @property
     def device_ids(self) -> list[str]:
@@ -96,6 +97,7 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     if request is None:
         return None
     job.handled.add(request["id"])
+    by_person = request.get("by", "person") == "person"
     target, low, high = request["devices"], job.request.min_devices, job.request.max_devices
     if not job.elastic:
         answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} has a fixed size of {len(job.devices)} device(s): declare resources.devices as [min, max] to resize it")
@@ -103,6 +105,8 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     if target != 0 and not low <= target <= high:
         answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} runs on {low} to {high} devices (0 preempts it); {target} is outside")
         return None
+    if by_person:
+        job.pinned_by_person = True
     if target == len(job.devices):
         answer(job.trial_dir, request["id"], "applied", f"already on {target} device(s)")
         return None

@@ -105,6 +105,13 @@ class ClusterSection(Strict):
         default=None, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
 
 
+class SchedulingSection(Strict):
+    """How elastic trials ([min, max] devices) are sized and resized while they run."""
+
+    resize_pause_s: float = Field(default=2.0, gt=0, description="what a resize costs a trial; smaller gains are not worth one")
+    min_run_s: float = Field(default=20.0, gt=0, description="a trial runs at least this long between two resizes")
+
+
 class TrackingSection(Strict):
     mlflow_uri: str = Field(default="sqlite:///mlflow.db", description="overridden by $MLFLOW_TRACKING_URI")
     experiment: str = Field(default="campaigns", min_length=1)
@@ -135,6 +142,7 @@ class CampaignSpec(Strict):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     resources: ResourcesSection = ResourcesSection()
     cluster: ClusterSection = ClusterSection()
+    scheduling: SchedulingSection = SchedulingSection()
     tracking: TrackingSection = TrackingSection()
 
     @field_validator("grid")

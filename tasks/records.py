@@ -12,6 +12,7 @@ Every file is written atomically, so a reader never sees half of one.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,12 @@ def update_record(trial_dir: Path, **fields: Any) -> dict[str, Any]:
     record.update(fields, updated=time.time())
     write_json_atomic(trial_dir / "record.json", record)
     return record
+
+
+def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
+    """Who had which device when: one line per change, in <campaign>/allocations.jsonl."""
+    with open(Path(root) / "allocations.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "trial": trial_id, "devices": list(device_ids), "reason": reason}) + "\n")
 
 
 def completed_result(trial_dir: Path) -> dict[str, Any] | None:

@@ -18,9 +18,10 @@ from training.files import read_json, write_json_atomic
 REQUEST, RESULT = "request.json", "request-result.json"
 
 
-def request_resize(trial_dir: Path, devices: int) -> str:
+def request_resize(trial_dir: Path, devices: int, by: str = "person") -> str:
+    """Ask for a resize; `by` is "person" (a hand resize pins the size) or "policy"."""
     request_id = uuid.uuid4().hex[:12]
-    write_json_atomic(Path(trial_dir) / "control" / REQUEST, {"id": request_id, "devices": devices, "requested_at": time.time()})
+    write_json_atomic(Path(trial_dir) / "control" / REQUEST, {"id": request_id, "devices": devices, "by": by, "requested_at": time.time()})
     return request_id
 
 

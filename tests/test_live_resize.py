@@ -89,3 +89,43 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     sizes = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step)]
     assert sizes == [2, 1, 2]  # the trial's history of sizes, read back
     assert run.info.status == "FINISHED" and LeaseStore().leases() == []
+
+
+def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    params = {
+        "campaign": {"name": "grow", "seed": 2},
+        "data": {"path": str(digits_npz)},
+        "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 600, "batch_size": 30, "lr": 0.05, "checkpoint_every": 1000, "eval_every": 3000, "log_every": 50},
+        "grid": {"training.steps": [600, 6000]},
+        "resources": {"devices": [1, 2]},
+        "cluster": {"cpu_slots": 2},
+        "scheduling": {"resize_pause_s": 0.5, "min_run_s": 1.0},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "grow", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    summary = campaign_flow(str(tmp_path / "params.yaml"))
+    assert summary["finished"] == 2
+
+    record = json.loads((runs / "grow" / "campaign.json").read_text())
+    short, long = (t["id"] for t in record["trials"])
+    allocations = [json.loads(l) for l in (runs / "grow" / "allocations.jsonl").read_text().splitlines()]
+    # Both start side by side on one slot each: admitting a trial beats growing one.
+    starts = {a["trial"]: a["devices"] for a in allocations if a["reason"] == "start"}
+    assert len(starts[short]) == 1 and len(starts[long]) == 1 and starts[short] != starts[long]
+    # When the short one ends, the long one gets its slot too, by a resize, and keeps going.
+    end_short = next(a["time"] for a in allocations if a["trial"] == short and a["reason"] == "end")
+    grown = [a for a in allocations if a["trial"] == long and a["reason"] == "resize"]
+    assert grown and grown[0]["time"] > end_short and len(grown[0]["devices"]) == 2
+    events = [json.loads(l) for l in (runs / "grow" / long / "resizes.jsonl").read_text().splitlines()]
+    assert (len(events[0]["from"]), len(events[0]["to"])) == (1, 2)
+    # Who had which device when: no device held by two trials at any time.
+    holding: dict[str, set[str]] = {}
+    for a in allocations:
+        holding[a["trial"]] = set(a["devices"])
+        held = [d for devices in holding.values() for d in devices]
+        assert len(held) == len(set(held)), f"a device held twice at {a}"

@@ -1,0 +1,129 @@
+"""The live side of the elastic policy: the same `decide` the simulator replays, on real trials.
+
+`LiveScheduler` keeps what the policy needs to know of each elastic trial (arrival, device
+time attained, when its placement last changed, a step-time model refined from the step
+times the trial reports) and turns a decision into actions: trials to start at a size,
+running trials to resize. It does no I/O: the flow reads progress and applies actions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.jobs import Cluster, Job, Node, validate_allocation
+from cluster.policy import ElasticPolicy, Policy
+from cluster.throughput import OnlineStepTime, prior_from_size
+from cluster.types import Inventory
+
+
+@dataclass
+class Tracked:
+    trial_id: str
+    min_devices: int
+    max_devices: int
+    arrival: float
+    model: OnlineStepTime
+    node: str | None = None  # where it runs (trials stay on one node: DDP over loopback)
+    devices: int = 0
+    since: float | None = None
+    attained: float = 0.0  # device-seconds held
+    last_update: float | None = None
+    pinned: int | None = None  # a person resized it by hand: the policy keeps it at that size
+
+
+@dataclass(frozen=True)
+class Actions:
+    start: dict[str, int] = field(default_factory=dict)  # trial -> devices to start with
+    resize: dict[str, int] = field(default_factory=dict)  # running trial -> new device count (0 preempts)
+
+
+class LiveScheduler:
+    def __init__(self, policy: Policy, devices_per_node: int):
+        self.policy = policy
+        self.devices_per_node = devices_per_node
+        self.tracked: dict[str, Tracked] = {}
+
+    def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float) -> None:
+        if trial_id not in self.tracked:
+            prior = prior_from_size(max_devices, self.devices_per_node)
+            model = OnlineStepTime(prior, max_devices=max_devices, devices_per_node=self.devices_per_node)
+            self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model)
+
+    def running(self, trial_id: str, node: str, devices: int, now: float) -> None:
+        """The trial now runs on `devices` devices of `node` (0: it stopped)."""
+        t = self.tracked[trial_id]
+        self._accrue(t, now)
+        if devices != t.devices:
+            t.since = now
+        t.node, t.devices = (node if devices else None), devices
+
+    def pin(self, trial_id: str, devices: int) -> None:
+        """A person chose this trial's size: the policy no longer changes it."""
+        self.tracked[trial_id].pinned = devices
+
+    def observe(self, trial_id: str, devices: int, step_time_s: float) -> None:
+        """A step time the trial reported at a size: refines its model."""
+        if devices > 0 and step_time_s > 0:
+            self.tracked[trial_id].model.observe(devices, 1, step_time_s)
+
+    def finish(self, trial_id: str) -> None:
+        self.tracked.pop(trial_id, None)
+
+    def _accrue(self, t: Tracked, now: float) -> None:
+        if t.last_update is not None:
+            t.attained += t.devices * (now - t.last_update)
+        t.last_update = now
+
+    def decide(self, free_devices: dict[str, list[str]], now: float | None = None) -> Actions:
+        """Decide over the devices this campaign may use: node -> device ids (ours and free)."""
+        now = time.time() if now is None else now
+        cluster = Cluster(tuple(Node(node, tuple(ids)) for node, ids in sorted(free_devices.items()) if ids))
+        if not cluster.nodes:
+            return Actions()
+        jobs = []
+        for t in self.tracked.values():
+            self._accrue(t, now)
+            if t.pinned is not None:
+                continue  # its size is a person's choice; the devices it holds are not the policy's
+            # Trials run on one node (DDP over loopback), and others' leases shrink what is usable.
+            high = min(t.max_devices, cluster.largest_node)
+            if t.min_devices > high:
+                continue  # it cannot run on what is usable now: it waits
+            placement = {t.node: t.devices} if t.devices else {}
+            jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.model,
+                            attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival))
+        pinned = {t.node: 0 for t in self.tracked.values()}
+        for t in self.tracked.values():
+            if t.pinned is not None and t.devices:
+                pinned[t.node] += t.devices
+        cluster = Cluster(tuple(Node(n.name, n.device_ids[:max(0, n.size - pinned.get(n.name, 0))]) for n in cluster.nodes))
+        if not jobs or cluster.total == 0:
+            return Actions()
+        allocation = self.policy.decide(cluster, jobs, now)
+        validate_allocation(cluster, jobs, allocation)  # a policy bug is raised, never fixed up
+        start, resize = {}, {}
+        for t in self.tracked.values():
+            if t.pinned is not None or not any(j.id == t.trial_id for j in jobs):
+                continue
+            target = sum(allocation.get(t.trial_id, {}).values())
+            if t.devices == 0 and target > 0:
+                start[t.trial_id] = target
+            elif t.devices > 0 and target != t.devices:
+                resize[t.trial_id] = target
+        return Actions(start, resize)
+
+
+def live_policy(resize_pause_s: float, min_run_s: float) -> ElasticPolicy:
+    """The elastic policy with time constants for trials of minutes, not of hours."""
+    return ElasticPolicy(pause_s=resize_pause_s, min_run_s=min_run_s, min_horizon_s=min_run_s,
+                         las_scale_s=60 * min_run_s, explore_after_s=6 * min_run_s, starvation_s=30 * min_run_s)
+
+
+def usable_devices(inventory: Inventory, foreign: set[str]) -> dict[str, list[str]]:
+    """node -> device ids the campaign may use: those no other campaign holds."""
+    out: dict[str, list[str]] = {}
+    for d in inventory.devices:
+        if d.id not in foreign:
+            out.setdefault(d.node, []).append(d.id)
+    return out

@@ -1,0 +1,173 @@
+"""`campaign profile` end to end: Prefect (test harness), a real torchrun DDP profile, MLflow on SQLite."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.testing.utilities import prefect_test_harness
+from torch import nn
+
+from cluster.leases import LeaseStore
+from cluster.types import Device, Inventory
+from flows.profile import TrialNotFoundError, profile_flow
+from flows.spec import load_spec
+from tasks.grid import expand_grid
+from tasks.tracking import open_campaign_run, open_trial_run
+from training.models import MODELS
+from training.profiler import DdpProfile, ModelProfile
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def prefect_backend():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def write_params(root: Path, name: str, devices: int) -> Path:
+    params = {
+        "campaign": {"name": name, "seed": 1},
+        "data": {"path": str(root / "absent.npz")},  # a profile needs no data: shapes only
+        "model": {"name": "small_cnn", "width": 4, "dropout": 0.1},
+        "training": {"steps": 10, "batch_size": 16, "lr": 0.05},
+        "grid": {"training.lr": [0.05, 0.2]},
+        "resources": {"devices": devices},
+        "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": name, "runs_dir": str(root / "runs")},
+    }
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def markdown_artifacts(flow_run_id) -> list:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return [a for a in found if a.type == "markdown"]
+
+
+def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(tmp_path, prefect_backend, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path, "prof", devices=2)
+    spec = load_spec(params)
+    trial = expand_grid(spec)[1]
+    uri = spec.tracking.mlflow_uri
+    client = MlflowClient(uri)
+    # The campaign ran before: its parent and child runs exist and are finished.
+    parent_id = open_campaign_run.fn(uri, "prof", "prof", spec.grid, 2)
+    run_id = open_trial_run.fn(uri, parent_id, "prof", trial)
+    for rid in (parent_id, run_id):
+        client.set_terminated(rid, "FINISHED")
+    ended = {rid: client.get_run(rid).info.end_time for rid in (parent_id, run_id)}
+
+    state = profile_flow(str(params), trial.id, return_state=True)
+    summary = state.result()
+    result = summary.result
+    assert result is not None and result.ddp_error is None
+    assert summary.trial_id == trial.id and len(summary.devices) == 2
+
+    # The trial's own run was found again (no duplicate) and keeps its finished state.
+    assert summary.mlflow_run_id == run_id
+    assert len(client.search_runs([client.get_experiment_by_name("prof").experiment_id])) == 2
+    for rid in (parent_id, run_id):
+        info = client.get_run(rid).info
+        assert info.status == "FINISHED" and info.end_time == ended[rid]
+    logged = {a.path for a in client.list_artifacts(run_id, "profile")}
+    assert {"profile/profile.md", "profile/roofline.png", "profile/profile.json", "profile/ddp.json", "profile/predictions.json"} <= logged
+    markdown = Path(client.download_artifacts(run_id, "profile/profile.md", str(tmp_path / "dl"))).read_text()
+    assert markdown == result.markdown
+    for layer in ("features.0", "features.2", "head.2"):
+        assert f"| {layer} |" in markdown
+    assert "DDP at 2 process(es) (gloo), global batch 16" in markdown
+    assert Path(client.download_artifacts(run_id, "profile/roofline.png", str(tmp_path / "dl"))).read_bytes()[:8] == PNG_MAGIC
+    history = client.get_metric_history(run_id, "profile_predicted_step_s")
+    assert sorted(m.step for m in history) == [1, 2] and all(m.value > 0 for m in history)
+
+    # On disk, readable back by code; the DDP part all-reduced exactly the model's gradients.
+    profile_dir = tmp_path / "runs" / "prof" / trial.id / "profile"
+    assert ModelProfile.from_json((profile_dir / "profile.json").read_text()) == result.profile
+    ddp = DdpProfile.from_json((profile_dir / "ddp.json").read_text())
+    assert ddp.world_size == 2 and ddp.global_batch == 16 and ddp.allreduce_bytes == result.profile.gradient_bytes
+    predictions = json.loads((profile_dir / "predictions.json").read_text())
+    assert [(p["devices"], p["per_device_batch"]) for p in predictions] == [(1, 16), (2, 8)]
+    assert predictions[0]["allreduce_s"] == 0 < predictions[1]["allreduce_s"]
+    assert sorted(p.name for p in profile_dir.parent.iterdir()) == ["profile"]  # no staging left behind
+
+    # The flow run carries the table as a markdown artifact.
+    artifacts = markdown_artifacts(state.state_details.flow_run_id)
+    assert [(a.key, a.data) for a in artifacts] == [(summary.artifact_key, result.markdown)]
+    assert LeaseStore().leases() == []
+
+
+def test_an_unknown_trial_id_is_refused_with_the_valid_ones(tmp_path, prefect_backend, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path, "typo", devices=1)
+    valid = [t.id for t in expand_grid(load_spec(params))]
+    with pytest.raises(TrialNotFoundError, match="no trial 'lr0.5-0000'") as err:
+        profile_flow(str(params), "lr0.5-0000")
+    assert all(tid in str(err.value) for tid in valid)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def broken_model(**kwargs) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(65, 10))  # 64 features arrive
+
+
+def vanished_core(spec) -> Inventory:
+    """The host's slots after a core went offline (no core can be unplugged here)."""
+    return Inventory(tuple(Device(f"host/cpu{i}", "host", 4000 + i, "cpu", "CPU core", 2**30) for i in range(2)))
+
+
+@pytest.mark.parametrize(
+    "breakage, culprit",
+    [("model", "layer 1 (Linear)"), ("device", "CPU slot host/cpu0 (core 4000) is not available")],
+)
+def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, culprit, tmp_path, prefect_backend, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    if breakage == "model":
+        monkeypatch.setitem(MODELS, "small_cnn", broken_model)
+    else:
+        monkeypatch.setattr("flows.profile.inventory_for", vanished_core)
+    caplog.set_level(logging.WARNING)
+    params = write_params(tmp_path, "broken", devices=2)
+    summary = profile_flow(str(params))  # completes: a profile is advice, not a result
+    assert summary.result is None and summary.mlflow_run_id is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"trial {summary.trial_id} goes on without a profile" in w and culprit in w for w in warnings), warnings
+    trial_dir = tmp_path / "runs" / "broken" / summary.trial_id
+    assert not trial_dir.exists() or list(trial_dir.iterdir()) == []  # nothing half-written
+    assert not (tmp_path / "mlflow.db").exists()
+    assert LeaseStore().leases() == []
+
+
+def test_a_failed_ddp_part_drops_only_that_part_and_new_runs_wait_for_the_campaign(tmp_path, prefect_backend, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # the ranks cannot form their group
+    caplog.set_level(logging.WARNING)
+    params = write_params(tmp_path, "noddp", devices=2)
+    summary = profile_flow(str(params))
+    result = summary.result
+    assert summary.trial_id == expand_grid(load_spec(params))[0].id  # the first trial by default
+    assert result.ddp is None and "exited with code" in result.ddp_error
+    assert all(d in result.ddp_error for d in summary.devices)  # the devices are named
+    assert "The DDP measurement on 2 device(s) failed" in result.markdown and "| features.2 |" in result.markdown
+    assert "ddp.log" in result.files and "ddp.json" not in result.files
+    assert [p.devices for p in result.predictions] == [1, 2]
+    assert any("profiled without its DDP part" in r.getMessage() for r in caplog.records)
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("noddp").experiment_id])
+    # Created the way a campaign would, and left for `campaign launch` to run the trial in.
+    assert sorted(r.data.tags["campaign.kind"] for r in runs) == ["campaign", "trial"]
+    assert all(r.info.status == "SCHEDULED" for r in runs)
+    child = next(r for r in runs if r.data.tags["campaign.kind"] == "trial")
+    assert child.info.run_id == summary.mlflow_run_id and child.data.tags["campaign.trial_id"] == summary.trial_id
+    assert "profile/ddp.log" in {a.path for a in client.list_artifacts(child.info.run_id, "profile")}
