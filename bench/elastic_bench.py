@@ -71,29 +71,41 @@ def median(values: list[float]) -> float:
 
 
 # --- 1. equivalence ------------------------------------------------------------------------
-@dataclass
-class Equivalence:
+@dataclass(frozen=True)
+class Comparison:
+    """One run against the fixed 2-process run, step by step."""
     steps: int
-    events: list[dict]
     max_weight_diff: float
     max_loss_diff: float
     worst_loss_step: int
+    first_loss_over_1e6: int | None  # the first step whose loss differs by more than 1e-6
     differing_steps: list[int]  # steps whose sample ids differ (or that one run lacks)
 
 
-def equivalence(work: Path, data: Path, steps: int, plan: list[tuple[int, int]]) -> Equivalence:
-    fixed = trial_config(work / "eq-fixed", data, steps=steps, trace=True)
-    finish(run(fixed, 2), fixed)
-    elastic = trial_config(work / "eq-elastic", data, steps=steps, trace=True)
-    finish(run(elastic, 2, plan), elastic)
-    ta, tb = trace(fixed), trace(elastic)
+def compare(fixed: TrialConfig, other: TrialConfig) -> Comparison:
+    ta, tb = trace(fixed), trace(other)
     differing = sorted(s for s in set(ta) | set(tb) if s not in ta or s not in tb or ta[s][0] != tb[s][0])
     common = sorted(set(ta) & set(tb))
     loss_diff = {s: abs(ta[s][1] - tb[s][1]) for s in common}
     worst = max(loss_diff, key=loss_diff.get)
-    wa, wb = final_weights(fixed), final_weights(elastic)
-    weight_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    return Equivalence(steps, resizes(elastic), weight_diff, loss_diff[worst], worst, differing)
+    wa, wb = final_weights(fixed), final_weights(other)
+    return Comparison(fixed.steps, max(float((wa[k] - wb[k]).abs().max()) for k in wa), loss_diff[worst], worst,
+                      next((s for s in common if loss_diff[s] > 1e-6), None), differing)
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    events: list[dict]
+    elastic: Comparison  # resized vs fixed 2 processes
+    control: Comparison  # fixed 1 process vs fixed 2: what float rounding alone does over the same steps
+
+
+def equivalence(work: Path, data: Path, steps: int, plan: list[tuple[int, int]]) -> Equivalence:
+    runs = {}
+    for name, devices, resizes_plan in (("fixed2", 2, []), ("elastic", 2, plan), ("fixed1", 1, [])):
+        cfg = runs[name] = trial_config(work / f"eq-{name}", data, steps=steps, trace=True)
+        finish(run(cfg, devices, resizes_plan), cfg)
+    return Equivalence(resizes(runs["elastic"]), compare(runs["fixed2"], runs["elastic"]), compare(runs["fixed2"], runs["fixed1"]))
 
 
 # --- 2. resize pause ---------------------------------------------------------------------
@@ -159,21 +171,65 @@ class Setting:
 class Timing:
     window_steps_per_s: float  # steps in [warm, steps-1] / their wall time
     typical_step_s: float  # median interval between consecutive steps in the window
+    cpu_per_step_s: float  # CPU time (user + system, every thread of both ranks) per step in the window
 
 
-def timing(step_done_at: dict[int, float], s: Setting) -> Timing:
-    """From the completion times of steps 1..steps: the window [warm, steps-1]."""
-    last = s.steps - 1  # ours evaluates at its final step: keep that step out
-    window = [step_done_at[k] for k in range(s.warm, last + 1)]
-    return Timing((last - s.warm) / (window[-1] - window[0]), float(np.median(np.diff(window))))
+def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Setting) -> Timing:
+    """From the completion times of steps (all of them, or every few where that is all a
+    run logs) and (wall time, CPU) samples: the window from the first known step >= warm to
+    the last known step < steps (ours evaluates at its final step: it stays out). The CPU at
+    a step's end is interpolated between the samples around it."""
+    known = sorted(k for k in step_done_at if s.warm <= k < s.steps)
+    first, last = known[0], known[-1]
+    ends = np.array([step_done_at[k] for k in known])
+    times, used = zip(*cpu)
+    cpu_first, cpu_last = np.interp([ends[0], ends[-1]], times, used)
+    return Timing((last - first) / (ends[-1] - ends[0]), float(np.median(np.diff(ends) / np.diff(known))),
+                  float(cpu_last - cpu_first) / (last - first))
 
 
-def torchrun(args: list[str], env: dict[str, str], log: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system time of every thread of a live process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float]]:
+    """Run torchrun to the end; (wall time, CPU seconds of its worker processes) every `every_s`.
+
+    Sampling /proc from outside costs the workers nothing and treats ours and the plain loop
+    alike; it is a few file reads per sample, in this process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    samples: list[tuple[float, float]] = []
+    workers: list[int] = []
+    last: dict[int, float] = {}
     with open(log, "ab") as out:
-        code = subprocess.run(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    if code != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} exited {code}:\n{log.read_text(errors='replace')[-2000:]}")
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        while proc.poll() is None:
+            if len(workers) < ranks:
+                workers = children(proc.pid)
+            for pid in workers:
+                used = cpu_seconds(pid)
+                if used is not None:  # an exited worker keeps its last reading
+                    last[pid] = used
+            samples.append((time.time(), sum(last.values())))
+            time.sleep(every_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+    return samples
 
 
 class Tracking:
@@ -204,16 +260,16 @@ def run_ours(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) 
     Path(cfg.trial_dir).mkdir(parents=True)
     config = Path(cfg.trial_dir) / "trial.json"
     config.write_text(cfg.to_json())
-    torchrun(["-m", "training.train", "--config", str(config)], {**LAUNCH_ENV, "CAMPAIGN_CPU_CORES": CORES}, Path(cfg.trial_dir) / "train.log")
-    return timing(tracking.step_times(run_id), s)
+    cpu = torchrun(["-m", "training.train", "--config", str(config)], {**LAUNCH_ENV, "CAMPAIGN_CPU_CORES": CORES}, Path(cfg.trial_dir) / "train.log")
+    return timing(tracking.step_times(run_id), cpu, s)
 
 
 def run_plain(work: Path, data: Path, s: Setting, name: str) -> Timing:
     out = work / f"{name}.json"
-    torchrun([str(REPO / "bench" / "plain_ddp.py"), "--data", str(data), "--steps", str(s.steps), "--width", str(s.width),
+    cpu = torchrun([str(REPO / "bench" / "plain_ddp.py"), "--data", str(data), "--steps", str(s.steps), "--width", str(s.width),
               "--batch-size", str(s.batch), "--cores", CORES, "--timing-out", str(out)], LAUNCH_ENV, work / f"{name}.log")
     done_at = json.loads(out.read_text())["done_at"]
-    return timing({k + 1: t for k, t in enumerate(done_at)}, s)
+    return timing({k + 1: t for k, t in enumerate(done_at)}, cpu, s)
 
 
 def overhead(work: Path, data: Path, s: Setting, pairs: int, tracking: Tracking, console: Console) -> list[tuple[Timing, Timing]]:
@@ -221,27 +277,36 @@ def overhead(work: Path, data: Path, s: Setting, pairs: int, tracking: Tracking,
     for i in range(pairs):
         ours = run_ours(work, data, s, tracking, f"ours-w{s.width}-b{s.batch}-{i}")
         plain = run_plain(work, data, s, f"plain-w{s.width}-b{s.batch}-{i}")
-        console.print(f"  {s.label} pair {i + 1}/{pairs}: ours {ours.window_steps_per_s:.1f} steps/s, "
-                      f"plain {plain.window_steps_per_s:.1f} steps/s (load {os.getloadavg()[0]:.2f})")
+        console.print(f"  {s.label} pair {i + 1}/{pairs}: ours {ours.window_steps_per_s:.1f} steps/s, {ours.cpu_per_step_s * 1000:.2f} CPU ms/step; "
+                      f"plain {plain.window_steps_per_s:.1f} steps/s, {plain.cpu_per_step_s * 1000:.2f} CPU ms/step (load {os.getloadavg()[0]:.2f})")
         results.append((ours, plain))
     return results
 
 
 # --- report ----------------------------------------------------------------------------
 def print_equivalence(console: Console, eq: Equivalence, planned: int) -> None:
-    table = Table(title=f"1. Equivalence: fixed 2 processes vs resized, {eq.steps} steps, same seed")
+    steps = eq.elastic.steps
+    plan = ", ".join(f"{len(e['from'])} -> {len(e['to'])} at step {e['step']} (pause {e['pause_s'] * 1000:.0f} ms)" for e in eq.events)
+    table = Table(title=f"1. Equivalence over {steps} steps, same seed: resized ({plan}) vs fixed 2 processes")
     table.add_column("figure")
-    table.add_column("value", justify="right")
-    for e in eq.events:
-        table.add_row(f"resize {len(e['from'])} -> {len(e['to'])}", f"first step at new size: {e['step']}, pause {e['pause_s'] * 1000:.0f} ms")
-    table.add_row("max |final parameter difference|", f"{eq.max_weight_diff:.2e}")
-    table.add_row("max |loss difference| over steps", f"{eq.max_loss_diff:.2e} (step {eq.worst_loss_step})")
-    if eq.differing_steps:
-        shown = ", ".join(map(str, eq.differing_steps[:10])) + (" ..." if len(eq.differing_steps) > 10 else "")
-        table.add_row("sample ids", f"DIFFER at {len(eq.differing_steps)} steps: {shown}")
-    else:
-        table.add_row("sample ids", f"identical at all {eq.steps} steps")
+    table.add_column("resized vs fixed 2", justify="right")
+    table.add_column("control: fixed 1 vs fixed 2", justify="right")
+
+    def ids(c: Comparison) -> str:
+        if not c.differing_steps:
+            return f"identical at all {steps} steps"
+        shown = ", ".join(map(str, c.differing_steps[:10])) + (" ..." if len(c.differing_steps) > 10 else "")
+        return f"DIFFER at {len(c.differing_steps)} steps: {shown}"
+
+    rows = [("sample ids, step by step", ids),
+            ("max |final parameter difference|", lambda c: f"{c.max_weight_diff:.2e}"),
+            ("max |loss difference| (at step)", lambda c: f"{c.max_loss_diff:.2e} ({c.worst_loss_step})"),
+            ("first step with |loss difference| > 1e-6", lambda c: str(c.first_loss_over_1e6) if c.first_loss_over_1e6 is not None else "none")]
+    for label, cell in rows:
+        table.add_row(label, cell(eq.elastic), cell(eq.control))
     console.print(table)
+    console.print("The control changes only the order of float32 additions (one process sums the batch; two sum halves "
+                  "and all-reduce): the differences it shows are rounding, grown by training, and set the floor.")
     if len(eq.events) < planned:
         console.print(f"[red]only {len(eq.events)} of {planned} resizes happened[/red] before the trial ended: raise --eq-steps")
 
@@ -295,19 +360,24 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
 
 
 def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, Timing]]]) -> None:
-    table = Table(title="3. Overhead: our trainer (MLflow + async checkpoints + progress) vs a plain DDP loop, 2 processes")
-    for col in ("setting", "window", "pairs", "ours steps/s", "plain steps/s", "ours/plain (median of pairs)", "slower by",
-                "typical step ours/plain (ms)"):
+    table = Table(title="3. Overhead: our trainer (torchrun, MLflow, progress, async checkpoints) vs a plain DDP loop, 2 processes "
+                        "(medians over the pairs; 'slower by' = median of the pairs' time-per-step ratios - 1)")
+    for col in ("setting", "window", "pairs", "steps/s ours", "steps/s plain", "wall: ours slower by (pairs' range)",
+                "CPU ms/step ours", "CPU ms/step plain", "CPU: ours more by (range)", "typical step ms ours / plain"):
         table.add_column(col, justify="right")
     for s, pairs in results.items():
-        ratios = [o.window_steps_per_s / p.window_steps_per_s for o, p in pairs]
-        r = median(ratios)
-        typical_o, typical_p = median([o.typical_step_s for o, _ in pairs]), median([p.typical_step_s for _, p in pairs])
+        wall = [p.window_steps_per_s / o.window_steps_per_s - 1 for o, p in pairs]
+        cpu = [o.cpu_per_step_s / p.cpu_per_step_s - 1 for o, p in pairs]
         table.add_row(s.label, f"steps {s.warm}-{s.steps - 1}", str(len(pairs)),
                       f"{median([o.window_steps_per_s for o, _ in pairs]):.1f}", f"{median([p.window_steps_per_s for _, p in pairs]):.1f}",
-                      f"{r:.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})", f"{(1 / r - 1) * 100:+.1f}%",
-                      f"{typical_o * 1000:.2f} / {typical_p * 1000:.2f}")
+                      f"{median(wall):+.1%} ({min(wall):+.1%} .. {max(wall):+.1%})",
+                      f"{median([o.cpu_per_step_s for o, _ in pairs]) * 1000:.2f}", f"{median([p.cpu_per_step_s for _, p in pairs]) * 1000:.2f}",
+                      f"{median(cpu):+.1%} ({min(cpu):+.1%} .. {max(cpu):+.1%})",
+                      f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.1f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.1f}")
     console.print(table)
+    console.print("CPU = user + system time of both worker processes, every thread (training, gloo, MLflow, checkpoint "
+                  "writers), sampled from /proc: unlike wall time it hardly moves with the host's load. Wall time also "
+                  "counts waits for I/O (fsync) that CPU time does not.")
 
 
 def guarded(console: Console, part: str, measure) -> None:
@@ -327,7 +397,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resize-reps", type=int, default=2, help="2->1->2 cycles per path in the pause part")
     parser.add_argument("--gap", type=int, default=50, help="steps at each size between resizes")
     parser.add_argument("--pairs", type=int, default=3, help="(ours, plain) pairs per overhead setting")
-    parser.add_argument("--settings", default="32:128:400:150,16:64:900:300",
+    parser.add_argument("--settings", default="32:128:350:150,16:64:800:300",
                         help="overhead settings width:batch:steps:warm-up steps, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
     return parser.parse_args(argv)

@@ -370,7 +370,7 @@ class ElasticPolicy:
             placed = self._grow(pool, job, sizes[i], plans[i].exploring) if job.devices else pool.place(sizes[i])
             assert placed is not None, "the greedy never hands out more than the cluster holds"
             if placed is not job.placement and not plans[i].exploring:
-                placed = self._trim_spread(cluster, pool, job, placed)
+                placed = self._trim_spread(cluster, pool, job, placed, plans[i].floor)
             out[job.id] = dict(placed)
         self._backfill(pool, plans, sizes, out)
         return out
@@ -403,15 +403,16 @@ class ElasticPolicy:
         pool.take(best)
         return best
 
-    def _trim_spread(self, cluster: Cluster, pool: NodePool, job: Job, placed: Placement) -> dict[str, int]:
-        """Drop the nodes that cost a spread job more in network than they add in compute."""
+    def _trim_spread(self, cluster: Cluster, pool: NodePool, job: Job, placed: Placement, floor: int = 0) -> dict[str, int]:
+        """Drop the nodes that cost a spread job more in network than they add in compute,
+        never below `floor` (the devices a protected or starving job keeps)."""
         if nodes_of(placed) <= cluster.min_nodes(devices_of(placed)):
             return dict(placed)
         ranked = sorted(placed.items(), key=lambda nc: (-nc[1], nc[0]))
         best, best_speed, total = len(ranked), -1.0, 0
         for k, (_, count) in enumerate(ranked, start=1):
             total += count
-            if total >= job.min_devices:
+            if total >= max(job.min_devices, floor):
                 s = speedup(job.model, total, k)
                 if s > best_speed * (1.0 + 1e-9):
                     best, best_speed = k, s
