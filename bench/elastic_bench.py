@@ -5,8 +5,9 @@ trainer cost? Three figures measured in one run, side by side. Prints them; pass
     PYTHONPATH=. .venv/bin/python bench/elastic_bench.py --part overhead --pairs 6
 
 1. Equivalence. The same trial (same seed, traced) at a fixed 2 processes and resized
-   2 -> 1 -> 2: the largest difference of the final parameters and of the loss of every step,
-   and the sample ids of every step compared one by one.
+   2 -> 1 -> 2: the sample ids of every step compared one by one, the largest difference of
+   the loss of every step and of the final parameters. A control run at a fixed 1 process
+   shows what float rounding alone (another order of additions) does over as many steps.
 2. Resize pause. One trial resized 2 -> 1 -> 2 -> 1 ... through memory (mode "resize", ours)
    and one through stop, disk checkpoint, end every process, start anew, load from disk
    (mode "restart", the naive path). Pause = last step at the old size -> first step at the
@@ -14,16 +15,17 @@ trainer cost? Three figures measured in one run, side by side. Prints them; pass
    Ours starts joiners while the trial keeps training: that start-up is in the latency, not
    in the pause. The phases are the medians of each resize's pause_breakdown_s.
 3. Overhead. Steps per second of our trainer as a campaign runs it (torchrun, MLflow
-   logging to a real SQLite store, progress file, periodic asynchronous DCP checkpoints)
-   against bench/plain_ddp.py (a hand-written DDP loop: same model, data, global batch split,
-   SGD with momentum, warm-up + cosine lr; nothing else), both at 2 processes pinned one per
-   core. Timed over steps [warm-up, steps-1]: ours from the MLflow timestamps of each
-   step's train_loss (ms, stamped when the step completes), the plain loop from the wall
-   time it records after each step. Neither evaluates inside the window (ours evaluates at
-   the last step only, which is outside it). The two alternate (ours, plain, ours, plain,
-   ...), so each pair saw the host's load of the same moment; the figure is the median of
-   the pairs' ratios. "Typical step" compares the median step interval instead: a gap
-   between it and the window figure is periodic work (checkpoints, progress writes).
+   logging to a real SQLite store, progress file, asynchronous DCP checkpoints every 50
+   steps) against bench/plain_ddp.py (a hand-written DDP loop: same model, data, global
+   batch split, SGD with momentum, warm-up + cosine lr; nothing else), both at 2 processes
+   pinned one per core. Timed from step `warm` (start-up, MLflow's import on the logging
+   thread included, stays out) to the step before the last (ours evaluates at its last
+   step): ours from the MLflow timestamps of train_loss (ms, stamped as each step
+   completes), the plain loop from the wall time it records after each step. The two
+   alternate (ours, plain, ours, plain, ...) so each pair sees the host's load of the same
+   moment; the figure is the median over pairs of the time-per-step ratio. The CPU time of
+   the workers (every thread, sampled from /proc) is given beside it: it moves much less
+   with the load of a shared host than wall time does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +76,7 @@ def median(values: list[float]) -> float:
 # --- 1. equivalence ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Comparison:
-    """One run against the fixed 2-process run, step by step."""
+    """One run against a fixed-size run, step by step."""
     steps: int
     max_weight_diff: float
     max_loss_diff: float
@@ -98,14 +101,17 @@ class Equivalence:
     events: list[dict]
     elastic: Comparison  # resized vs fixed 2 processes
     control: Comparison  # fixed 1 process vs fixed 2: what float rounding alone does over the same steps
+    elastic_vs_fixed1: Comparison  # resized vs fixed 1 process: the arithmetic it ran most steps with
 
 
 def equivalence(work: Path, data: Path, steps: int, plan: list[tuple[int, int]]) -> Equivalence:
+    """Three traced trials, one after another: fixed 2, resized per `plan` (step, devices), fixed 1."""
     runs = {}
     for name, devices, resizes_plan in (("fixed2", 2, []), ("elastic", 2, plan), ("fixed1", 1, [])):
         cfg = runs[name] = trial_config(work / f"eq-{name}", data, steps=steps, trace=True)
         finish(run(cfg, devices, resizes_plan), cfg)
-    return Equivalence(resizes(runs["elastic"]), compare(runs["fixed2"], runs["elastic"]), compare(runs["fixed2"], runs["fixed1"]))
+    return Equivalence(resizes(runs["elastic"]), compare(runs["fixed2"], runs["elastic"]), compare(runs["fixed2"], runs["fixed1"]),
+                       compare(runs["fixed1"], runs["elastic"]))
 
 
 # --- 2. resize pause ---------------------------------------------------------------------
@@ -240,7 +246,8 @@ class Tracking:
 
         self.uri = f"sqlite:///{work / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=self.uri)
-        self.experiment = self.client.create_experiment("elastic-bench")
+        found = self.client.get_experiment_by_name("elastic-bench")
+        self.experiment = found.experiment_id if found else self.client.create_experiment("elastic-bench")
 
     def new_run(self, name: str) -> str:
         return self.client.create_run(self.experiment, run_name=name).info.run_id
@@ -291,6 +298,7 @@ def print_equivalence(console: Console, eq: Equivalence, planned: int) -> None:
     table.add_column("figure")
     table.add_column("resized vs fixed 2", justify="right")
     table.add_column("control: fixed 1 vs fixed 2", justify="right")
+    table.add_column("resized vs fixed 1", justify="right")
 
     def ids(c: Comparison) -> str:
         if not c.differing_steps:
@@ -303,10 +311,11 @@ def print_equivalence(console: Console, eq: Equivalence, planned: int) -> None:
             ("max |loss difference| (at step)", lambda c: f"{c.max_loss_diff:.2e} ({c.worst_loss_step})"),
             ("first step with |loss difference| > 1e-6", lambda c: str(c.first_loss_over_1e6) if c.first_loss_over_1e6 is not None else "none")]
     for label, cell in rows:
-        table.add_row(label, cell(eq.elastic), cell(eq.control))
+        table.add_row(label, cell(eq.elastic), cell(eq.control), cell(eq.elastic_vs_fixed1))
     console.print(table)
     console.print("The control changes only the order of float32 additions (one process sums the batch; two sum halves "
-                  "and all-reduce): the differences it shows are rounding, grown by training, and set the floor.")
+                  "and all-reduce): what it shows is rounding, grown by training, the floor for any resized run. Bit-exact "
+                  "equality is not expected; the sample ids must be identical.")
     if len(eq.events) < planned:
         console.print(f"[red]only {len(eq.events)} of {planned} resizes happened[/red] before the trial ended: raise --eq-steps")
 
@@ -350,13 +359,13 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
         phases.add_row(n, *row)
     console.print(phases)
     console.print("phases: stopped = the old generation stops at its next control step (restart: + a blocking disk "
-                  "checkpoint); ready = every process started, imported, data and model built (restart only: ours "
-                  "starts joiners before the stop); assigned = the agent hands out the new generation; process_group "
+                  "checkpoint); ready = every process started, imported, data and model built (restart; ours starts "
+                  "joiners before the stop, and shows this phase only when they became ready just after the last old step); assigned = the agent hands out the new generation; process_group "
                   "= init of the new gloo group; state = broadcast from rank 0 (ours) or DCP load from disk (restart); "
                   "first_step = the first step at the new size.")
     for p in paths:
         if p.error:
-            console.print(f"[red]{p.mode} path FAILED[/red]: {p.error}")
+            console.print(f"[red]{p.mode} path FAILED[/red]: {escape(p.error)}")
 
 
 def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, Timing]]]) -> None:
@@ -376,8 +385,9 @@ def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, T
                       f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.1f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.1f}")
     console.print(table)
     console.print("CPU = user + system time of both worker processes, every thread (training, gloo, MLflow, checkpoint "
-                  "writers), sampled from /proc: unlike wall time it hardly moves with the host's load. Wall time also "
-                  "counts waits for I/O (fsync) that CPU time does not.")
+                  "writers), sampled from /proc: it moves much less than wall time with the host's load, but not "
+                  "none (a busy sibling core slows each instruction). Wall time also counts waits (fsync) that CPU time "
+                  "does not. 'typical step' = median interval between consecutive logged steps, per step.")
 
 
 def guarded(console: Console, part: str, measure) -> None:
@@ -385,7 +395,7 @@ def guarded(console: Console, part: str, measure) -> None:
     try:
         measure()
     except Exception as e:  # a bench reports what broke instead of hiding the other figures
-        console.print(f"[red]part {part} FAILED[/red]: {e.__class__.__name__}: {e}")
+        console.print(f"[red]part {part} FAILED[/red]: {e.__class__.__name__}: {escape(str(e))}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -400,7 +410,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settings", default="32:128:350:150,16:64:800:300",
                         help="overhead settings width:batch:steps:warm-up steps, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        parser.error(f"--workdir {args.workdir} is not empty: finished trials there would be skipped, not measured")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

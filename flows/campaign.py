@@ -27,7 +27,7 @@ from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.sizing import size_trials
 from tasks.records import campaign_dir, completed_result, log_allocation, update_record, write_campaign
-from tasks.resize import pending_request, request_resize
+from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
@@ -126,7 +126,11 @@ class CampaignRun:
         log_allocation(self.root, trial.id, placement.device_ids, "start")
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
         future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic)
-        self.running[future] = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
+        job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
+        if stale := pending_request(job.trial_dir, set()):  # made for an earlier run of this trial
+            job.handled.add(stale["id"])
+            answer(job.trial_dir, stale["id"], "rejected", f"trial {trial.id} restarted on {len(devices)} device(s) before the request was served")
+        self.running[future] = job
         self.pending.remove(trial)
         if self.scheduler is not None:
             self.scheduler.running(trial.id, devices[0].node, len(devices), time.time())
@@ -182,12 +186,13 @@ class CampaignRun:
     def collect(self, future: PrefectFuture) -> None:
         job = self.running.pop(future)
         self.heartbeat.release(job.holder)
-        log_allocation(self.root, job.trial.id, [], "end")
         if self.scheduler is not None:
             self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
         try:
             result = future.result()
-        except Exception as e:  # the task failed after its retries: record it, go on with the rest
+            log_allocation(self.root, job.trial.id, [], "preempted" if result.get("preempted") else "end")
+        except Exception as e:
+            log_allocation(self.root, job.trial.id, [], "failed")  # the task failed after its retries: record it, go on with the rest
             self.failed[job.trial.id] = str(e)
             close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e))
             self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")

@@ -78,14 +78,20 @@ class LiveScheduler:
     def decide(self, free_devices: dict[str, list[str]], now: float | None = None) -> Actions:
         """Decide over the devices this campaign may use: node -> device ids (ours and free)."""
         now = time.time() if now is None else now
-        cluster = Cluster(tuple(Node(node, tuple(ids)) for node, ids in sorted(free_devices.items()) if ids))
+        # Devices of trials a person pinned are theirs, not the policy's to hand out.
+        pinned: dict[str, int] = {}
+        for t in self.tracked.values():
+            if t.pinned is not None and t.devices:
+                pinned[t.node] = pinned.get(t.node, 0) + t.devices
+        nodes = [Node(node, tuple(ids[:max(0, len(ids) - pinned.get(node, 0))])) for node, ids in sorted(free_devices.items())]
+        cluster = Cluster(tuple(n for n in nodes if n.size))
         if not cluster.nodes:
             return Actions()
         jobs = []
         for t in self.tracked.values():
             self._accrue(t, now)
             if t.pinned is not None:
-                continue  # its size is a person's choice; the devices it holds are not the policy's
+                continue  # its size is a person's choice
             # Trials run on one node (DDP over loopback), and others' leases shrink what is usable.
             high = min(t.max_devices, cluster.largest_node)
             if t.min_devices > high:
@@ -93,12 +99,7 @@ class LiveScheduler:
             placement = {t.node: t.devices} if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.model,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival))
-        pinned = {t.node: 0 for t in self.tracked.values()}
-        for t in self.tracked.values():
-            if t.pinned is not None and t.devices:
-                pinned[t.node] += t.devices
-        cluster = Cluster(tuple(Node(n.name, n.device_ids[:max(0, n.size - pinned.get(n.name, 0))]) for n in cluster.nodes))
-        if not jobs or cluster.total == 0:
+        if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now)
         validate_allocation(cluster, jobs, allocation)  # a policy bug is raised, never fixed up

@@ -129,3 +129,46 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
         holding[a["trial"]] = set(a["devices"])
         held = [d for devices in holding.values() for d in devices]
         assert len(held) == len(set(held)), f"a device held twice at {a}"
+
+
+def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    """Three elastic trials on two slots: least-attained-service makes a running trial yield
+    (a resize to zero) so the waiting one starts; the yielded one resumes from its checkpoint."""
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    params = {
+        "campaign": {"name": "share", "seed": 3},
+        "data": {"path": str(digits_npz)},
+        "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 6000, "batch_size": 30, "lr": 0.05, "checkpoint_every": 1000, "eval_every": 6000, "log_every": 50},
+        "grid": {"training.lr": [0.01, 0.02, 0.03]},
+        "resources": {"devices": [1, 2]},
+        "cluster": {"cpu_slots": 2},
+        "scheduling": {"resize_pause_s": 0.5, "min_run_s": 0.5},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "share", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    summary = campaign_flow(str(tmp_path / "params.yaml"))
+    assert summary["finished"] == 3
+
+    allocations = [json.loads(l) for l in (runs / "share" / "allocations.jsonl").read_text().splitlines()]
+    first_starts = {}
+    for a in allocations:
+        if a["reason"] == "start":
+            first_starts.setdefault(a["trial"], a["time"])
+    preempted = [a for a in allocations if a["reason"] == "preempted"]
+    assert preempted, "no running trial yielded to the waiting one"
+    waiting = max(first_starts, key=first_starts.get)  # the one that could not start at first
+    assert first_starts[waiting] >= preempted[0]["time"]  # it started on the devices a yield freed
+    yielded = preempted[0]["trial"]
+    log = (runs / "share" / yielded / "train.log").read_text()
+    assert "already finished" not in log
+    result = json.loads((runs / "share" / yielded / "result.json").read_text())
+    assert result["steps"] == 6000 and result["resumed_from_step"] > 0  # it went on from its checkpoint
+    holding: dict[str, set[str]] = {}
+    for a in allocations:
+        holding[a["trial"]] = set(a["devices"])
+        held = [d for devices in holding.values() for d in devices]
+        assert len(held) == len(set(held)), f"a device held twice at {a}"

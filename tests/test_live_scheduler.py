@@ -1,0 +1,68 @@
+"""The live scheduler turns the policy's decisions on real trials into starts and resizes."""
+
+from __future__ import annotations
+
+from flows.scheduler import LiveScheduler, live_policy, usable_devices
+from cluster.inventory import DeclaredNode, declared_inventory
+
+NODE = {"n": ["n/gpu0", "n/gpu1", "n/gpu2", "n/gpu3"]}
+
+
+def scheduler() -> LiveScheduler:
+    return LiveScheduler(live_policy(resize_pause_s=1.0, min_run_s=5.0), devices_per_node=4)
+
+
+def test_a_lone_trial_gets_every_device_it_can_use():
+    s = scheduler()
+    s.arrive("a", 1, 4, now=0.0)
+    assert s.decide(NODE, now=0.0).start == {"a": 4}
+
+
+def test_running_trial_shrinks_when_another_waits():
+    s = scheduler()
+    s.arrive("a", 1, 4, now=0.0)
+    s.running("a", "n", 4, now=0.0)
+    s.arrive("b", 1, 4, now=100.0)  # a new trial, long after a's last change
+    actions = s.decide(NODE, now=100.0)
+    assert actions.start.get("b", 0) >= 1
+    assert 1 <= actions.resize["a"] < 4
+    assert actions.resize["a"] + actions.start["b"] <= 4
+
+
+def test_recently_resized_trial_is_left_alone():
+    s = scheduler()
+    s.arrive("a", 1, 4, now=0.0)
+    s.running("a", "n", 4, now=0.0)
+    s.arrive("b", 1, 4, now=2.0)  # within min_run_s of a's start
+    actions = s.decide(NODE, now=2.0)
+    assert "a" not in actions.resize and "b" not in actions.start
+
+
+def test_finished_trial_frees_devices_for_the_other_to_grow():
+    s = scheduler()
+    for t in ("a", "b"):
+        s.arrive(t, 1, 4, now=0.0)
+    s.running("a", "n", 2, now=0.0)
+    s.running("b", "n", 2, now=0.0)
+    s.finish("a")
+    assert s.decide(NODE, now=100.0).resize == {"b": 4}
+
+
+def test_a_hand_pinned_trial_keeps_its_size_and_its_devices():
+    s = scheduler()
+    for t in ("a", "b"):
+        s.arrive(t, 1, 4, now=0.0)
+    s.running("a", "n", 1, now=0.0)
+    s.pin("a", 1)
+    actions = s.decide(NODE, now=100.0)
+    assert "a" not in actions.resize and actions.start == {"b": 3}  # a's device is not handed out
+
+
+def test_trials_larger_than_what_is_usable_are_clamped_or_wait():
+    inventory = declared_inventory([DeclaredNode("n", 4, 2**34)])
+    usable = usable_devices(inventory, foreign={"n/gpu0", "n/gpu1", "n/gpu2"})
+    assert usable == {"n": ["n/gpu3"]}
+    s = scheduler()
+    s.arrive("elastic", 1, 4, now=0.0)
+    s.arrive("needs-two", 2, 2, now=0.0)
+    assert s.decide(usable, now=0.0).start == {"elastic": 1}
