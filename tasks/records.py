@@ -80,12 +80,14 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     record = read_json(trial_dir / "record.json") or {}
     progress = read_json(trial_dir / "progress.json") or {}
     result = read_json(trial_dir / "result.json")
+    agent = read_json(trial_dir / "control" / "state.json") or {}  # an elastic trial's devices now
     state = "finished" if result else record.get("state", "pending")
+    devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
     latest = latest_valid_checkpoint(trial_dir / "checkpoints")
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,
         step=int(progress.get("step", 0)), steps=steps,
-        devices=list(record.get("devices", [])),
+        devices=list(devices),
         metrics=dict((result or progress).get("metrics", {})),
         checkpoint=str(latest) if latest else None,
     )
