@@ -360,9 +360,10 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
     console.print(phases)
     console.print("phases: stopped = the old generation stops at its next control step (restart: + a blocking disk "
                   "checkpoint); ready = every process started, imported, data and model built (restart; ours starts "
-                  "joiners before the stop, and shows this phase only when they became ready just after the last old step); assigned = the agent hands out the new generation; process_group "
-                  "= init of the new gloo group; state = broadcast from rank 0 (ours) or DCP load from disk (restart); "
-                  "first_step = the first step at the new size.")
+                  "joiners before the stop, and shows this phase only when they became ready just after the last old "
+                  "step); assigned = the agent hands out the new generation; process_group = init of the new gloo "
+                  "group; state = broadcast from rank 0 (ours) or DCP load from disk (restart); first_step = the first "
+                  "step at the new size.")
     for p in paths:
         if p.error:
             console.print(f"[red]{p.mode} path FAILED[/red]: {escape(p.error)}")
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
             guarded(console, "equivalence", lambda: print_equivalence(console, equivalence(work, data, args.eq_steps, plan), len(plan)))
         if args.part in ("all", "pause"):
             targets = [1, 2] * args.resize_reps
-            guarded(console, "pause", lambda: print_pause(console, [resize_series(work, data, mode, targets, args.gap) for mode in ("resize", "restart")]))
+            guarded(console, "pause", lambda: print_pause(
+                console, [resize_series(work, data, mode, targets, args.gap) for mode in ("resize", "restart")]))
         if args.part in ("all", "overhead"):
             def measure_overhead() -> None:
                 tracking = Tracking(work)

@@ -59,11 +59,17 @@ def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> No
 
 
 def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:
-    """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices)."""
+    """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices);
+    each resize takes effect before the next is asked for."""
     proc = start(cfg, start_devices)
     for seq, (step, devices) in enumerate(plan, 1):
         wait_for_step(cfg, step, proc)
         resize(cfg, seq, devices, mode)
+        deadline = time.time() + 120
+        while len(resizes(cfg)) < seq:
+            assert proc.poll() is None, f"trial ended before resize {seq} took effect"
+            assert time.time() < deadline, f"resize {seq} did not take effect"
+            time.sleep(0.01)
     return proc
 
 

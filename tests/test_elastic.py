@@ -1,10 +1,12 @@
 """Elastic trials for real (agent + workers, gloo on CPU): resizes keep the result.
 
 Tolerance: a resize changes only the order of float32 additions (one process sums 30
-per-sample gradients; two sum 15 each, then all-reduce). Each step's rounding differs by
-~1e-7 relative; over 1,500 steps we measured at most 1.1e-6 on weights and 7e-7 on the
-loss. We allow 1e-4 and 1e-5: two orders of magnitude above rounding, yet far below any real
-change (a single SGD step moves the weights by ~1e-3).
+per-sample gradients; two sum 15 each, then all-reduce), as running at another fixed size
+does. Each step's rounding differs by ~1e-7 relative, and training amplifies it over
+thousands of steps (we measured 1e-6 after 1,500 steps, 1e-2 after 2,000 with a long
+1-process stretch). So the bound is relative to a control: a resized run may differ from
+the fixed 2-process run by no more than a fixed 1-process run does (x10, + 1e-5), while
+the samples of every step must be identical.
 """
 
 from __future__ import annotations
@@ -21,21 +23,33 @@ from elastic_helpers import finish, final_weights, resizes, run, start, step_of,
 WEIGHT_ATOL, LOSS_ATOL = 1e-4, 1e-5
 
 
-def assert_same_training(a, b):
+def differences(a, b) -> tuple[float, float]:
+    """Largest loss difference over all steps and largest final weight difference; the samples
+    of every step must be the same."""
     ta, tb = trace(a), trace(b)
     assert sorted(ta) == sorted(tb) == list(range(a.steps))
     for step in ta:
         assert ta[step][0] == tb[step][0], f"step {step}: different samples"
-        assert abs(ta[step][1] - tb[step][1]) < LOSS_ATOL, f"step {step}: loss {ta[step][1]} vs {tb[step][1]}"
     wa, wb = final_weights(a), final_weights(b)
-    for name in wa:
-        assert torch.allclose(wa[name], wb[name], rtol=0, atol=WEIGHT_ATOL), f"{name}: {(wa[name] - wb[name]).abs().max()}"
+    return (max(abs(ta[s][1] - tb[s][1]) for s in ta), max((wa[n] - wb[n]).abs().max().item() for n in wa))
+
+
+def assert_same_training(a, b, control=None):
+    loss, weight = differences(a, b)
+    if control is None:
+        loss_bound, weight_bound = LOSS_ATOL, WEIGHT_ATOL
+    else:
+        control_loss, control_weight = differences(a, control)
+        loss_bound, weight_bound = 10 * control_loss + 1e-5, 10 * control_weight + 1e-5
+    assert loss <= loss_bound and weight <= weight_bound, (loss, weight, loss_bound, weight_bound)
 
 
 def test_resize_2_1_2_trains_exactly_as_fixed_size(tmp_path, digits_npz):
-    fixed = trial_config(tmp_path / "fixed", digits_npz)
+    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=3000)
     finish(run(fixed, 2), fixed)
-    elastic = trial_config(tmp_path / "elastic", digits_npz)
+    control = trial_config(tmp_path / "fixed1", digits_npz, steps=3000)
+    finish(run(control, 1), control)
+    elastic = trial_config(tmp_path / "elastic", digits_npz, steps=3000)
     finish(run(elastic, 2, [(200, 1), (500, 2)]), elastic)
 
     events = resizes(elastic)
@@ -43,7 +57,18 @@ def test_resize_2_1_2_trains_exactly_as_fixed_size(tmp_path, digits_npz):
     for e in events:
         assert 0 < e["pause_s"] < e["latency_s"] + 1e-9
         assert e["step"] % fixed.control_every == 1  # stopped at a control step, first step after it
-    assert_same_training(fixed, elastic)
+    assert_same_training(fixed, elastic, control)
+
+
+def test_naive_restart_path_keeps_the_result_too(tmp_path, digits_npz):
+    """The stop-checkpoint-relaunch path (kept to measure against) works and is exact too."""
+    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=1200)
+    finish(run(fixed, 2), fixed)
+    restarted = trial_config(tmp_path / "restarted", digits_npz, steps=1200)
+    finish(run(restarted, 2, [(200, 2)], mode="restart"), restarted)
+    (event,) = resizes(restarted)
+    assert event["mode"] == "restart" and event["pause_breakdown_s"]
+    assert_same_training(fixed, restarted)  # same size throughout: only the restart in between
 
 
 def test_micro_batches_keep_the_result(tmp_path, digits_npz):

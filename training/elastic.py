@@ -173,6 +173,7 @@ class Agent:
             if stopped is None:
                 return FINISHED
             self.dismiss(list(self.members))
+            self.members = []  # until the new generation starts, nobody trains
             wids = [self.spawn(d) for d in new]
             self.wait_for([f"ready/{w}" for w in wids])
             request.update(ready_at=time.time(), stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])

@@ -17,7 +17,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace `path` whole. `durable=False` skips the fsync (a status file a crash may lose:
+    the rename still keeps readers from seeing half of it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -25,15 +27,16 @@ def write_atomic(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), durable)
 
 
 def read_json(path: Path) -> Any | None:
