@@ -1,0 +1,32 @@
+"""Dropout masks belong to samples, not to the process or micro-batch that computes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from training.dropout import SampleDropout, batch_context, uniform_slice
+
+
+def test_a_slice_of_the_stream_equals_the_stream_sliced():
+    whole = uniform_slice([1, 2, 3], 0, 1000)
+    for start, count in [(0, 7), (1, 10), (3, 5), (4, 4), (997, 3), (250, 500)]:
+        assert np.array_equal(uniform_slice([1, 2, 3], start, count), whole[start:start + count])
+    assert 0.0 <= whole.min() and whole.max() < 1.0
+    assert abs(whole.mean() - 0.5) < 0.05
+    assert not np.array_equal(uniform_slice([1, 2, 4], 0, 1000), whole)  # another step: another mask
+
+
+def test_masks_do_not_depend_on_how_the_batch_is_split():
+    layer = SampleDropout(0.5, layer_id=0).train()
+    x = torch.ones(12, 3, 4)
+    with batch_context(seed=5, step=9, offset=0, global_batch=12):
+        whole = layer(x)
+    parts = []
+    for offset, size in [(0, 5), (5, 4), (9, 3)]:  # three processes, uneven shards
+        with batch_context(seed=5, step=9, offset=offset, global_batch=12):
+            parts.append(layer(x[offset:offset + size]))
+    assert torch.equal(torch.cat(parts), whole)
+    kept = (whole > 0).float().mean().item()
+    assert 0.3 < kept < 0.7 and torch.allclose(whole[whole > 0], torch.tensor(2.0))
+    assert torch.equal(layer.eval()(x), x)
