@@ -149,7 +149,7 @@ def prior(args: argparse.Namespace) -> None:
           f"memory {cal.memory_bytes_per_s / 1e9:.1f} GB/s")
     for run in calibration:
         if run.link is not None:
-            print(f"  all-reduce probe, median ms by size: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f}" for b, t in run.link.points))
+            print("  all-reduce probe, median ms by size: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f}" for b, t in run.link.points))
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

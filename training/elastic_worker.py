@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
-from training.files import write_json_atomic
 from training.process import die_with_parent
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
