@@ -23,6 +23,18 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PAT
 os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
 
+def campaign_cli(*args: str, cwd: Path | None = None):
+    """The real `campaign` command in its own process (exit code, stdout, stderr).
+
+    Not typer's in-process CliRunner: it swaps the streams, and Prefect, imported inside a
+    command, would bind its log handlers to streams the runner closes afterwards.
+    """
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+
 @pytest.fixture(scope="session")
 def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits

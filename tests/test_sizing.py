@@ -101,9 +101,8 @@ def test_start_size_leaves_room_for_the_queue():
 
 def test_campaign_plan_places_on_the_declared_cluster(tmp_path):
     import yaml
-    from typer.testing import CliRunner
 
-    from flows.cli import app
+    from conftest import campaign_cli
 
     spec = {
         "campaign": {"name": "plan"}, "model": {"name": "small_cnn", "width": 8},
@@ -114,12 +113,12 @@ def test_campaign_plan_places_on_the_declared_cluster(tmp_path):
     }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(spec))
-    result = CliRunner().invoke(app, ["plan", str(path)], env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
-    assert result.output.count("waits for devices") == 1  # two 2-device gangs fit, the third waits
-    assert "a/gpu0, a/gpu1" in result.output and "b/gpu0, b/gpu1" in result.output  # gangs kept on one node
+    result = campaign_cli("plan", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("waits for devices") == 1  # two 2-device gangs fit, the third waits
+    assert "a/gpu0, a/gpu1" in result.stdout and "b/gpu0, b/gpu1" in result.stdout  # gangs kept on one node
 
     spec["cluster"]["nodes"][1]["nvlink_pairs"] = [[0, 5]]
     path.write_text(yaml.safe_dump(spec))
-    result = CliRunner().invoke(app, ["plan", str(path)])
-    assert result.exit_code == 2 and "'b'" in result.output  # the inconsistent node is named
+    result = campaign_cli("plan", str(path))
+    assert result.returncode == 2 and "'b'" in result.stderr  # the inconsistent node is named
