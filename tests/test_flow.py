@@ -99,19 +99,17 @@ def test_two_device_trial_waits_for_two_then_starts_with_both(tmp_path, digits_n
     import threading
     import time
 
-    import yaml as _yaml
-
     from cluster.inventory import discover
     from flows.campaign import campaign_flow
 
     monkeypatch.chdir(tmp_path)
     params = write_params(tmp_path, digits_npz)
-    raw = _yaml.safe_load(params.read_text())
+    raw = yaml.safe_load(params.read_text())
     raw["campaign"]["name"] = "waits"
     raw["grid"] = {"training.lr": [0.1]}
     raw["training"].update(steps=10)
     raw["resources"]["devices"] = 2
-    params.write_text(_yaml.safe_dump(raw))
+    params.write_text(yaml.safe_dump(raw))
 
     inventory = discover(cpu_slots=2)
     capacity = {d.id: d.memory_bytes for d in inventory.devices}

@@ -25,6 +25,24 @@ def prefect_backend():
         yield
 
 
+def live_params(tmp_path: Path, data: Path, name: str, training: dict, **sections) -> Path:
+    """A campaign of elastic [1, 2]-device trials on 2 CPU slots, stores in tmp_path."""
+    params = {
+        "campaign": {"name": name, "seed": sections.pop("seed", 1)},
+        "data": {"path": str(data)},
+        "model": {"name": "small_cnn", "width": 8},
+        "training": {"batch_size": 30, "lr": 0.05, "log_every": 50, **training},
+        "resources": {"devices": [1, 2]},
+        "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": name,
+                     "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "m.json")},
+        **sections,
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
 def resize(runs: Path, trial: str, devices: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial, str(devices), "--runs-dir", str(runs), "--wait-s", "90"],
                           capture_output=True, text=True, timeout=120)
@@ -35,16 +53,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
-    params = {
-        "campaign": {"name": "live", "seed": 1},
-        "data": {"path": str(digits_npz)},
-        "model": {"name": "small_cnn", "width": 8},
-        "training": {"steps": 12000, "batch_size": 30, "lr": 0.05, "checkpoint_every": 2000, "eval_every": 4000, "log_every": 50},
-        "resources": {"devices": [1, 2]},
-        "cluster": {"cpu_slots": 2},
-        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "live", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
-    }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    live_params(tmp_path, digits_npz, "live", {"steps": 12000, "checkpoint_every": 2000, "eval_every": 4000})
     slots = [d.id for d in discover(cpu_slots=2).devices]
     outcomes: dict[str, subprocess.CompletedProcess] = {}
 
@@ -96,18 +105,8 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
-    params = {
-        "campaign": {"name": "grow", "seed": 2},
-        "data": {"path": str(digits_npz)},
-        "model": {"name": "small_cnn", "width": 8},
-        "training": {"steps": 600, "batch_size": 30, "lr": 0.05, "checkpoint_every": 1000, "eval_every": 3000, "log_every": 50},
-        "grid": {"training.steps": [600, 6000]},
-        "resources": {"devices": [1, 2]},
-        "cluster": {"cpu_slots": 2},
-        "scheduling": {"resize_pause_s": 0.5, "min_run_s": 1.0},
-        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "grow", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
-    }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    live_params(tmp_path, digits_npz, "grow", {"steps": 600, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
+                grid={"training.steps": [600, 6000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 2
 
@@ -138,18 +137,8 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
-    params = {
-        "campaign": {"name": "share", "seed": 3},
-        "data": {"path": str(digits_npz)},
-        "model": {"name": "small_cnn", "width": 8},
-        "training": {"steps": 6000, "batch_size": 30, "lr": 0.05, "checkpoint_every": 1000, "eval_every": 6000, "log_every": 50},
-        "grid": {"training.lr": [0.01, 0.02, 0.03]},
-        "resources": {"devices": [1, 2]},
-        "cluster": {"cpu_slots": 2},
-        "scheduling": {"resize_pause_s": 0.5, "min_run_s": 0.5},
-        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "share", "runs_dir": str(runs), "summary": str(tmp_path / "m.json")},
-    }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    live_params(tmp_path, digits_npz, "share", {"steps": 6000, "checkpoint_every": 1000, "eval_every": 6000}, seed=3,
+                grid={"training.lr": [0.01, 0.02, 0.03]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 0.5})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 3
 
