@@ -15,17 +15,20 @@ trainer cost? Three figures measured in one run, side by side. Prints them; pass
    Ours starts joiners while the trial keeps training: that start-up is in the latency, not
    in the pause. The phases are the medians of each resize's pause_breakdown_s.
 3. Overhead. Steps per second of our trainer as a campaign runs it (torchrun, MLflow
-   logging to a real SQLite store, progress file, asynchronous DCP checkpoints every 50
-   steps) against bench/plain_ddp.py (a hand-written DDP loop: same model, data, global
-   batch split, SGD with momentum, warm-up + cosine lr; nothing else), both at 2 processes
-   pinned one per core. Timed from step `warm` (start-up, MLflow's import on the logging
-   thread included, stays out) to the step before the last (ours evaluates at its last
-   step): ours from the MLflow timestamps of train_loss (ms, stamped as each step
-   completes), the plain loop from the wall time it records after each step. The two
-   alternate (ours, plain, ours, plain, ...) so each pair sees the host's load of the same
-   moment; the figure is the median over pairs of the time-per-step ratio. The CPU time of
-   the workers (every thread, sampled from /proc) is given beside it: it moves much less
-   with the load of a shared host than wall time does.
+   logging to a real SQLite store, progress file, asynchronous DCP checkpoints every
+   `checkpoint_every` steps) against bench/plain_ddp.py (a hand-written DDP loop: same
+   model, data, global batch split, SGD with momentum, warm-up + cosine lr; nothing else),
+   both at 2 processes pinned one per core. Timed from step `warm` (start-up, the metrics
+   sink's MLflow import included, stays out) to the step before the last (ours evaluates
+   at its last step), on every 10th step: ours from the MLflow timestamps of train_loss
+   (ms, stamped as the step completes), the plain loop from the wall time it records
+   after each step. Each pair runs back to back, in alternating order, so both see the
+   host's load of the same moment; the figure is the median over pairs of the
+   time-per-step ratio. The CPU time of the workers and their children (every thread, the
+   metrics sink included, sampled from /proc) is given beside it: it moves much less with
+   the load of a shared host than wall time does. The default settings checkpoint every
+   few seconds (production runs checkpoint every several minutes) and, for scale, every
+   50 steps (a checkpoint every ~0.2 s).
 """
 
 from __future__ import annotations
@@ -161,12 +164,16 @@ def resize_series(work: Path, data: Path, mode: str, targets: list[int], gap: in
 
 
 # --- 3. overhead ---------------------------------------------------------------------------
+LOG_EVERY = 10  # ours logs train_loss every 10 steps (the campaign's default): both loops are timed on these steps
+
+
 @dataclass(frozen=True)
 class Setting:
     width: int
     batch: int
     steps: int
-    warm: int  # steps excluded as start-up (imports on the logging thread, first allocations)
+    warm: int  # steps excluded as start-up (the metrics sink's MLflow import, first allocations)
+    checkpoint_every: int  # ours: an asynchronous DCP checkpoint every this many steps
 
     @property
     def label(self) -> str:
@@ -176,22 +183,30 @@ class Setting:
 @dataclass(frozen=True)
 class Timing:
     window_steps_per_s: float  # steps in [warm, steps-1] / their wall time
-    typical_step_s: float  # median interval between consecutive steps in the window
+    typical_step_s: float  # median over the window's LOG_EVERY-step intervals, per step
     cpu_per_step_s: float  # CPU time (user + system, every thread of both ranks) per step in the window
+    checkpoint_pause_s: float | None = None  # ours: median extra time of an interval holding a checkpoint
 
 
-def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Setting) -> Timing:
-    """From the completion times of steps (all of them, or every few where that is all a
-    run logs) and (wall time, CPU) samples: the window from the first known step >= warm to
-    the last known step < steps (ours evaluates at its final step: it stays out). The CPU at
-    a step's end is interpolated between the samples around it."""
-    known = sorted(k for k in step_done_at if s.warm <= k < s.steps)
+def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Setting, checkpoints: bool = False) -> Timing:
+    """From the completion times of every LOG_EVERY-th step and (wall time, CPU) samples: the
+    window from the first such step >= warm to the last one < steps (ours evaluates at its
+    final step: it stays out). The CPU at a step's end is interpolated between the samples
+    around it. With `checkpoints`, an interval (c, c + LOG_EVERY] after a checkpoint step c
+    holds the checkpoint's staging on the training thread: its excess over the typical
+    interval is the checkpoint's pause."""
+    known = sorted(k for k in step_done_at if s.warm <= k < s.steps and k % LOG_EVERY == 0)
     first, last = known[0], known[-1]
     ends = np.array([step_done_at[k] for k in known])
     times, used = zip(*cpu)
     cpu_first, cpu_last = np.interp([ends[0], ends[-1]], times, used)
-    return Timing((last - first) / (ends[-1] - ends[0]), float(np.median(np.diff(ends) / np.diff(known))),
-                  float(cpu_last - cpu_first) / (last - first))
+    intervals = np.diff(ends)
+    typical = float(np.median(intervals))
+    pause = None
+    if checkpoints:
+        holding = [i for i, k in enumerate(known[:-1]) if k % s.checkpoint_every == 0]
+        pause = float(np.median(intervals[holding]) - typical) if holding else None
+    return Timing((last - first) / (ends[-1] - ends[0]), typical / LOG_EVERY, float(cpu_last - cpu_first) / (last - first), pause)
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -214,7 +229,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float]]:
-    """Run torchrun to the end; (wall time, CPU seconds of its worker processes) every `every_s`.
+    """Run torchrun to the end; (wall time, CPU seconds of its workers and their children) every `every_s`.
 
     Sampling /proc from outside costs the workers nothing and treats ours and the plain loop
     alike; it is a few file reads per sample, in this process."""
@@ -227,7 +242,7 @@ def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, ev
         while proc.poll() is None:
             if len(workers) < ranks:
                 workers = children(proc.pid)
-            for pid in workers:
+            for pid in [*workers, *(c for w in workers for c in children(w))]:  # the metrics sink is a worker's child
                 used = cpu_seconds(pid)
                 if used is not None:  # an exited worker keeps its last reading
                     last[pid] = used
@@ -260,15 +275,14 @@ def run_ours(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) 
     run_id = tracking.new_run(name)
     cfg = TrialConfig(trial_id=name, seed=0, model="small_cnn", model_kwargs={"width": s.width, "dropout": 0.1},
                       data_path=str(data), steps=s.steps, batch_size=s.batch, lr=0.05, warmup_steps=20,
-                      # the campaign's defaults (params.yaml): checkpoint every 50, progress every 10;
                       # evaluation at the end only, as the plain loop has none
-                      checkpoint_every=50, log_every=10, eval_every=s.steps, keep_checkpoints=2,
+                      checkpoint_every=s.checkpoint_every, log_every=LOG_EVERY, eval_every=s.steps, keep_checkpoints=2,
                       trial_dir=str(work / name), mlflow_tracking_uri=tracking.uri, mlflow_run_id=run_id)
     Path(cfg.trial_dir).mkdir(parents=True)
     config = Path(cfg.trial_dir) / "trial.json"
     config.write_text(cfg.to_json())
     cpu = torchrun(["-m", "training.train", "--config", str(config)], {**LAUNCH_ENV, "CAMPAIGN_CPU_CORES": CORES}, Path(cfg.trial_dir) / "train.log")
-    return timing(tracking.step_times(run_id), cpu, s)
+    return timing(tracking.step_times(run_id), cpu, s, checkpoints=True)
 
 
 def run_plain(work: Path, data: Path, s: Setting, name: str) -> Timing:
@@ -280,11 +294,19 @@ def run_plain(work: Path, data: Path, s: Setting, name: str) -> Timing:
 
 
 def overhead(work: Path, data: Path, s: Setting, pairs: int, tracking: Tracking, console: Console) -> list[tuple[Timing, Timing]]:
+    """Pairs run back to back, in alternating order (ours first, then plain first), so a
+    drift of the host's load does not favour one side."""
     results = []
     for i in range(pairs):
-        ours = run_ours(work, data, s, tracking, f"ours-w{s.width}-b{s.batch}-{i}")
-        plain = run_plain(work, data, s, f"plain-w{s.width}-b{s.batch}-{i}")
-        console.print(f"  {s.label} pair {i + 1}/{pairs}: ours {ours.window_steps_per_s:.1f} steps/s, {ours.cpu_per_step_s * 1000:.2f} CPU ms/step; "
+        tag = f"w{s.width}-b{s.batch}-c{s.checkpoint_every}-{i}"
+        if i % 2 == 0:
+            ours = run_ours(work, data, s, tracking, f"ours-{tag}")
+            plain = run_plain(work, data, s, f"plain-{tag}")
+        else:
+            plain = run_plain(work, data, s, f"plain-{tag}")
+            ours = run_ours(work, data, s, tracking, f"ours-{tag}")
+        console.print(f"  {s.label}, checkpoint every {s.checkpoint_every}, pair {i + 1}/{pairs}: "
+                      f"ours {ours.window_steps_per_s:.1f} steps/s, {ours.cpu_per_step_s * 1000:.2f} CPU ms/step; "
                       f"plain {plain.window_steps_per_s:.1f} steps/s, {plain.cpu_per_step_s * 1000:.2f} CPU ms/step (load {os.getloadavg()[0]:.2f})")
         results.append((ours, plain))
     return results
@@ -372,23 +394,26 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
 def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, Timing]]]) -> None:
     table = Table(title="3. Overhead: our trainer (torchrun, MLflow, progress, async checkpoints) vs a plain DDP loop, 2 processes "
                         "(medians over the pairs; 'slower by' = median of the pairs' time-per-step ratios - 1)")
-    for col in ("setting", "window", "pairs", "steps/s ours", "steps/s plain", "wall: ours slower by (pairs' range)",
-                "CPU ms/step ours", "CPU ms/step plain", "CPU: ours more by (range)", "typical step ms ours / plain"):
+    for col in ("setting", "checkpoint every", "window", "pairs", "steps/s ours", "steps/s plain", "wall: ours slower by (pairs' range)",
+                "CPU: ours more by (range)", "typical step ms ours / plain", "checkpoint pause ms"):
         table.add_column(col, justify="right")
     for s, pairs in results.items():
         wall = [p.window_steps_per_s / o.window_steps_per_s - 1 for o, p in pairs]
         cpu = [o.cpu_per_step_s / p.cpu_per_step_s - 1 for o, p in pairs]
-        table.add_row(s.label, f"steps {s.warm}-{s.steps - 1}", str(len(pairs)),
-                      f"{median([o.window_steps_per_s for o, _ in pairs]):.1f}", f"{median([p.window_steps_per_s for _, p in pairs]):.1f}",
+        pauses = [o.checkpoint_pause_s for o, _ in pairs if o.checkpoint_pause_s is not None]
+        ours_rate = median([o.window_steps_per_s for o, _ in pairs])
+        table.add_row(s.label, f"{s.checkpoint_every} steps (~{s.checkpoint_every / ours_rate:.1f} s)", f"steps {s.warm}-{s.steps - 1}", str(len(pairs)),
+                      f"{ours_rate:.1f}", f"{median([p.window_steps_per_s for _, p in pairs]):.1f}",
                       f"{median(wall):+.1%} ({min(wall):+.1%} .. {max(wall):+.1%})",
-                      f"{median([o.cpu_per_step_s for o, _ in pairs]) * 1000:.2f}", f"{median([p.cpu_per_step_s for _, p in pairs]) * 1000:.2f}",
                       f"{median(cpu):+.1%} ({min(cpu):+.1%} .. {max(cpu):+.1%})",
-                      f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.1f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.1f}")
+                      f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.2f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.2f}",
+                      f"{median(pauses) * 1000:.1f}" if pauses else "-")
     console.print(table)
-    console.print("CPU = user + system time of both worker processes, every thread (training, gloo, MLflow, checkpoint "
-                  "writers), sampled from /proc: it moves much less than wall time with the host's load, but not "
-                  "none (a busy sibling core slows each instruction). Wall time also counts waits (fsync) that CPU time "
-                  "does not. 'typical step' = median interval between consecutive logged steps, per step.")
+    console.print("CPU = user + system time of both worker processes, every thread (training, gloo, checkpoint writers), "
+                  "the workers' children (the MLflow sink, at the lowest priority) included, sampled from /proc. "
+                  "CPU time moves less than wall time with the host's load, but not none (a busy sibling core slows each "
+                  f"instruction). 'typical step' = median {LOG_EVERY}-step interval, per step. 'checkpoint pause' = how much "
+                  "longer than typical the interval holding a checkpoint's staging is.")
 
 
 def guarded(console: Console, part: str, measure) -> None:
@@ -408,8 +433,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resize-reps", type=int, default=2, help="2->1->2 cycles per path in the pause part")
     parser.add_argument("--gap", type=int, default=50, help="steps at each size between resizes")
     parser.add_argument("--pairs", type=int, default=3, help="(ours, plain) pairs per overhead setting")
-    parser.add_argument("--settings", default="32:128:350:150,16:64:800:300",
-                        help="overhead settings width:batch:steps:warm-up steps, comma-separated")
+    parser.add_argument("--settings", default="32:128:1500:500:500,16:64:4000:1000:1000,16:64:4000:1000:50",
+                        help="overhead settings width:batch:steps:warm-up steps:checkpoint every, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):

@@ -5,16 +5,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from training.dropout import SampleDropout, batch_context, uniform_slice
+import pytest
+
+from training.dropout import SampleDropout, batch_context, mask_key, u16_slice, uniform_slice
 
 
 def test_a_slice_of_the_stream_equals_the_stream_sliced():
-    whole = uniform_slice([1, 2, 3], 0, 1000)
+    key = mask_key(1, 2, 3)
+    whole = uniform_slice(key, 0, 1000)
     for start, count in [(0, 7), (1, 10), (3, 5), (4, 4), (997, 3), (250, 500)]:
-        assert np.array_equal(uniform_slice([1, 2, 3], start, count), whole[start:start + count])
+        assert np.array_equal(uniform_slice(key, start, count), whole[start:start + count])
     assert 0.0 <= whole.min() and whole.max() < 1.0
     assert abs(whole.mean() - 0.5) < 0.05
-    assert not np.array_equal(uniform_slice([1, 2, 4], 0, 1000), whole)  # another step: another mask
+    assert not np.array_equal(uniform_slice(mask_key(1, 2, 4), 0, 1000), whole)  # another layer: another mask
+    assert not np.array_equal(uniform_slice(mask_key(1, 3, 3), 0, 1000), whole)  # another step
+    assert not np.array_equal(uniform_slice(mask_key(2, 2, 3), 0, 1000), whole)  # another seed
+
+
+def test_16_bit_draws_slice_like_the_whole_stream():
+    key = mask_key(7, 11, 0)
+    whole = u16_slice(key, 0, 4099)
+    for start, count in [(0, 1), (1, 3), (3, 2), (4, 17), (13, 4000), (4098, 1)]:
+        assert np.array_equal(u16_slice(key, start, count), whole[start:start + count])
+    assert abs(whole.mean() / 2**16 - 0.5) < 0.02
+
+
+def test_a_layer_id_that_would_collide_with_the_step_is_refused():
+    with pytest.raises(ValueError, match="layer_id"):
+        SampleDropout(0.1, layer_id=2**20)
 
 
 def test_masks_do_not_depend_on_how_the_batch_is_split():

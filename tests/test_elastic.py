@@ -99,6 +99,8 @@ def worker_pids(wid: str, config: Path) -> list[int]:
 def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digits_npz):
     fixed = trial_config(tmp_path / "fixed", digits_npz, steps=800)
     finish(run(fixed, 2), fixed)
+    control = trial_config(tmp_path / "fixed1", digits_npz, steps=800)  # the trial runs 300+ steps at 1 process
+    finish(run(control, 1), control)
 
     trial = trial_config(tmp_path / "killed", digits_npz, steps=800)
     config = Path(trial.trial_dir) / "trial.json"
@@ -120,12 +122,14 @@ def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digi
     finish(start(trial, 2), trial)  # what the launcher's retry does
     log = (Path(trial.trial_dir) / "agent.log").read_text()
     assert "exited with code" in log
-    assert_same_training(fixed, trial)
+    assert_same_training(fixed, trial, control)
 
 
 def test_preemption_saves_state_and_resumes_later(tmp_path, digits_npz):
     fixed = trial_config(tmp_path / "fixed", digits_npz, steps=600)
     finish(run(fixed, 1), fixed)
+    control = trial_config(tmp_path / "fixed2", digits_npz, steps=600)  # the 2-process rounding, for the bound
+    finish(run(control, 2), control)
     trial = trial_config(tmp_path / "preempted", digits_npz, steps=600)
     proc = start(trial, 2)
     wait_for_step(trial, 200, proc)
@@ -135,4 +139,4 @@ def test_preemption_saves_state_and_resumes_later(tmp_path, digits_npz):
     assert proc.wait(timeout=60) == PREEMPTED
     assert not Path(trial.result_path).exists()
     finish(start(trial, 1), trial)  # resumed later, on another number of devices
-    assert_same_training(fixed, trial)
+    assert_same_training(fixed, trial, control)

@@ -68,7 +68,11 @@ class SampleOrder:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def global_batch(self, step: int, batch_size: int) -> np.ndarray:
-        positions = np.arange(step * batch_size, (step + 1) * batch_size)
+        start = step * batch_size
+        epoch, offset = divmod(start, self.num_samples)
+        if offset + batch_size <= self.num_samples:  # the common case: within one epoch, a view
+            return self._permutation(epoch)[offset:offset + batch_size]
+        positions = np.arange(start, start + batch_size)
         epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(batch_size, dtype=np.int64)
         for epoch in np.unique(epochs):
@@ -79,7 +83,17 @@ class SampleOrder:
     @staticmethod
     def shard(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
         """This rank's contiguous share of a global batch (sizes differ by at most one)."""
-        return np.array_split(batch, world_size)[rank]
+        start, stop = shard_bounds(len(batch), world_size, rank)
+        return batch[start:stop]
+
+
+@lru_cache(maxsize=64)
+def shard_bounds(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of a rank's contiguous shard: np.array_split's split, the first
+    batch_size % world_size ranks take one more."""
+    base, extra = divmod(batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
 
 
 def main() -> None:

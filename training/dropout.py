@@ -43,11 +43,21 @@ def batch_context(seed: int, step: int, offset: int, global_batch: int) -> Itera
         _current.reset(token)
 
 
+LAYER_BITS = 20  # the Philox key is (seed, step << LAYER_BITS | layer): distinct for every mask
+
+
+def mask_key(seed: int, step: int, layer_id: int) -> list[int]:
+    if not 0 <= layer_id < 2**LAYER_BITS:
+        raise ValueError(f"dropout layer_id {layer_id} out of range [0, {2**LAYER_BITS})")
+    return [seed % 2**64, (step << LAYER_BITS | layer_id) % 2**64]
+
+
 def raw_slice(key: list[int], start: int, count: int) -> np.ndarray:
     """Draws start .. start+count of the 64-bit stream keyed by `key`, without the ones
-    before: Philox is counter-based, `advance(k)` skips k blocks of 4 draws."""
-    bits = np.random.Philox(np.random.SeedSequence(key))
-    bits.advance(start // 4)
+    before: Philox is counter-based, each counter value gives 4 draws, so the slice starts
+    at counter start // 4. The key is used as Philox's key directly (no SeedSequence):
+    Philox is a keyed bijection, distinct keys give independent streams."""
+    bits = np.random.Philox(key=key, counter=start // 4)
     return bits.random_raw(start % 4 + count)[start % 4:]
 
 
@@ -56,12 +66,21 @@ def uniform_slice(key: list[int], start: int, count: int) -> np.ndarray:
     return (raw_slice(key, start, count) >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
+def u16_slice(key: list[int], start: int, count: int) -> np.ndarray:
+    """Draws start .. start+count of the stream read as 16-bit words (4 per 64-bit draw):
+    a quarter of the generator's work, enough resolution (1/65536) for a dropout rate."""
+    words = raw_slice(key, start // 4, (start % 4 + count + 3) // 4)
+    return words.view(np.uint16)[start % 4: start % 4 + count]
+
+
 class SampleDropout(nn.Module):
     """Dropout with per-sample masks from (seed, step, layer_id, global sample position)."""
 
     def __init__(self, p: float, layer_id: int):
         super().__init__()
         self.p, self.layer_id = p, layer_id
+        mask_key(0, 0, layer_id)  # a bad layer_id fails here, not in the first step
+        self._threshold = np.uint16(min(round(p * 2**16), 2**16 - 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -70,10 +89,12 @@ class SampleDropout(nn.Module):
         if ctx is None:
             return F.dropout(x, self.p, training=True)
         per_sample = x[0].numel()
-        raw = raw_slice([ctx.seed, ctx.step, self.layer_id], ctx.offset * per_sample, x.numel())
-        # Kept where the draw, as a fraction of 2**64, is at least p: no float conversion.
-        keep = torch.from_numpy(raw >= np.uint64(int(self.p * 2**64))).reshape(x.shape).to(device=x.device, dtype=x.dtype)
-        return x * keep / (1.0 - self.p)
+        draws = u16_slice(mask_key(ctx.seed, ctx.step, self.layer_id), ctx.offset * per_sample, x.numel())
+        # Kept where the draw, as a fraction of 2**16, is at least p; the kept are scaled by
+        # 1 / (1 - p) in the same array, so autograd sees one multiplication.
+        scaled = np.where(draws >= self._threshold, np.float32(1.0 / (1.0 - self.p)), np.float32(0.0))
+        mask = torch.from_numpy(scaled).view(x.shape).to(device=x.device, dtype=x.dtype, non_blocking=True)
+        return x * mask
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer_id={self.layer_id}"

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.checkpoint import Checkpointer
 from training.config import TrialConfig
-from training.data import SampleOrder, load_digits_npz
+from training.data import SampleOrder, load_digits_npz, shard_bounds
 from training.dropout import batch_context
 from training.files import write_json_atomic
 from training.metrics import MetricsLogger
@@ -64,15 +64,20 @@ def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+MASK64 = 2**64 - 1
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    """A 63-bit seed for (seed, step, rank): splitmix64's finalizer over a combination of
+    the three (a microsecond, where SeedSequence takes several, on every step)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB + 1) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
-def shard_offsets(batch_size: int, world_size: int) -> list[int]:
-    """Where each rank's contiguous shard starts in the global batch (np.array_split's split)."""
-    sizes = [len(a) for a in np.array_split(np.arange(batch_size), world_size)]
-    return [int(x) for x in np.cumsum([0] + sizes[:-1])]
-
+# The progress file is for people and the scheduler: once a second is fresh enough for both.
+PROGRESS_EVERY_S = 1.0
 
 # Called every `control_every` steps on every rank; True stops training at this boundary.
 StopCheck = Callable[[int], bool]
@@ -176,11 +181,13 @@ class Trainer(Stateful):
     def save_checkpoint(self, blocking: bool = True) -> None:
         self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
 
-    def train_step(self, step: int) -> float:
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step; this rank's summed loss, left on the device (reading it would
+        make the host wait for the device on every step)."""
         cfg, env = self.cfg, self.env
         batch = self.order.global_batch(step, cfg.batch_size)
-        local = SampleOrder.shard(batch, env.rank, env.world_size)
-        offset = shard_offsets(cfg.batch_size, env.world_size)[env.rank]
+        offset, stop = shard_bounds(cfg.batch_size, env.world_size, env.rank)
+        local = batch[offset:stop]
         chunks = math.ceil(len(local) / cfg.max_device_batch) if cfg.max_device_batch else 1
         # Only the generators this step can use: torch.manual_seed would also seed every
         # accelerator backend, a measurable cost on steps of a few milliseconds.
@@ -188,24 +195,25 @@ class Trainer(Stateful):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
-        total = 0.0
+        total = None
         start = 0
-        for i, micro in enumerate(np.array_split(local, chunks)):
-            x = self.train_x[torch.from_numpy(micro)].to(self.device)
-            y = self.train_y[torch.from_numpy(micro)].to(self.device)
+        for i, micro in enumerate(np.array_split(local, chunks) if chunks > 1 else (local,)):
+            index = torch.from_numpy(micro)
+            x = self.train_x[index].to(self.device, non_blocking=True)
+            y = self.train_y[index].to(self.device, non_blocking=True)
             last = i == chunks - 1
             # Gradients are reduced across ranks once per step, on the last micro-batch.
             with (self.ddp.no_sync() if not last else contextlib.nullcontext()), batch_context(cfg.seed, step, offset + start, cfg.batch_size):
                 loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
                 (loss_sum * env.world_size / cfg.batch_size).backward()
-            total += loss_sum.item()
+            total = loss_sum.detach() if total is None else total + loss_sum.detach()
             if self.trace is not None:
                 self.trace.write(json.dumps({"step": step, "offset": offset + start, "samples": micro.tolist(), "loss_sum": loss_sum.item()}) + "\n")
             start += len(micro)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / len(local)
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -232,35 +240,39 @@ class Trainer(Stateful):
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
-        window_loss, window_steps = 0.0, 0
+        start, stop = shard_bounds(cfg.batch_size, self.env.world_size, self.env.rank)
+        window_loss, window_steps, window_start = None, 0, time.perf_counter()
+        progress_at = 0.0
         if self.is_rank0:
             self.write_progress("running")
         while self.step < cfg.steps:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
                 return None
-            t0 = time.perf_counter()
             loss = self.train_step(self.step)
             self.step += 1
             self.last_step_at = time.time()
             if after_first_step is not None and self.step == start_step + 1:
                 after_first_step()
             if self.is_rank0:
-                window_loss += loss
+                window_loss = loss if window_loss is None else window_loss + loss
                 window_steps += 1
                 evaluate = self.step % cfg.eval_every == 0 or self.step == cfg.steps
                 if evaluate or self.step % cfg.log_every == 0:
-                    # Logged every log_every steps, as the mean over the window: a metric costs
-                    # CPU on the training core (~0.25 ms on SQLite), every step would show.
-                    self.latest.update(train_loss=window_loss / window_steps, lr=self.scheduler.get_last_lr()[0],
-                                       step_time_s=time.perf_counter() - t0)
-                    window_loss, window_steps = 0.0, 0
+                    # Logged every log_every steps, as means over the window: reading the loss
+                    # waits for the device, and a metric costs CPU on the training core.
+                    now = time.perf_counter()
+                    self.latest.update(train_loss=window_loss.item() / (window_steps * (stop - start)),
+                                       lr=self.scheduler.get_last_lr()[0], step_time_s=(now - window_start) / window_steps)
+                    window_loss, window_steps = None, 0
                     if evaluate:
                         self.latest.update(self.evaluate())
                     self.metrics.log(self.step, **self.latest)
+                    window_start = time.perf_counter()  # an evaluation is not a training step
             if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save_checkpoint(blocking=False)
-            if self.is_rank0 and self.step % cfg.log_every == 0:
+            if self.is_rank0 and self.step % cfg.log_every == 0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
                 self.write_progress("running")
+                progress_at = self.last_step_at
         self.save_checkpoint(blocking=True)  # the final state is durable before the result says so
         if self.is_rank0 and "val_accuracy" not in self.latest:
             self.latest.update(self.evaluate())  # resumed from the final checkpoint: no step ran
