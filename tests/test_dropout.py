@@ -30,9 +30,14 @@ def test_16_bit_draws_slice_like_the_whole_stream():
     assert abs(whole.mean() / 2**16 - 0.5) < 0.02
 
 
-def test_a_layer_id_that_would_collide_with_the_step_is_refused():
+def test_a_negative_layer_id_is_refused():
     with pytest.raises(ValueError, match="layer_id"):
-        SampleDropout(0.1, layer_id=2**20)
+        SampleDropout(0.1, layer_id=-1)
+
+
+def test_mask_keys_are_distinct_across_seeds_steps_and_layers():
+    keys = {mask_key(seed, step, layer) for seed in range(4) for step in range(200) for layer in range(8)}
+    assert len(keys) == 4 * 200 * 8
 
 
 def test_masks_do_not_depend_on_how_the_batch_is_split():

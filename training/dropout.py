@@ -3,7 +3,7 @@
 nn.Dropout draws from each rank's generator, so the masks, and the result, change with
 the number of processes. Here the trainer declares where the local batch sits in the
 global batch of the step (`batch_context`); each layer's mask for the step is one stream
-of a counter-based generator (Philox) keyed by (seed, step, layer), laid out over the
+of a counter-based generator (SplitMix64 over the element index) keyed by (seed, step, layer), laid out over the
 global batch, and each process jumps straight to its own slice of it. Every world size,
 shard split and micro-batching then applies the same mask to the same sample, and no
 process draws numbers for samples it does not hold. Outside a context (a profile, a
@@ -43,32 +43,49 @@ def batch_context(seed: int, step: int, offset: int, global_batch: int) -> Itera
         _current.reset(token)
 
 
-LAYER_BITS = 20  # the Philox key is (seed, step << LAYER_BITS | layer): distinct for every mask
+MASK64 = 2**64 - 1
+GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment and mixing constants
+MIX1, MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def mask_key(seed: int, step: int, layer_id: int) -> list[int]:
-    if not 0 <= layer_id < 2**LAYER_BITS:
-        raise ValueError(f"dropout layer_id {layer_id} out of range [0, {2**LAYER_BITS})")
-    return [seed % 2**64, (step << LAYER_BITS | layer_id) % 2**64]
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (mod 2**64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
-def raw_slice(key: list[int], start: int, count: int) -> np.ndarray:
+def mask_key(seed: int, step: int, layer_id: int) -> int:
+    """The stream of one layer's masks at one step: a 64-bit hash of (seed, step, layer)."""
+    if layer_id < 0:
+        raise ValueError(f"dropout layer_id {layer_id} must be >= 0")
+    return _mix64((_mix64((_mix64(seed & MASK64) + step) & MASK64) + layer_id) & MASK64)
+
+
+def raw_slice(key: int, start: int, count: int) -> np.ndarray:
     """Draws start .. start+count of the 64-bit stream keyed by `key`, without the ones
-    before: Philox is counter-based, each counter value gives 4 draws, so the slice starts
-    at counter start // 4. The key is used as Philox's key directly (no SeedSequence):
-    Philox is a keyed bijection, distinct keys give independent streams."""
-    bits = np.random.Philox(key=key, counter=start // 4)
-    return bits.random_raw(start % 4 + count)[start % 4:]
+    before: draw i is SplitMix64's output for state (key + i) * gamma, a pure function of i
+    (counter-based), so any slice costs only its own length. Vectorized uint64 arithmetic,
+    which wraps mod 2**64 by definition; no generator object to build per call."""
+    z = np.arange(start, start + count, dtype=np.uint64)
+    z += np.uint64(key)
+    z *= GAMMA
+    z ^= z >> np.uint64(30)
+    z *= MIX1
+    z ^= z >> np.uint64(27)
+    z *= MIX2
+    z ^= z >> np.uint64(31)
+    return z
 
 
-def uniform_slice(key: list[int], start: int, count: int) -> np.ndarray:
+def uniform_slice(key: int, start: int, count: int) -> np.ndarray:
     """The same draws as uniform floats in [0, 1)."""
     return (raw_slice(key, start, count) >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
-def u16_slice(key: list[int], start: int, count: int) -> np.ndarray:
-    """Draws start .. start+count of the stream read as 16-bit words (4 per 64-bit draw):
-    a quarter of the generator's work, enough resolution (1/65536) for a dropout rate."""
+def u16_slice(key: int, start: int, count: int) -> np.ndarray:
+    """Draws start .. start+count of the stream read as 16-bit words (4 per 64-bit draw, in
+    the host's byte order): a quarter of the hashing, resolution 1/65536 for a dropout rate."""
     words = raw_slice(key, start // 4, (start % 4 + count + 3) // 4)
     return words.view(np.uint16)[start % 4: start % 4 + count]
 
