@@ -186,9 +186,10 @@ class Timing:
     typical_step_s: float  # median over the window's LOG_EVERY-step intervals, per step
     cpu_per_step_s: float  # CPU time (user + system, every thread of both ranks) per step in the window
     checkpoint_pause_s: float | None = None  # ours: median extra time of an interval holding a checkpoint
+    children_cpu_s: float = 0.0  # CPU seconds of the workers' children over the whole run (ours: the metrics sink)
 
 
-def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Setting, checkpoints: bool = False) -> Timing:
+def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float, float]], s: Setting, checkpoints: bool = False) -> Timing:
     """From the completion times of every LOG_EVERY-th step and (wall time, CPU) samples: the
     window from the first such step >= warm to the last one < steps (ours evaluates at its
     final step: it stays out). The CPU at a step's end is interpolated between the samples
@@ -198,7 +199,7 @@ def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Se
     known = sorted(k for k in step_done_at if s.warm <= k < s.steps and k % LOG_EVERY == 0)
     first, last = known[0], known[-1]
     ends = np.array([step_done_at[k] for k in known])
-    times, used = zip(*cpu)
+    times, used, by_children = zip(*cpu)
     cpu_first, cpu_last = np.interp([ends[0], ends[-1]], times, used)
     intervals = np.diff(ends)
     typical = float(np.median(intervals))
@@ -206,7 +207,7 @@ def timing(step_done_at: dict[int, float], cpu: list[tuple[float, float]], s: Se
     if checkpoints:
         holding = [i for i, k in enumerate(known[:-1]) if k % s.checkpoint_every == 0]
         pause = float(np.median(intervals[holding]) - typical) if holding else None
-    return Timing((last - first) / (ends[-1] - ends[0]), typical / LOG_EVERY, float(cpu_last - cpu_first) / (last - first), pause)
+    return Timing((last - first) / (ends[-1] - ends[0]), typical / LOG_EVERY, float(cpu_last - cpu_first) / (last - first), pause, by_children[-1])
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -228,25 +229,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float]]:
-    """Run torchrun to the end; (wall time, CPU seconds of its workers and their children) every `every_s`.
+def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float, float]]:
+    """Run torchrun to the end; (wall time, CPU seconds of its workers and their children,
+    CPU seconds of the children alone) every `every_s`.
 
     Sampling /proc from outside costs the workers nothing and treats ours and the plain loop
     alike; it is a few file reads per sample, in this process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, float]] = []
     workers: list[int] = []
     last: dict[int, float] = {}
+    grandchildren: set[int] = set()
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         while proc.poll() is None:
             if len(workers) < ranks:
                 workers = children(proc.pid)
-            for pid in [*workers, *(c for w in workers for c in children(w))]:  # the metrics sink is a worker's child
+            grandchildren.update(c for w in workers for c in children(w))  # the metrics sink is a worker's child
+            for pid in [*workers, *grandchildren]:
                 used = cpu_seconds(pid)
-                if used is not None:  # an exited worker keeps its last reading
+                if used is not None:  # an exited process keeps its last reading
                     last[pid] = used
-            samples.append((time.time(), sum(last.values())))
+            samples.append((time.time(), sum(last.values()), sum(last.get(pid, 0.0) for pid in grandchildren)))
             time.sleep(every_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
@@ -395,7 +399,7 @@ def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, T
     table = Table(title="3. Overhead: our trainer (torchrun, MLflow, progress, async checkpoints) vs a plain DDP loop, 2 processes "
                         "(medians over the pairs; 'slower by' = median of the pairs' time-per-step ratios - 1)")
     for col in ("setting", "checkpoint every", "window", "pairs", "steps/s ours", "steps/s plain", "wall: ours slower by (pairs' range)",
-                "CPU: ours more by (range)", "typical step ms ours / plain", "checkpoint pause ms"):
+                "CPU: ours more by (range)", "typical step ms ours / plain", "checkpoint pause ms", "metrics sink CPU s, whole run"):
         table.add_column(col, justify="right")
     for s, pairs in results.items():
         wall = [p.window_steps_per_s / o.window_steps_per_s - 1 for o, p in pairs]
@@ -407,13 +411,14 @@ def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, T
                       f"{median(wall):+.1%} ({min(wall):+.1%} .. {max(wall):+.1%})",
                       f"{median(cpu):+.1%} ({min(cpu):+.1%} .. {max(cpu):+.1%})",
                       f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.2f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.2f}",
-                      f"{median(pauses) * 1000:.1f}" if pauses else "-")
+                      f"{median(pauses) * 1000:.1f}" if pauses else "-", f"{median([o.children_cpu_s for o, _ in pairs]):.2f}")
     console.print(table)
     console.print("CPU = user + system time of both worker processes, every thread (training, gloo, checkpoint writers), "
                   "the workers' children (the MLflow sink, at the lowest priority) included, sampled from /proc. "
                   "CPU time moves less than wall time with the host's load, but not none (a busy sibling core slows each "
                   f"instruction). 'typical step' = median {LOG_EVERY}-step interval, per step. 'checkpoint pause' = how much "
-                  "longer than typical the interval holding a checkpoint's staging is.")
+                  "longer than typical the interval holding a checkpoint's staging is. The sink's CPU is mostly its one-time import "
+                  "of MLflow, on otherwise idle cores (SCHED_IDLE): the window starts after it.")
 
 
 def guarded(console: Console, part: str, measure) -> None:
@@ -433,7 +438,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resize-reps", type=int, default=2, help="2->1->2 cycles per path in the pause part")
     parser.add_argument("--gap", type=int, default=50, help="steps at each size between resizes")
     parser.add_argument("--pairs", type=int, default=3, help="(ours, plain) pairs per overhead setting")
-    parser.add_argument("--settings", default="32:128:1500:500:500,16:64:4000:1000:1000,16:64:4000:1000:50",
+    parser.add_argument("--settings", default="32:128:2500:1000:500,16:64:8000:4000:1000,16:64:8000:4000:50",
                         help="overhead settings width:batch:steps:warm-up steps:checkpoint every, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
     args = parser.parse_args(argv)
