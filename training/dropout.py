@@ -12,10 +12,8 @@ notebook) it is ordinary dropout.
 
 from __future__ import annotations
 
-import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -34,13 +32,21 @@ class BatchContext:
 _current: ContextVar[BatchContext | None] = ContextVar("batch_context", default=None)
 
 
-@contextlib.contextmanager
-def batch_context(seed: int, step: int, offset: int, global_batch: int) -> Iterator[None]:
-    token = _current.set(BatchContext(seed, step, offset, global_batch))
-    try:
-        yield
-    finally:
-        _current.reset(token)
+class batch_context:  # noqa: N801 (used as a function: `with batch_context(...)`)
+    """Declares, for the dropout layers of the forward pass inside it, where this local
+    (micro-)batch sits in the step's global batch. A class rather than a generator-based
+    context manager: it is entered on every step."""
+
+    __slots__ = ("_context", "_token")
+
+    def __init__(self, seed: int, step: int, offset: int, global_batch: int):
+        self._context = BatchContext(seed, step, offset, global_batch)
+
+    def __enter__(self) -> None:
+        self._token = _current.set(self._context)
+
+    def __exit__(self, *exc) -> None:
+        _current.reset(self._token)
 
 
 MASK64 = 2**64 - 1

@@ -195,17 +195,19 @@ class Trainer(Stateful):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
+        # One multiplication: world_size / batch_size is exact in its powers of two, so every
+        # world size scales the same per-sample gradients by the same float.
+        scale = env.world_size / cfg.batch_size
         total = None
         start = 0
         for i, micro in enumerate(np.array_split(local, chunks) if chunks > 1 else (local,)):
             index = torch.from_numpy(micro)
             x = self.train_x[index].to(self.device, non_blocking=True)
             y = self.train_y[index].to(self.device, non_blocking=True)
-            last = i == chunks - 1
             # Gradients are reduced across ranks once per step, on the last micro-batch.
-            with (self.ddp.no_sync() if not last else contextlib.nullcontext()), batch_context(cfg.seed, step, offset + start, cfg.batch_size):
+            with (self.ddp.no_sync() if i < chunks - 1 else contextlib.nullcontext()), batch_context(cfg.seed, step, offset + start, cfg.batch_size):
                 loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
-                (loss_sum * env.world_size / cfg.batch_size).backward()
+                (loss_sum * scale).backward()
             total = loss_sum.detach() if total is None else total + loss_sum.detach()
             if self.trace is not None:
                 self.trace.write(json.dumps({"step": step, "offset": offset + start, "samples": micro.tolist(), "loss_sum": loss_sum.item()}) + "\n")
