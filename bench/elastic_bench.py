@@ -1,7 +1,7 @@
 """Elastic trials (issue 4): is a resize safe, how long does it pause training, what does the
 trainer cost? Three figures measured in one run, side by side. Prints them; passes nothing.
 
-    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py              # all three, ~5 min here
+    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py              # all three, ~20 min here
     PYTHONPATH=. .venv/bin/python bench/elastic_bench.py --part overhead --pairs 6
 
 1. Equivalence. The same trial (same seed, traced) at a fixed 2 processes and resized
@@ -111,7 +111,10 @@ def equivalence(work: Path, data: Path, steps: int, plan: list[tuple[int, int]])
     """Three traced trials, one after another: fixed 2, resized per `plan` (step, devices), fixed 1."""
     runs = {}
     for name, devices, resizes_plan in (("fixed2", 2, []), ("elastic", 2, plan), ("fixed1", 1, [])):
-        cfg = runs[name] = trial_config(work / f"eq-{name}", data, steps=steps, trace=True)
+        # Steps of ~10 ms (as in tests/test_elastic.py): a joiner's ~3 s start-up spans a few
+        # hundred of them, so a grow asked for at a chosen step lands well before the end.
+        cfg = runs[name] = trial_config(work / f"eq-{name}", data, steps=steps, trace=True,
+                                        batch_size=128, model_kwargs={"width": 32, "dropout": 0.1})
         finish(run(cfg, devices, resizes_plan), cfg)
     return Equivalence(resizes(runs["elastic"]), compare(runs["fixed2"], runs["elastic"]), compare(runs["fixed2"], runs["fixed1"]),
                        compare(runs["fixed1"], runs["elastic"]))
@@ -437,7 +440,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="step:devices resizes of the elastic run (a grow needs ~3-5 s of steps after it for the joiner to start)")
     parser.add_argument("--resize-reps", type=int, default=2, help="2->1->2 cycles per path in the pause part")
     parser.add_argument("--gap", type=int, default=50, help="steps at each size between resizes")
-    parser.add_argument("--pairs", type=int, default=3, help="(ours, plain) pairs per overhead setting")
+    parser.add_argument("--pairs", type=int, default=5, help="(ours, plain) pairs per overhead setting")
     parser.add_argument("--settings", default="32:128:2500:1000:500,16:64:8000:4000:1000,16:64:8000:4000:50",
                         help="overhead settings width:batch:steps:warm-up steps:checkpoint every, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
