@@ -96,6 +96,12 @@ def _read_lines(buffer: list[dict], lock: threading.Lock, closed: threading.Even
     for line in sys.stdin:
         with lock:
             buffer.append(json.loads(line))
+    # The trainer is done: send the rest at normal priority, or a busy host would keep an
+    # idle-only sink (and the trainer waiting on it) for as long as other trials train.
+    try:
+        os.sched_setscheduler(threading.main_thread().native_id, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
     closed.set()
 
 

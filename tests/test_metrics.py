@@ -1,0 +1,68 @@
+"""Rank-0 metrics reach a real MLflow store through the sink process, even when the trainer dies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from training.metrics import MetricsLogger
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def new_run(tmp_path: Path) -> tuple[str, MlflowClient, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("metrics")).info.run_id
+    return uri, client, run_id
+
+
+def test_metrics_and_tags_arrive_in_order_of_steps(tmp_path):
+    uri, client, run_id = new_run(tmp_path)
+    logger = MetricsLogger(uri, run_id, flush_s=0.2)
+    for step in range(1, 31):
+        logger.log(step, train_loss=1.0 / step, lr=0.1)
+    logger.tag("resize.1", '{"from": 2, "to": 1}')
+    logger.close()
+    history = client.get_metric_history(run_id, "train_loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(1, 31))
+    assert {m.step: m.value for m in history}[4] == 0.25
+    assert client.get_run(run_id).data.tags["resize.1"] == '{"from": 2, "to": 1}'
+    assert not logger.enabled
+
+
+def test_a_trainer_that_dies_without_closing_still_has_its_metrics_sent(tmp_path):
+    uri, client, run_id = new_run(tmp_path)
+    # A process that logs and then dies at once (no close, no flush): the pipe closing is
+    # the sink's signal to send what it holds.
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from training.metrics import MetricsLogger
+        logger = MetricsLogger({uri!r}, {run_id!r}, flush_s=30)
+        for step in range(5):
+            logger.log(step, train_loss=float(step))
+        print(logger._sink.pid, flush=True)
+        os._exit(9)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 9, done.stderr
+    sink_pid = int(done.stdout.strip())
+    # The sink outlives its parent only to send the rest: wait for it to exit.
+    for _ in range(600):
+        if not Path(f"/proc/{sink_pid}").exists() or "Z" in Path(f"/proc/{sink_pid}/stat").read_text().split()[2]:
+            break
+        subprocess.run(["sleep", "0.1"])
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train_loss")) == [0, 1, 2, 3, 4]
+
+
+def test_a_sink_that_cannot_log_does_not_stop_training(tmp_path):
+    uri, _, _ = new_run(tmp_path)
+    logger = MetricsLogger(uri, "no-such-run", flush_s=0.1)
+    for step in range(3):
+        logger.log(step, train_loss=1.0)  # the trainer's side never raises
+    logger.close()
