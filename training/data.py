@@ -80,12 +80,6 @@ class SampleOrder:
             out[mask] = self._permutation(int(epoch))[offsets[mask]]
         return out
 
-    @staticmethod
-    def shard(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-        """This rank's contiguous share of a global batch (sizes differ by at most one)."""
-        start, stop = shard_bounds(len(batch), world_size, rank)
-        return batch[start:stop]
-
 
 @lru_cache(maxsize=64)
 def shard_bounds(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:

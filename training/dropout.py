@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.hashing import GAMMA, MIX1, MIX2, mix64
+
 
 @dataclass(frozen=True, slots=True)
 class BatchContext:
@@ -49,23 +51,9 @@ class batch_context:  # noqa: N801 (used as a function: `with batch_context(...)
         _current.reset(self._token)
 
 
-MASK64 = 2**64 - 1
-GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment and mixing constants
-MIX1, MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(z: int) -> int:
-    """SplitMix64's finalizer on a Python int (mod 2**64)."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
 def mask_key(seed: int, step: int, layer_id: int) -> int:
     """The stream of one layer's masks at one step: a 64-bit hash of (seed, step, layer)."""
-    if layer_id < 0:
-        raise ValueError(f"dropout layer_id {layer_id} must be >= 0")
-    return _mix64((_mix64((_mix64(seed & MASK64) + step) & MASK64) + layer_id) & MASK64)
+    return mix64(mix64(mix64(seed) + step) + layer_id)
 
 
 def raw_slice(key: int, start: int, count: int) -> np.ndarray:
@@ -75,11 +63,11 @@ def raw_slice(key: int, start: int, count: int) -> np.ndarray:
     which wraps mod 2**64 by definition; no generator object to build per call."""
     z = np.arange(start, start + count, dtype=np.uint64)
     z += np.uint64(key)
-    z *= GAMMA
+    z *= np.uint64(GAMMA)  # then mix64, vectorized
     z ^= z >> np.uint64(30)
-    z *= MIX1
+    z *= np.uint64(MIX1)
     z ^= z >> np.uint64(27)
-    z *= MIX2
+    z *= np.uint64(MIX2)
     z ^= z >> np.uint64(31)
     return z
 
@@ -101,8 +89,9 @@ class SampleDropout(nn.Module):
 
     def __init__(self, p: float, layer_id: int):
         super().__init__()
+        if layer_id < 0:
+            raise ValueError(f"dropout layer_id {layer_id} must be >= 0")
         self.p, self.layer_id = p, layer_id
-        mask_key(0, 0, layer_id)  # a bad layer_id fails here, not in the first step
         self._threshold = np.uint16(min(round(p * 2**16), 2**16 - 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

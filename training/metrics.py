@@ -2,8 +2,8 @@
 
 One `log_metric` on SQLite costs ~25 ms, longer than a training step here; a batched
 `log_batch` still costs tens of milliseconds of Python, and importing MLflow costs seconds.
-In a thread of the trainer all of that would hold the GIL against the training loop (we
-measured ~2% of a 3 ms step from the flushes alone). So the trainer writes one JSON line
+In a thread of the trainer all of that would hold the GIL against the training loop
+(py-spy put the flushes alone at ~2% of the trainer's wall time). So the trainer writes one JSON line
 per call into a pipe, and a sink process (`python -m training.metrics`), started at the
 lowest CPU priority and free to run on any core, imports MLflow and sends what arrived
 with one `log_batch` every `flush_s`. When the trainer closes the pipe (or dies: the pipe
@@ -78,7 +78,7 @@ def _package_root() -> str:
 def _lower_priority() -> None:
     """Yield to training: lowest CPU priority, and any core rather than the trainer's own
     (the pinning was inherited)."""
-    try:  # SCHED_IDLE: runs only on an otherwise idle core (nice 19 still took ~20% of one here)
+    try:  # SCHED_IDLE: runs only on an otherwise idle core (nice 19 slowed training more here)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)

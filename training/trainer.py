@@ -39,6 +39,7 @@ from training.config import TrialConfig
 from training.data import SampleOrder, load_digits_npz, shard_bounds
 from training.dropout import batch_context
 from training.files import write_json_atomic
+from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger
 from training.models import build_model
 
@@ -64,16 +65,10 @@ def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-MASK64 = 2**64 - 1
-
-
 def step_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed for (seed, step, rank): splitmix64's finalizer over a combination of
+    """A 63-bit seed for (seed, step, rank): SplitMix64's finalizer over a combination of
     the three (a microsecond, where SeedSequence takes several, on every step)."""
-    z = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB + 1) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return (z ^ (z >> 31)) >> 1
+    return mix64(seed * GAMMA + step * MIX1 + rank * MIX2 + 1) >> 1
 
 
 # The progress file is for people and the scheduler: once a second is fresh enough for both.
@@ -195,8 +190,8 @@ class Trainer(Stateful):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
-        # One multiplication: world_size / batch_size is exact in its powers of two, so every
-        # world size scales the same per-sample gradients by the same float.
+        # One multiplication; DDP then averages over world_size, so each sample's gradient
+        # ends up scaled by 1 / batch_size at every world size.
         scale = env.world_size / cfg.batch_size
         total = None
         start = 0
@@ -242,7 +237,8 @@ class Trainer(Stateful):
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
-        start, stop = shard_bounds(cfg.batch_size, self.env.world_size, self.env.rank)
+        shard_start, shard_stop = shard_bounds(cfg.batch_size, self.env.world_size, self.env.rank)
+        local_samples = shard_stop - shard_start
         window_loss, window_steps, window_start = None, 0, time.perf_counter()
         progress_at = 0.0
         if self.is_rank0:
@@ -263,7 +259,7 @@ class Trainer(Stateful):
                     # Logged every log_every steps, as means over the window: reading the loss
                     # waits for the device, and a metric costs CPU on the training core.
                     now = time.perf_counter()
-                    self.latest.update(train_loss=window_loss.item() / (window_steps * (stop - start)),
+                    self.latest.update(train_loss=window_loss.item() / (window_steps * local_samples),
                                        lr=self.scheduler.get_last_lr()[0], step_time_s=(now - window_start) / window_steps)
                     window_loss, window_steps = None, 0
                     if evaluate:
