@@ -87,8 +87,15 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         state = read_json(control / "state.json") or {}
         if state.get("seq", -1) < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
+        job.awaiting = None
+        if state.get("status") == "finished":
+            # The agent took the command but training ended before the resize landed: the
+            # trial never ran on the new devices, so say so, and give back what a grow took.
+            store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
+            answer(job.trial_dir, request_id, "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
+            return f"trial {job.trial.id} finished before its resize to {len(devices)} device(s)"
         left = [d.id for d in job.devices if d not in devices]
-        job.devices, job.awaiting = devices, None
+        job.devices = devices
         store.release_devices(job.holder, left)
         answer(job.trial_dir, request_id, "applied", f"now on {', '.join(job.device_ids)}")
         return f"trial {job.trial.id} resized to {len(devices)} device(s): {', '.join(job.device_ids)}"

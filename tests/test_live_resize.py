@@ -49,12 +49,18 @@ def resize(runs: Path, trial: str, devices: int) -> subprocess.CompletedProcess:
 
 
 def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    """Another campaign holds one of the two slots, so the [1, 2] trial starts on one. The grow
+    (it starts a process: the slow resize) comes early, the shrink (no process start) last,
+    so that the trial is still running when each lands, even on a loaded machine."""
     from flows.campaign import campaign_flow
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "live", {"steps": 12000, "checkpoint_every": 2000, "eval_every": 4000})
     slots = [d.id for d in discover(cpu_slots=2).devices]
+    capacity = {s: discover(cpu_slots=2).device(s).memory_bytes for s in slots}
+    store = LeaseStore()
+    assert store.acquire("someone-else/x", {slots[1]: capacity[slots[1]]}, capacity)
     outcomes: dict[str, subprocess.CompletedProcess] = {}
 
     def drive():
@@ -68,13 +74,10 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
         while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
             time.sleep(0.05)
         outcomes["too many"] = resize(runs, trial, 3)
-        outcomes["shrink"] = resize(runs, trial, 1)
-        store = LeaseStore()
-        capacity = {s: discover(cpu_slots=2).device(s).memory_bytes for s in slots}
-        assert store.acquire("someone-else/x", {slots[1]: capacity[slots[1]]}, capacity)
-        outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is now held by another campaign
+        outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is held by another campaign
         store.release("someone-else/x")
         outcomes["grow"] = resize(runs, trial, 2)
+        outcomes["shrink"] = resize(runs, trial, 1)
 
     driver = threading.Thread(target=drive)
     driver.start()
@@ -83,20 +86,20 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     assert summary["finished"] == 1
 
     assert outcomes["too many"].returncode == 2 and "1 to 2 devices" in outcomes["too many"].stderr
-    assert outcomes["shrink"].returncode == 0, outcomes["shrink"].stderr
     assert outcomes["blocked"].returncode == 2 and "not enough free devices" in outcomes["blocked"].stderr
     assert outcomes["grow"].returncode == 0, outcomes["grow"].stderr
+    assert outcomes["shrink"].returncode == 0, outcomes["shrink"].stderr
 
     record = json.loads((runs / "live" / "campaign.json").read_text())
     trial = record["trials"][0]["id"]
     events = [json.loads(l) for l in (runs / "live" / trial / "resizes.jsonl").read_text().splitlines()]
-    assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)]
+    assert [(len(e["from"]), len(e["to"])) for e in events] == [(1, 2), (2, 1)]
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for r in client.search_runs([client.get_experiment_by_name("live").experiment_id]) if r.data.tags.get("campaign.kind") == "trial"]
     assert {"resize.1", "resize.2"} <= set(run.data.tags)
     sizes = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step)]
-    assert sizes == [2, 1, 2]  # the trial's history of sizes, read back
+    assert sizes == [1, 2, 1]  # the trial's history of sizes, read back
     assert run.info.status == "FINISHED" and LeaseStore().leases() == []
 
 

@@ -1,0 +1,63 @@
+"""The campaign flow's side of a resize (flows/live.py): what it answers and which leases it keeps,
+once the trial's agent has taken the command. Real lease store and control files, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.inventory import discover
+from cluster.leases import LeaseStore
+from cluster.sizing import SizedRequest
+from flows.live import Running, serve_resizes
+from flows.spec import parse_spec
+from tasks.grid import expand_grid
+from tasks.resize import RESULT, request_resize
+from training.files import read_json, write_json_atomic
+
+
+def running_trial(tmp_path: Path, store: LeaseStore):
+    """A [1, 2]-device trial running on the first of two CPU slots, its lease held."""
+    spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 10, "batch_size": 8, "lr": 0.1}})
+    (trial,) = expand_grid(spec)
+    inventory = discover(cpu_slots=2)
+    capacity = {d.id: d.memory_bytes for d in inventory.devices}
+    request = SizedRequest(trial.id, 1, 2, (1 << 20, 1 << 20))
+    first = inventory.devices[0]
+    holder = f"c/{trial.id}"
+    assert store.acquire(holder, {first.id: 1 << 20}, capacity)
+    job = Running(trial, request, [first], holder, run_id="r", trial_dir=tmp_path / trial.id, elastic=True)
+    return job, inventory, capacity
+
+
+def agent_says(job: Running, seq: int, status: str, devices: list[str]) -> None:
+    write_json_atomic(job.trial_dir / "control" / "state.json", {"seq": seq, "gen": seq + 1, "devices": devices, "status": status, "time": 0.0})
+
+
+def grow_to_two(tmp_path: Path):
+    store = LeaseStore(tmp_path / "leases.db")
+    job, inventory, capacity = running_trial(tmp_path, store)
+    request_resize(job.trial_dir, 2)
+    assert "requested" in serve_resizes(job, inventory, store, capacity)
+    assert job.awaiting is not None and {l.device_id for l in store.leases()} == {d.id for d in inventory.devices}
+    assert serve_resizes(job, inventory, store, capacity) is None  # the agent has not taken it yet
+    return job, inventory, store, capacity
+
+
+def test_an_applied_grow_moves_the_trial_to_its_new_devices(tmp_path):
+    job, inventory, store, capacity = grow_to_two(tmp_path)
+    agent_says(job, 1, "running", [d.id for d in inventory.devices])
+    assert "resized to 2" in serve_resizes(job, inventory, store, capacity)
+    assert job.device_ids == [d.id for d in inventory.devices] and job.awaiting is None
+    assert read_json(job.trial_dir / "control" / RESULT)["status"] == "applied"
+    assert {l.device_id for l in store.leases()} == set(job.device_ids)
+
+
+def test_a_trial_that_finishes_before_its_grow_lands_is_not_reported_resized(tmp_path):
+    job, inventory, store, capacity = grow_to_two(tmp_path)
+    first = inventory.devices[0].id
+    agent_says(job, 1, "finished", [first])  # the agent took seq 1, but training ended first
+    assert "finished before its resize" in serve_resizes(job, inventory, store, capacity)
+    assert job.device_ids == [first] and job.awaiting is None
+    result = read_json(job.trial_dir / "control" / RESULT)
+    assert result["status"] == "finished" and "before the resize" in result["detail"]
+    assert [l.device_id for l in store.leases()] == [first]  # the device the grow took is free again
