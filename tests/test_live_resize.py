@@ -109,7 +109,7 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "grow", {"steps": 600, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
-                grid={"training.steps": [600, 6000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
+                grid={"training.steps": [600, 12000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 2
 
