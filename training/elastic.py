@@ -73,6 +73,8 @@ class Agent:
         self.gen = -1
         self.seq = -1
         self._next_wid = 0
+        for stale in control.glob("stop-*"):  # an earlier agent's generations: numbering starts again
+            stale.unlink()
 
     # --- workers -------------------------------------------------------------------
     def spawn(self, device: dict) -> str:
@@ -128,17 +130,22 @@ class Agent:
     def start_generation(self, members: list[str], source: str, joiners: list[str], request: dict | None) -> None:
         self.gen += 1
         self.members = members
-        payload = {"gen": self.gen, "members": members, "source": source, "joiners": joiners, "request": request}
+        payload = {"gen": self.gen, "members": members, "source": source, "joiners": joiners, "request": request,
+                   "stop_path": str(self.stop_path(self.gen))}
         for wid in members:
             self.assign(wid, payload)
 
     def stop_generation(self, save: bool) -> dict | None:
         """Ask the running generation to stop at its next control step: its stop record, or
         None when it finished training before it could stop."""
-        self.store.set(f"stop/{self.gen}", json.dumps({"save": save}))
+        write_json_atomic(self.stop_path(self.gen), {"save": save}, durable=False)
         if not self.wait_for([f"stopped/{self.gen}"], timeout_s=3600):
             return None
         return json.loads(self.store.get(f"stopped/{self.gen}"))
+
+    def stop_path(self, gen: int) -> Path:
+        """The file that asks generation `gen` to stop (read by its rank 0, StopFlag)."""
+        return self.control / f"stop-{gen}"
 
     def dismiss(self, wids: list[str]) -> None:
         for wid in wids:

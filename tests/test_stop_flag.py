@@ -1,0 +1,42 @@
+"""StopFlag: the ranks of an elastic trial agree on the step at which to stop, whatever the
+order in which they look (training/elastic_worker.py). The multi-process resize tests in
+test_elastic.py run it for real; here every interleaving the all-reduce allows is checked."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from training.elastic_worker import StopFlag
+
+EVERY = 10
+
+
+def stop_steps(tmp_path, order_at_flag_step: tuple[int, ...], world: int = 3) -> list[int]:
+    """The step at which each rank stops when the agent's file appears just before control
+    step 20 and the ranks look at step 20 in `order_at_flag_step` (any order is possible: the
+    ranks are in step 20 together, between two all-reduces)."""
+    path = tmp_path / "stop-0"
+    flags = [StopFlag(path, rank, EVERY) for rank in range(world)]
+    stopped: dict[int, int] = {}
+    assert not any(flag(EVERY) for flag in flags)
+    path.write_text('{"save": false}')
+    for step in range(2 * EVERY, 6 * EVERY, EVERY):
+        order = order_at_flag_step if step == 2 * EVERY else range(world)
+        for rank in order:
+            if rank not in stopped and flags[rank](step):
+                stopped[rank] = step
+    return [stopped.get(rank, -1) for rank in range(world)]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_every_rank_stops_at_the_same_step_whatever_the_order(tmp_path, order):
+    # Rank 0 sees the file at step 20 and names step 30; no rank can pass step 30 without
+    # having seen that (the all-reduce of step 20 follows rank 0's write), and none stops earlier.
+    assert stop_steps(tmp_path, order) == [3 * EVERY] * 3
+
+
+def test_no_file_no_stop(tmp_path):
+    flags = [StopFlag(tmp_path / "stop-0", rank, EVERY) for rank in range(2)]
+    assert not any(flag(step) for step in range(EVERY, 100 * EVERY, EVERY) for flag in flags)
