@@ -2,7 +2,7 @@
 trainer cost? Three figures measured in one run, side by side. Prints them; passes nothing.
 
     PYTHONPATH=. .venv/bin/python bench/elastic_bench.py              # all three, ~20 min here
-    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py --part overhead --pairs 6
+    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py --part overhead --groups 6
 
 1. Equivalence. The same trial (same seed, traced) at a fixed 2 processes and resized
    2 -> 1 -> 2: the sample ids of every step compared one by one, the largest difference of
@@ -14,17 +14,19 @@ trainer cost? Three figures measured in one run, side by side. Prints them; pass
    new size (training makes no progress); latency = request -> first step at the new size.
    Ours starts joiners while the trial keeps training: that start-up is in the latency, not
    in the pause. The phases are the medians of each resize's pause_breakdown_s.
-3. Overhead. Steps per second of our trainer as a campaign runs it (torchrun, MLflow
-   logging to a real SQLite store, progress file, asynchronous DCP checkpoints every
-   `checkpoint_every` steps) against bench/plain_ddp.py (a hand-written DDP loop: same
+3. Overhead. Steps per second of our trainer as a campaign runs it (MLflow logging to a
+   real SQLite store, progress file, asynchronous DCP checkpoints every `checkpoint_every`
+   steps), launched both ways a campaign launches it: by torchrun (a fixed-size trial,
+   "ours") and by the elastic agent (an elastic trial, checking for a resize every control
+   step, "elastic"), against bench/plain_ddp.py (a hand-written DDP loop: same
    model, data, global batch split, SGD with momentum, warm-up + cosine lr; nothing else),
    both at 2 processes pinned one per core. Timed from step `warm` (start-up, the metrics
    sink's MLflow import included, stays out) to the step before the last (ours evaluates
    at its last step), on every 10th step: ours from the MLflow timestamps of train_loss
    (ms, stamped as the step completes), the plain loop from the wall time it records
-   after each step. Each pair runs back to back, in alternating order, so both see the
-   host's load of the same moment; the figure is the median over pairs of the
-   time-per-step ratio. The CPU time of the workers and their children (every thread, the
+   after each step. The three runs of a group go back to back, in rotating order, so all
+   see the host's load of the same moment; the figure is the median over groups of the
+   time-per-step ratio to the plain loop. The CPU time of the workers and their children (every thread, the
    metrics sink included, sampled from /proc) is given beside it: it moves much less with
    the load of a shared host than wall time does. The default settings checkpoint every
    few seconds (production runs checkpoint every several minutes) and, for scale, every
@@ -232,13 +234,17 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float, float]]:
-    """Run torchrun to the end; (wall time, CPU seconds of its workers and their children,
-    CPU seconds of the children alone) every `every_s`.
+def torchrun(args: list[str], env: dict[str, str], log: Path, ranks: int = 2) -> list[tuple[float, float, float]]:
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args], env, log, ranks)
+
+
+def launch(cmd: list[str], env: dict[str, str], log: Path, ranks: int = 2, every_s: float = 0.05) -> list[tuple[float, float, float]]:
+    """Run a launcher (torchrun, or the elastic agent) whose children are the `ranks` workers,
+    to the end; (wall time, CPU seconds of its workers and their children, CPU seconds of
+    the children alone) every `every_s`.
 
     Sampling /proc from outside costs the workers nothing and treats ours and the plain loop
     alike; it is a few file reads per sample, in this process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     samples: list[tuple[float, float, float]] = []
     workers: list[int] = []
     last: dict[int, float] = {}
@@ -278,7 +284,7 @@ class Tracking:
         return {m.step: m.timestamp / 1000 for m in self.client.get_metric_history(run_id, "train_loss")}
 
 
-def run_ours(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) -> Timing:
+def bench_trial(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) -> tuple[TrialConfig, Path, str]:
     run_id = tracking.new_run(name)
     cfg = TrialConfig(trial_id=name, seed=0, model="small_cnn", model_kwargs={"width": s.width, "dropout": 0.1},
                       data_path=str(data), steps=s.steps, batch_size=s.batch, lr=0.05, warmup_steps=20,
@@ -288,7 +294,25 @@ def run_ours(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) 
     Path(cfg.trial_dir).mkdir(parents=True)
     config = Path(cfg.trial_dir) / "trial.json"
     config.write_text(cfg.to_json())
+    return cfg, config, run_id
+
+
+def run_ours(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) -> Timing:
+    """Our trainer as a campaign runs a fixed-size trial: torchrun -m training.train."""
+    cfg, config, run_id = bench_trial(work, data, s, tracking, name)
     cpu = torchrun(["-m", "training.train", "--config", str(config)], {**LAUNCH_ENV, "CAMPAIGN_CPU_CORES": CORES}, Path(cfg.trial_dir) / "train.log")
+    return timing(tracking.step_times(run_id), cpu, s, checkpoints=True)
+
+
+def run_elastic(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) -> Timing:
+    """Our trainer as a campaign runs an elastic trial: the agent, one worker per CPU slot,
+    each checking for a resize every control step; no resize is asked for."""
+    cfg, config, run_id = bench_trial(work, data, s, tracking, name)
+    control = Path(cfg.trial_dir) / "control"
+    write_command(control, 0, [{"id": f"cpu{core}", "env": {"CUDA_VISIBLE_DEVICES": "", "CAMPAIGN_CPU_CORES": core}}
+                               for core in CORES.split(",")])
+    cpu = launch([sys.executable, "-m", "training.elastic", "--config", str(config), "--control", str(control)],
+                 LAUNCH_ENV, Path(cfg.trial_dir) / "agent.log")
     return timing(tracking.step_times(run_id), cpu, s, checkpoints=True)
 
 
@@ -300,22 +324,24 @@ def run_plain(work: Path, data: Path, s: Setting, name: str) -> Timing:
     return timing({k + 1: t for k, t in enumerate(done_at)}, cpu, s)
 
 
-def overhead(work: Path, data: Path, s: Setting, pairs: int, tracking: Tracking, console: Console) -> list[tuple[Timing, Timing]]:
-    """Pairs run back to back, in alternating order (ours first, then plain first), so a
-    drift of the host's load does not favour one side."""
+OURS = {"ours": run_ours, "elastic": run_elastic}  # our two launch paths, each against the plain loop
+
+
+def overhead(work: Path, data: Path, s: Setting, groups: int, tracking: Tracking, console: Console) -> list[dict[str, Timing]]:
+    """Groups of three runs back to back (ours by torchrun, ours elastic, plain), the order
+    rotating from group to group, so a drift of the host's load favours none of them."""
     results = []
-    for i in range(pairs):
+    for i in range(groups):
         tag = f"w{s.width}-b{s.batch}-c{s.checkpoint_every}-{i}"
-        if i % 2 == 0:
-            ours = run_ours(work, data, s, tracking, f"ours-{tag}")
-            plain = run_plain(work, data, s, f"plain-{tag}")
-        else:
-            plain = run_plain(work, data, s, f"plain-{tag}")
-            ours = run_ours(work, data, s, tracking, f"ours-{tag}")
-        console.print(f"  {s.label}, checkpoint every {s.checkpoint_every}, pair {i + 1}/{pairs}: "
-                      f"ours {ours.window_steps_per_s:.1f} steps/s, {ours.cpu_per_step_s * 1000:.2f} CPU ms/step; "
-                      f"plain {plain.window_steps_per_s:.1f} steps/s, {plain.cpu_per_step_s * 1000:.2f} CPU ms/step (load {os.getloadavg()[0]:.2f})")
-        results.append((ours, plain))
+        names = ["ours", "elastic", "plain"]
+        group: dict[str, Timing] = {}
+        for name in names[i % 3:] + names[:i % 3]:
+            group[name] = (run_plain(work, data, s, f"plain-{tag}") if name == "plain"
+                           else OURS[name](work, data, s, tracking, f"{name}-{tag}"))
+        console.print(f"  {s.label}, checkpoint every {s.checkpoint_every}, group {i + 1}/{groups}: " + "; ".join(
+            f"{name} {group[name].window_steps_per_s:.1f} steps/s, {group[name].cpu_per_step_s * 1000:.2f} CPU ms/step" for name in names)
+            + f" (load {os.getloadavg()[0]:.2f})")
+        results.append(group)
     return results
 
 
@@ -387,7 +413,7 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
             row.append(f"{median(values):.1f}" if values else "-")
         phases.add_row(n, *row)
     console.print(phases)
-    console.print("phases: stopped = the old generation stops at its next control step (restart: + a blocking disk "
+    console.print("phases: stopped = the old generation stops at a control step (restart: + a blocking disk "
                   "checkpoint); ready = every process started, imported, data and model built (restart; ours starts "
                   "joiners before the stop, and shows this phase only when they became ready just after the last old "
                   "step); assigned = the agent hands out the new generation; process_group = init of the new gloo "
@@ -398,26 +424,30 @@ def print_pause(console: Console, paths: list[PausePath]) -> None:
             console.print(f"[red]{p.mode} path FAILED[/red]: {escape(p.error)}")
 
 
-def print_overhead(console: Console, results: dict[Setting, list[tuple[Timing, Timing]]]) -> None:
-    table = Table(title="3. Overhead: our trainer (torchrun, MLflow, progress, async checkpoints) vs a plain DDP loop, 2 processes "
-                        "(medians over the pairs; 'slower by' = median of the pairs' time-per-step ratios - 1)")
-    for col in ("setting", "checkpoint every", "window", "pairs", "steps/s ours", "steps/s plain", "wall: ours slower by (pairs' range)",
+def print_overhead(console: Console, results: dict[Setting, list[dict[str, Timing]]]) -> None:
+    table = Table(title="3. Overhead: our trainer (MLflow, progress, async checkpoints) vs a plain DDP loop, 2 processes; "
+                        "'ours' = torchrun (a fixed-size trial), 'elastic' = the agent (an elastic trial, resize checks on) "
+                        "(medians over the groups; 'slower by' = median of the groups' time-per-step ratios - 1)")
+    for col in ("setting", "ours", "checkpoint every", "window", "groups", "steps/s ours", "steps/s plain", "wall: ours slower by (range)",
                 "CPU: ours more by (range)", "typical step ms ours / plain", "checkpoint pause ms", "metrics sink CPU s, whole run"):
         table.add_column(col, justify="right")
-    for s, pairs in results.items():
-        wall = [p.window_steps_per_s / o.window_steps_per_s - 1 for o, p in pairs]
-        cpu = [o.cpu_per_step_s / p.cpu_per_step_s - 1 for o, p in pairs]
-        pauses = [o.checkpoint_pause_s for o, _ in pairs if o.checkpoint_pause_s is not None]
-        ours_rate = median([o.window_steps_per_s for o, _ in pairs])
-        table.add_row(s.label, f"{s.checkpoint_every} steps (~{s.checkpoint_every / ours_rate:.1f} s)", f"steps {s.warm}-{s.steps - 1}", str(len(pairs)),
-                      f"{ours_rate:.1f}", f"{median([p.window_steps_per_s for _, p in pairs]):.1f}",
-                      f"{median(wall):+.1%} ({min(wall):+.1%} .. {max(wall):+.1%})",
-                      f"{median(cpu):+.1%} ({min(cpu):+.1%} .. {max(cpu):+.1%})",
-                      f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.2f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.2f}",
-                      f"{median(pauses) * 1000:.1f}" if pauses else "-", f"{median([o.children_cpu_s for o, _ in pairs]):.2f}")
+    for s, groups in results.items():
+        for name in OURS:
+            pairs = [(g[name], g["plain"]) for g in groups]
+            wall = [p.window_steps_per_s / o.window_steps_per_s - 1 for o, p in pairs]
+            cpu = [o.cpu_per_step_s / p.cpu_per_step_s - 1 for o, p in pairs]
+            pauses = [o.checkpoint_pause_s for o, _ in pairs if o.checkpoint_pause_s is not None]
+            ours_rate = median([o.window_steps_per_s for o, _ in pairs])
+            table.add_row(s.label, name, f"{s.checkpoint_every} steps (~{s.checkpoint_every / ours_rate:.1f} s)", f"steps {s.warm}-{s.steps - 1}",
+                          str(len(pairs)), f"{ours_rate:.1f}", f"{median([p.window_steps_per_s for _, p in pairs]):.1f}",
+                          f"{median(wall):+.1%} ({min(wall):+.1%} .. {max(wall):+.1%})",
+                          f"{median(cpu):+.1%} ({min(cpu):+.1%} .. {max(cpu):+.1%})",
+                          f"{median([o.typical_step_s for o, _ in pairs]) * 1000:.2f} / {median([p.typical_step_s for _, p in pairs]) * 1000:.2f}",
+                          f"{median(pauses) * 1000:.1f}" if pauses else "-", f"{median([o.children_cpu_s for o, _ in pairs]):.2f}")
     console.print(table)
     console.print("CPU = user + system time of both worker processes, every thread (training, gloo, checkpoint writers), "
-                  "the workers' children (the MLflow sink, at the lowest priority) included, sampled from /proc. "
+                  "the workers' children (the MLflow sink, at the lowest priority) included, sampled from /proc (the "
+                  "elastic agent itself is not counted: it waits, polling its control files). "
                   "CPU time moves less than wall time with the host's load, but not none (a busy sibling core slows each "
                   f"instruction). 'typical step' = median {LOG_EVERY}-step interval, per step. 'checkpoint pause' = how much "
                   "longer than typical the interval holding a checkpoint's staging is. The sink's CPU is mostly its one-time import "
@@ -440,7 +470,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="step:devices resizes of the elastic run (a grow needs ~3-5 s of steps after it for the joiner to start)")
     parser.add_argument("--resize-reps", type=int, default=2, help="2->1->2 cycles per path in the pause part")
     parser.add_argument("--gap", type=int, default=50, help="steps at each size between resizes")
-    parser.add_argument("--pairs", type=int, default=5, help="(ours, plain) pairs per overhead setting")
+    parser.add_argument("--groups", type=int, default=5, help="(ours, elastic, plain) groups per overhead setting")
     parser.add_argument("--settings", default="32:128:2500:1000:500,16:64:8000:4000:1000,16:64:8000:4000:50",
                         help="overhead settings width:batch:steps:warm-up steps:checkpoint every, comma-separated")
     parser.add_argument("--workdir", type=Path, help="keep trials, logs and the MLflow store here (default: a temp dir)")
@@ -475,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
             def measure_overhead() -> None:
                 tracking = Tracking(work)
                 settings = [Setting(*(int(x) for x in item.split(":"))) for item in args.settings.split(",")]
-                print_overhead(console, {s: overhead(work, data, s, args.pairs, tracking, console) for s in settings})
+                print_overhead(console, {s: overhead(work, data, s, args.groups, tracking, console) for s in settings})
             guarded(console, "overhead", measure_overhead)
     console.print(f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; bench took {time.time() - started:.0f} s")
 

@@ -8,7 +8,7 @@ agent applies each command in order and writes what it runs now to `<dir>/state.
 
 A resize (the fast path):
 1. start workers for the new devices; they load everything while the trial keeps training;
-2. when they are ready, ask the current generation to stop at its next control step;
+2. when they are ready, ask the current generation to stop, at a control step;
 3. start the next generation: the workers that stay keep their state in memory and rank 0
    (always one that stays) broadcasts it to the joiners; workers not in it exit.
 With no worker staying (a move to all-new devices) the state goes through the durable
@@ -39,7 +39,11 @@ from training.files import read_json, write_json_atomic
 from training.process import die_with_parent
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
-POLL_S = 0.005
+POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
+# While the trial just trains: how soon a new command is seen. Each wake-up takes a core
+# from a rank for a moment (the ranks of a CPU trial have one core each), and a command
+# waits for its joiners' start-up (seconds) anyway.
+IDLE_POLL_S = 0.1
 
 
 class WorkerDied(RuntimeError):
@@ -136,8 +140,9 @@ class Agent:
             self.assign(wid, payload)
 
     def stop_generation(self, save: bool) -> dict | None:
-        """Ask the running generation to stop at its next control step: its stop record, or
-        None when it finished training before it could stop."""
+        """Ask the running generation to stop (its rank 0 sees the file at its next control
+        step, every rank stops at the one after): its stop record, or None when it finished
+        training before it could stop."""
         write_json_atomic(self.stop_path(self.gen), {"save": save}, durable=False)
         if not self.wait_for([f"stopped/{self.gen}"], timeout_s=3600):
             return None
@@ -224,7 +229,7 @@ class Agent:
                     self.write_state("finished" if outcome == FINISHED else "preempted")
                     return outcome
                 self.write_state("running")
-            time.sleep(POLL_S * 4)
+            time.sleep(IDLE_POLL_S)
 
     def wait_for_exits(self) -> None:
         """Until every worker told to leave (or finished) has exited."""
