@@ -40,3 +40,18 @@ def test_every_rank_stops_at_the_same_step_whatever_the_order(tmp_path, order):
 def test_no_file_no_stop(tmp_path):
     flags = [StopFlag(tmp_path / "stop-0", rank, EVERY) for rank in range(2)]
     assert not any(flag(step) for step in range(EVERY, 100 * EVERY, EVERY) for flag in flags)
+
+
+def test_a_new_agent_clears_an_earlier_agents_stop_files(tmp_path):
+    """Generations are numbered from 0 again by every agent of a trial (a relaunch after a
+    crash or a preemption): a stop file left by the last one would stop the new generation 0."""
+    from training.elastic import Agent
+
+    control = tmp_path / "control"
+    control.mkdir()
+    for name in ("stop-0", "stop-0.at", "stop-3"):
+        (control / name).write_text("{}")
+    (control / "command-000000.json").write_text("{}")
+    agent = Agent(tmp_path / "trial.json", control)
+    assert sorted(p.name for p in control.iterdir()) == ["command-000000.json"]
+    assert agent.stop_path(0) == control / "stop-0"
