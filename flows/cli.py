@@ -181,7 +181,8 @@ def resize(
     name = campaign or latest_campaign(runs_dir)
     record = read_json(campaign_dir(runs_dir, name) / "campaign.json") if name else None
     if record is None:
-        _fail(f"no campaign {name or ''} under {runs_dir}/: check the name (or --runs-dir)")
+        _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
+              else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
     entry = next((t for t in record["trials"] if t["id"] == trial), None)
     if entry is None:
         _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in record['trials'])}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint import latest_valid_checkpoint, verify
+from training.manifest import latest_valid_checkpoint, verify
 from training.files import read_json, write_json_atomic
 
 LATEST = "latest"  # <runs_dir>/latest holds the name of the campaign launched last

@@ -12,7 +12,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from cluster.leases import LeaseStore
 from tasks.records import campaign_status
-from training.checkpoint import latest_valid_checkpoint
+from training.manifest import latest_valid_checkpoint
 
 
 @pytest.fixture(scope="module")

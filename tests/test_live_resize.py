@@ -71,9 +71,9 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
             time.sleep(0.1)
         trial = record["trials"][0]["id"]
         trial_dir = runs / "live" / trial
+        outcomes["too many"] = resize(runs, trial, 3)  # refused by the CLI itself, from the campaign's record
         while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
             time.sleep(0.05)
-        outcomes["too many"] = resize(runs, trial, 3)
         outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is held by another campaign
         store.release("someone-else/x")
         outcomes["grow"] = resize(runs, trial, 2)

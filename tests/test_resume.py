@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import latest_valid_checkpoint, list_checkpoints, load_model_weights
+from training.checkpoint import load_model_weights
+from training.manifest import latest_valid_checkpoint, list_checkpoints
 from training.config import TrialConfig
 from training.models import build_model
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import verify
+from training.manifest import verify
 from training.config import TrialConfig
 from training.files import read_json
 from training.process import die_with_parent
