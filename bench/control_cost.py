@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
                       trial_dir=str(Path(args.control) / f"trial-rank{rank}"), checkpoint_every=10**9, eval_every=10**9)
     trainer = Trainer(cfg, torch.device("cpu"))
     trainer.attach(DistEnv(rank, 2, 0))
-    flag = StopFlag(Path(args.control) / "stop-0", rank, CONTROL_EVERY)  # no agent here: the file never comes
+    flag = StopFlag(Path(args.control) / "stop-0", rank, CONTROL_EVERY, torch.device("cpu"))  # no agent here: the file never comes
     checks = {"no check": None, "waited check": waited_check(store, "stop", rank), "StopFlag": flag}
     names = list(checks)
     per_block: dict[str, list[float]] = {name: [] for name in names}

@@ -140,7 +140,9 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
-    live_params(tmp_path, digits_npz, "share", {"steps": 6000, "checkpoint_every": 1000, "eval_every": 6000}, seed=3,
+    # Long enough that the yield (decided ~10 s after the start, ~4 s to stop, save and exit)
+    # lands well before the trials' end on a loaded machine.
+    live_params(tmp_path, digits_npz, "share", {"steps": 12000, "checkpoint_every": 1000, "eval_every": 12000}, seed=3,
                 grid={"training.lr": [0.01, 0.02, 0.03]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 0.5})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 3
@@ -158,7 +160,7 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
     log = (runs / "share" / yielded / "train.log").read_text()
     assert "already finished" not in log
     result = json.loads((runs / "share" / yielded / "result.json").read_text())
-    assert result["steps"] == 6000 and result["resumed_from_step"] > 0  # it went on from its checkpoint
+    assert result["steps"] == 12000 and result["resumed_from_step"] > 0  # it went on from its checkpoint
     holding: dict[str, set[str]] = {}
     for a in allocations:
         holding[a["trial"]] = set(a["devices"])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from training.elastic_worker import StopFlag
 
 EVERY = 10
+CPU = torch.device("cpu")
 
 
 def stop_steps(tmp_path, order_at_flag_step: tuple[int, ...], world: int = 3) -> list[int]:
@@ -18,7 +20,7 @@ def stop_steps(tmp_path, order_at_flag_step: tuple[int, ...], world: int = 3) ->
     step 20 and the ranks look at step 20 in `order_at_flag_step` (any order is possible: the
     ranks are in step 20 together, between two all-reduces)."""
     path = tmp_path / "stop-0"
-    flags = [StopFlag(path, rank, EVERY) for rank in range(world)]
+    flags = [StopFlag(path, rank, EVERY, CPU) for rank in range(world)]
     stopped: dict[int, int] = {}
     assert not any(flag(EVERY) for flag in flags)
     path.write_text('{"save": false}')
@@ -32,13 +34,13 @@ def stop_steps(tmp_path, order_at_flag_step: tuple[int, ...], world: int = 3) ->
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_every_rank_stops_at_the_same_step_whatever_the_order(tmp_path, order):
-    # Rank 0 sees the file at step 20 and names step 30; no rank can pass step 30 without
+    # Rank 0 sees the file at step 20 and names step 40; no rank reaches step 40 without
     # having seen that (the all-reduce of step 20 follows rank 0's write), and none stops earlier.
-    assert stop_steps(tmp_path, order) == [3 * EVERY] * 3
+    assert stop_steps(tmp_path, order) == [4 * EVERY] * 3
 
 
 def test_no_file_no_stop(tmp_path):
-    flags = [StopFlag(tmp_path / "stop-0", rank, EVERY) for rank in range(2)]
+    flags = [StopFlag(tmp_path / "stop-0", rank, EVERY, CPU) for rank in range(2)]
     assert not any(flag(step) for step in range(EVERY, 100 * EVERY, EVERY) for flag in flags)
 
 

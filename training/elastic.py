@@ -141,7 +141,7 @@ class Agent:
 
     def stop_generation(self, save: bool) -> dict | None:
         """Ask the running generation to stop (its rank 0 sees the file at its next control
-        step, every rank stops at the one after): its stop record, or None when it finished
+        step, every rank stops two control steps later): its stop record, or None when it finished
         training before it could stop."""
         write_json_atomic(self.stop_path(self.gen), {"save": save}, durable=False)
         if not self.wait_for([f"stopped/{self.gen}"], timeout_s=3600):

@@ -8,7 +8,8 @@ time. Then, for each assignment the agent gives it:
     or in memory from rank 0 by broadcast) -> train until the agent asks to stop -> let go
 
 Every `control_every` steps rank 0 looks for the agent's stop file and, when it is there,
-names the step to stop at; every rank stops at that same step boundary (StopFlag). A
+names the step to stop at (two control steps on); every rank stops at that same step
+boundary (StopFlag). A
 process that is not in the next generation exits; the others keep their model, optimizer
 and step in memory.
 """
@@ -57,29 +58,45 @@ class StopFlag:
     """Turns the agent's stop file into one step at which every rank stops, with no
     collective and no round trip to another process.
 
-    Rank 0 looks for the agent's file at each control step; when it finds it at step s it
-    writes "stop at s + control_every" next to it. The other ranks look for that file at
-    their control steps, and all of them have seen it by step s + control_every: a rank
-    begins that step after its gradient all-reduce of step s, which needed rank 0's part
-    of step s, given after the write. The agent and its workers share one node, so a file
-    is the cheapest signal there is (a failed open, a few µs). What it replaces, rank 0's
-    answer broadcast and waited for, cost every control step a round trip between the
-    ranks: ~0.4 ms on this 2-core host (bench/control_cost.py), ~1 % of a 3.5 ms step.
+    Rank 0 looks for the agent's file at each control step; when it finds it at control
+    step c it writes "stop at c + 2 * control_every" next to it. The other ranks look for
+    that file at their control steps, and every one has seen it by then:
+
+    - A rank's step s ends with the gradient all-reduce of step s, which needs rank 0's
+      part of step s, given after rank 0's check at every control step up to s.
+    - On CPU (gloo) the host waits for that all-reduce, so any later check follows it.
+    - On a GPU (NCCL) the host runs ahead of the device, so a rank other than 0 first waits
+      for an event it recorded at its previous control step c + control_every: that event
+      completes after the all-reduce of step c + control_every - 1, hence after rank 0's
+      check at c. The event is one interval old, so the wait is free: the device finished
+      that work long ago, and nothing drains the GPU's queue.
+
+    The agent and its workers share one node, so a file is the cheapest signal there is (a
+    failed open, a few µs). What it replaces, rank 0's answer broadcast and waited for,
+    cost every control step a round trip between the ranks: ~0.3 ms on this 2-core host
+    (bench/control_cost.py), ~0.9 % of a 3.4 ms step, and on a GPU a host-device sync.
     """
 
-    def __init__(self, path: Path, rank: int, control_every: int):
-        self.path, self.rank, self.control_every = Path(path), rank, control_every
+    def __init__(self, path: Path, rank: int, control_every: int, device: torch.device):
+        self.path, self.rank, self.lead = Path(path), rank, 2 * control_every
         self.at_path = self.path.with_name(self.path.name + ".at")
+        self.on_gpu = device.type == "cuda"
+        self.fence: torch.cuda.Event | None = None  # a rank other than 0 on a GPU: recorded at its previous check
         self.stop_at: int | None = None
 
     def __call__(self, step: int) -> bool:
         if self.stop_at is None:
             if self.rank == 0:
                 if self.path.exists():
-                    self.stop_at = step + self.control_every
+                    self.stop_at = step + self.lead
                     write_json_atomic(self.at_path, self.stop_at, durable=False)
             else:
+                if self.fence is not None:
+                    self.fence.synchronize()
                 self.stop_at = read_json(self.at_path)
+                if self.on_gpu:
+                    self.fence = torch.cuda.Event()
+                    self.fence.record()
         return self.stop_at is not None and step >= self.stop_at
 
 
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             timings["state"] = time.time()
             stop_path = Path(assignment["stop_path"])
             report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
-            should_stop = StopFlag(stop_path, rank, cfg.control_every)
+            should_stop = StopFlag(stop_path, rank, cfg.control_every, trainer.device)
             result = trainer.train(should_stop, after_first_step=report)
             if result is not None:  # finished: the result is written, nothing more to do
                 trainer.detach()
