@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from elastic_helpers import finish, final_weights, resize, resizes, run, start, trace, trial_config, wait_for_step  # noqa: E402
+from elastic_helpers import cpu_slot, finish, final_weights, resize, resizes, run, start, trace, trial_config, wait_for_step  # noqa: E402
 from training.config import TrialConfig  # noqa: E402
 from training.data import prepare_digits  # noqa: E402
 from training.elastic import FINISHED, PREEMPTED, write_command  # noqa: E402
@@ -309,8 +309,7 @@ def run_elastic(work: Path, data: Path, s: Setting, tracking: Tracking, name: st
     each checking for a resize every control step; no resize is asked for."""
     cfg, config, run_id = bench_trial(work, data, s, tracking, name)
     control = Path(cfg.trial_dir) / "control"
-    write_command(control, 0, [{"id": f"cpu{core}", "env": {"CUDA_VISIBLE_DEVICES": "", "CAMPAIGN_CPU_CORES": core}}
-                               for core in CORES.split(",")])
+    write_command(control, 0, [cpu_slot(int(core)) for core in CORES.split(",")])
     cpu = launch([sys.executable, "-m", "training.elastic", "--config", str(config), "--control", str(control)],
                  LAUNCH_ENV, Path(cfg.trial_dir) / "agent.log")
     return timing(tracking.step_times(run_id), cpu, s, checkpoints=True)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-import pytest
+from training.dropout import SampleDropout, batch_context, mask_key, raw_slice, u16_slice
 
-from training.dropout import SampleDropout, batch_context, mask_key, u16_slice, uniform_slice
+
+def uniform_slice(key: int, start: int, count: int) -> np.ndarray:
+    """The stream's draws as uniform floats in [0, 1) (53 bits), for the checks below."""
+    return (raw_slice(key, start, count) >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
 def test_a_slice_of_the_stream_equals_the_stream_sliced():

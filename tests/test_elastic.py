@@ -16,7 +16,6 @@ import signal
 import time
 from pathlib import Path
 
-
 from elastic_helpers import finish, final_weights, resizes, run, start, step_of, trace, trial_config, wait_for_step, resize
 
 WEIGHT_ATOL, LOSS_ATOL = 1e-4, 1e-5

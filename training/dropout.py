@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.hashing import GAMMA, MIX1, MIX2, mix64
+from training.hashing import GAMMA, mix64, mix64_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +63,8 @@ def raw_slice(key: int, start: int, count: int) -> np.ndarray:
     which wraps mod 2**64 by definition; no generator object to build per call."""
     z = np.arange(start, start + count, dtype=np.uint64)
     z += np.uint64(key)
-    z *= np.uint64(GAMMA)  # then mix64, vectorized
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(MIX1)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(MIX2)
-    z ^= z >> np.uint64(31)
-    return z
-
-
-def uniform_slice(key: int, start: int, count: int) -> np.ndarray:
-    """The same draws as uniform floats in [0, 1)."""
-    return (raw_slice(key, start, count) >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+    z *= np.uint64(GAMMA)
+    return mix64_array(z)
 
 
 def u16_slice(key: int, start: int, count: int) -> np.ndarray:

@@ -3,6 +3,8 @@ that must be pure functions of (seed, step, ...), computed on every step."""
 
 from __future__ import annotations
 
+import numpy as np
+
 MASK64 = 2**64 - 1
 GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (the golden ratio) and mixing constants
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -14,3 +16,13 @@ def mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * MIX1) & MASK64
     z = ((z ^ (z >> 27)) * MIX2) & MASK64
     return z ^ (z >> 31)
+
+
+def mix64_array(z: np.ndarray) -> np.ndarray:
+    """The same finalizer over a uint64 array, in place (uint64 arithmetic wraps mod 2**64)."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(MIX1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(MIX2)
+    z ^= z >> np.uint64(31)
+    return z
