@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export GLOO_SOCKET_IFNAME := lo
 export MASTER_ADDR := 127.0.0.1
 
-.PHONY: setup campaign test bench clean-runs
+.PHONY: setup campaign test test-fast bench clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ campaign: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The same without the slow end-to-end tests (real campaigns, torchrun, elastic trials).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(PY) bench/packing_bench.py

@@ -1,6 +1,6 @@
 """What the elastic trial's stop check costs a training step, 2 processes side by side.
 
-    PYTHONPATH=. .venv/bin/python bench/control_cost.py [--width 16] [--batch-size 64]
+    .venv/bin/python bench/control_cost.py [--width 16] [--batch-size 64]
 
 An elastic trial asks every `control_every` (10) steps whether its agent wants it to stop,
 and every rank must stop at the same step. The check as it was broadcast rank 0's answer
@@ -8,10 +8,11 @@ and waited for it: a round trip between the ranks on the training path.
 training/elastic_worker.StopFlag has rank 0 look for the agent's file and name a later step
 in a file of its own; the ranks read it with no collective and no round trip.
 
-Runs the real Trainer (SmallCNN, dropout 0.1, gloo, 2 ranks pinned one per core) and
-alternates blocks of steps with: no check, the waited check, StopFlag. Prints, for each,
-the median wall time per step of its blocks (its ratio to no check) and how much longer a
-step carrying a check takes than the steps without one. Read the second: it compares steps
+Runs the real Trainer (SmallCNN, dropout 0.1, gloo, 2 processes for 2 logical ranks, each
+pinned to a core, fed by the trainer's own feed) and alternates blocks of steps with: no
+check, the waited check, StopFlag. Prints, for each, the median wall time per step of its
+blocks (its ratio to no check) and how much longer a step carrying a check takes than the
+steps without one. Read the second: it compares steps
 of the same blocks, while whole blocks move with the load of a shared host.
 """
 
@@ -58,11 +59,13 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=rank == 0, world_size=2, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=2)
-    cfg = TrialConfig(trial_id="control-cost", seed=0, model="small_cnn", model_kwargs={"width": args.width, "dropout": 0.1},
-                      data_path=args.data, steps=10**9, batch_size=args.batch_size, lr=0.05, warmup_steps=20,
-                      trial_dir=str(Path(args.control) / f"trial-rank{rank}"), checkpoint_every=10**9, eval_every=10**9)
+    cfg = TrialConfig(trial_id="control-cost", seed=0, model={"name": "small_cnn", "width": args.width, "dropout": 0.1},
+                      data={"path": args.data}, logical_ranks=2, steps=10**9, batch_size=args.batch_size, lr=0.05,
+                      warmup_steps=20, trial_dir=str(Path(args.control) / f"trial-rank{rank}"), checkpoint_every=10**9,
+                      eval_every=10**9)
     trainer = Trainer(cfg, torch.device("cpu"))
     trainer.attach(DistEnv(rank, 2, 0))
+    batches = iter(trainer.feed.batches(0, cfg.steps, trainer.spans))  # as Trainer.train feeds its steps
     flag = StopFlag(Path(args.control) / "stop-0", rank, CONTROL_EVERY, torch.device("cpu"))  # no agent here: the file never comes
     checks = {"no check": None, "waited check": waited_check(store, "stop", rank), "StopFlag": flag}
     names = list(checks)
@@ -79,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
                 checked = step % CONTROL_EVERY == 0
                 if checked and check is not None:
                     assert not check(step)
-                trainer.train_step(step)
+                trainer.train_step(step, batches)
                 step += 1
                 now = time.perf_counter()
                 if block:
@@ -97,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
             print(f"  {name:<13} {median * 1e6:6.0f} us per step (median block), x{median / base:.3f}; "
                   f"a step with a check takes {excess * 1e6:+5.0f} us more than one without")
     trainer.detach()
+    trainer.close()
     dist.destroy_process_group()
 
 

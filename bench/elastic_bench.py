@@ -1,13 +1,15 @@
 """Elastic trials (issue 4): is a resize safe, how long does it pause training, what does the
 trainer cost? Three figures measured in one run, side by side. Prints them; passes nothing.
 
-    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py              # all three, ~20 min here
-    PYTHONPATH=. .venv/bin/python bench/elastic_bench.py --part overhead --groups 6
+    .venv/bin/python bench/elastic_bench.py              # all three, ~20 min here
+    .venv/bin/python bench/elastic_bench.py --part overhead --groups 6
 
-1. Equivalence. The same trial (same seed, traced) at a fixed 2 processes and resized
-   2 -> 1 -> 2: the sample ids of every step compared one by one, the largest difference of
-   the loss of every step and of the final parameters. A control run at a fixed 1 process
-   shows what float rounding alone (another order of additions) does over as many steps.
+1. Equivalence. The same trial (same seed, 2 logical ranks, traced) at a fixed 2 processes
+   and resized 2 -> 1 -> 2: the sample ids of every step compared one by one, the largest
+   difference of the loss of every step and of the final parameters. A control run at a
+   fixed 1 process (both logical ranks in one process, their gradients accumulated instead
+   of all-reduced) shows what float rounding alone (another order of operations) does over
+   as many steps.
 2. Resize pause. One trial resized 2 -> 1 -> 2 -> 1 ... through memory (mode "resize", ours)
    and one through stop, disk checkpoint, end every process, start anew, load from disk
    (mode "restart", the naive path). Pause = last step at the old size -> first step at the
@@ -20,11 +22,11 @@ trainer cost? Three figures measured in one run, side by side. Prints them; pass
    "ours") and by the elastic agent (an elastic trial, checking for a resize every control
    step, "elastic"), against bench/plain_ddp.py (a hand-written DDP loop: same
    model, data, global batch split, SGD with momentum, warm-up + cosine lr; nothing else),
-   both at 2 processes pinned one per core. Timed from step `warm` (start-up, the metrics
-   sink's MLflow import included, stays out) to the step before the last (ours evaluates
-   at its last step), on every 10th step: ours from the MLflow timestamps of train_loss
-   (ms, stamped as the step completes), the plain loop from the wall time it records
-   after each step. The three runs of a group go back to back, in rotating order, so all
+   both at 2 processes pinned one per core (ours with 2 logical ranks, one per process).
+   Timed from step `warm` (start-up, the metrics sink's MLflow import included, stays out)
+   to the step before the last (ours evaluates at its last step), on every 10th step: ours
+   from the MLflow timestamps of train_loss (ms, stamped as the step completes), the plain
+   loop from the wall time it records after each step. The three runs of a group go back to back, in rotating order, so all
    see the host's load of the same moment; the figure is the median over groups of the
    time-per-step ratio to the plain loop. The CPU time of the workers and their children (every thread, the
    metrics sink included, sampled from /proc) is given beside it: it moves much less with
@@ -116,7 +118,7 @@ def equivalence(work: Path, data: Path, steps: int, plan: list[tuple[int, int]])
         # Steps of ~10 ms (as in tests/test_elastic.py): a joiner's ~3 s start-up spans a few
         # hundred of them, so a grow asked for at a chosen step lands well before the end.
         cfg = runs[name] = trial_config(work / f"eq-{name}", data, steps=steps, trace=True,
-                                        batch_size=128, model_kwargs={"width": 32, "dropout": 0.1})
+                                        batch_size=128, model={"name": "small_cnn", "width": 32, "dropout": 0.1})
         finish(run(cfg, devices, resizes_plan), cfg)
     return Equivalence(resizes(runs["elastic"]), compare(runs["fixed2"], runs["elastic"]), compare(runs["fixed2"], runs["fixed1"]),
                        compare(runs["fixed1"], runs["elastic"]))
@@ -286,8 +288,10 @@ class Tracking:
 
 def bench_trial(work: Path, data: Path, s: Setting, tracking: Tracking, name: str) -> tuple[TrialConfig, Path, str]:
     run_id = tracking.new_run(name)
-    cfg = TrialConfig(trial_id=name, seed=0, model="small_cnn", model_kwargs={"width": s.width, "dropout": 0.1},
-                      data_path=str(data), steps=s.steps, batch_size=s.batch, lr=0.05, warmup_steps=20,
+    # Two logical ranks, one per process: each process trains the same contiguous half of the
+    # global batch as the plain loop's rank does.
+    cfg = TrialConfig(trial_id=name, seed=0, model={"name": "small_cnn", "width": s.width, "dropout": 0.1},
+                      data={"path": str(data)}, logical_ranks=2, steps=s.steps, batch_size=s.batch, lr=0.05, warmup_steps=20,
                       # evaluation at the end only, as the plain loop has none
                       checkpoint_every=s.checkpoint_every, log_every=LOG_EVERY, eval_every=s.steps, keep_checkpoints=2,
                       trial_dir=str(work / name), mlflow_tracking_uri=tracking.uri, mlflow_run_id=run_id)
@@ -367,9 +371,9 @@ def print_equivalence(console: Console, eq: Equivalence, planned: int) -> None:
     for label, cell in rows:
         table.add_row(label, cell(eq.elastic), cell(eq.control), cell(eq.elastic_vs_fixed1))
     console.print(table)
-    console.print("The control changes only the order of float32 additions (one process sums the batch; two sum halves "
-                  "and all-reduce): what it shows is rounding, grown by training, the floor for any resized run. Bit-exact "
-                  "equality is not expected; the sample ids must be identical.")
+    console.print("The control changes only the order of float32 operations (one process runs both logical ranks and "
+                  "accumulates their gradients; two run one each and all-reduce): what it shows is rounding, grown by "
+                  "training, the floor for any resized run. Bit-exact equality is not required; the sample ids must be identical.")
     if len(eq.events) < planned:
         console.print(f"[red]only {len(eq.events)} of {planned} resizes happened[/red] before the trial ended: raise --eq-steps")
 
@@ -479,16 +483,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    console = Console(width=160)
-    os.environ.update({k: v for k, v in LAUNCH_ENV.items() if k != "OMP_NUM_THREADS"})
-    started = time.time()
+def print_header(console: Console) -> None:
+    """The command as typed and the host: what a reader needs to rerun and weigh the figures."""
     exe = Path(sys.executable)
     exe = exe.relative_to(REPO) if exe.is_relative_to(REPO) else exe
-    console.print(f"[bold]command:[/bold] PYTHONPATH=. {shlex.join([str(exe), *sys.argv])}")
+    console.print(f"[bold]command:[/bold] {shlex.join([str(exe), *sys.argv])}")
     console.print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
                   f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    console = Console(width=160, emoji=False)  # the command line is printed as typed (no ':100:' emoji)
+    os.environ.update({k: v for k, v in LAUNCH_ENV.items() if k != "OMP_NUM_THREADS"})
+    started = time.time()
+    print_header(console)
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """How well and how fast cluster/packing.py packs, against the optimum and on a real trace.
 
-    PYTHONPATH=. .venv/bin/python bench/packing_bench.py       # both parts, about a minute
-    PYTHONPATH=. .venv/bin/python bench/packing_bench.py --part trace \
+    .venv/bin/python bench/packing_bench.py       # both parts, about a minute
+    .venv/bin/python bench/packing_bench.py --part trace \
         --pod-lists default gpushare100 multigpu50 --until 130
 
 Part "optimum": random small instances solved exactly with OR-Tools CP-SAT (max placed
@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from bench.alibaba_trace import CITATION, POD_LISTS, load_nodes, load_pods
-from cluster.packing import POLICIES, Packer, pack, workload_of
-from cluster.types import Device, Inventory, Link, Request
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find bench/ and cluster/
+
+from bench.alibaba_trace import CITATION, POD_LISTS, load_nodes, load_pods  # noqa: E402
+from cluster.packing import POLICIES, Packer, pack, workload_of  # noqa: E402
+from cluster.types import Device, Inventory, Link, Request  # noqa: E402
 
 MIB = 2**20
 MODELS_MIB = (16 * 1024, 24 * 1024, 40 * 1024, 80 * 1024)  # per-node GPU memory, mixed

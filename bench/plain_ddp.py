@@ -3,13 +3,14 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/plain_ddp.py \\
         --data data/digits.npz --steps 600 --width 32 --batch-size 128 --timing-out plain.json
 
-What a person would write without the campaign: the same model (training.models.build_model,
-so the same SmallCNN and dropout), the same digits .npz, each step's global batch taken
-from a per-epoch permutation and split contiguously across ranks, mean loss per rank (DDP
-averages the gradients: with equal shards, the gradient of the global mean), SGD with
-momentum and a warm-up + cosine learning rate. No logging, no checkpoints, no evaluation,
-no progress file. Each rank is pinned to one core with one thread, as the trainer pins a
-CPU slot (`--cores`), so both loops run on the same resources.
+What a person would write without the campaign: the same model (training.workload.build_model
+of {"name": "small_cnn", "width": ..., "dropout": ...}, so the same SmallCNN and nn.Dropout),
+the same digits .npz, each step's global batch taken from a per-epoch permutation and split
+contiguously across ranks, mean loss per rank (DDP averages the gradients: with equal
+shards, the gradient of the global mean), SGD with momentum and a warm-up + cosine learning
+rate. No logging, no checkpoints, no evaluation, no progress file. Each rank is pinned to
+one core with one thread, as the trainer pins a CPU slot (`--cores`), so both loops run on
+the same resources.
 
 Rank 0 writes the wall time at which each step completed (`time.time()`, after the
 optimizer step) to `--timing-out`, so the bench can time any window of steps.
@@ -33,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find training/
 
-from training.models import build_model  # noqa: E402
+from training.workload import build_model  # noqa: E402
 
 
 def lr_lambda(warmup: int, total: int):
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     with np.load(args.data) as f:
         train_x, train_y = torch.from_numpy(f["train_x"]), torch.from_numpy(f["train_y"])
     torch.manual_seed(args.seed)
-    model = DDP(build_model("small_cnn", width=args.width, dropout=args.dropout))
+    model = DDP(build_model({"name": "small_cnn", "width": args.width, "dropout": args.dropout}))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps))
 

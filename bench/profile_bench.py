@@ -1,21 +1,21 @@
 """Bench of the per-layer profiler and the step-time prior. Prints figures; passes nothing.
 
-    PYTHONPATH=. .venv/bin/python bench/profile_bench.py            # both parts, ~2 min here
-    PYTHONPATH=. .venv/bin/python bench/profile_bench.py --part prior --steps 60 --rounds 3
+    .venv/bin/python bench/profile_bench.py            # both parts, ~2 min here
+    .venv/bin/python bench/profile_bench.py --part prior --steps 60 --rounds 3
 
 Part "overhead": what profiling a trial costs (probe + profile of the default SmallCNN at
 batch 64), in seconds and as a share of that trial's run (a plain 300-step training loop
 of the same model on digits-shaped data, timed here).
 
 Part "prior": predicted versus measured DDP step time at 1 and 2 processes (real
-torchrun, gloo on CPU, one thread per process, not pinned) for models of different
-shapes. Each round profiles each model in this process (one thread) and then measures it
-with training.profile_ddp, so both see the host's load of that moment. The first model's
-DDP runs calibrate what a profile cannot see: the link (the bare all-reduce probe and the
-all-reduces inside steps, at 2 processes), the wait for the slower rank, DDP's
-per-bucket cost (the all-reduce time at 1 process) and how much ranks computing together
-slow each other; the other models' predictions use those, the
-roofline probe's memory bandwidth and their own profile, nothing of their own DDP runs.
+torchrun, gloo on CPU, one thread per process, not pinned, on the digits samples) for
+models of different shapes. Each round profiles each model in this process (one thread)
+and then measures it with training.profile_ddp, so both see the host's load of that
+moment. The first model's DDP runs calibrate what a profile cannot see: the link (the bare
+all-reduce probe and the all-reduces inside steps, at 2 processes), the wait for the slower
+rank, DDP's per-bucket cost (the all-reduce time at 1 process) and how much ranks computing
+together slow each other; the other models' predictions use those, the roofline probe's
+memory bandwidth and their own profile, nothing of their own DDP runs.
 "Spread" is the measurement's own round-to-round variation: an error below it cannot be
 told from noise.
 """
@@ -39,15 +39,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cluster.step_time_prior import ProfileStepTimeModel  # noqa: E402
-from training.models import build_model  # noqa: E402
+from training.data import prepare_digits  # noqa: E402
 from training.profiler import DdpProfile, ModelProfile, profile_model  # noqa: E402
 from training.roofline import cpu_threads, probe_device  # noqa: E402
+from training.workload import build_model, datasets, sample_batch  # noqa: E402
 
-MODELS = {  # name: (registered model, kwargs)
-    "small_cnn": ("small_cnn", {"width": 16}),
-    "wide_cnn": ("small_cnn", {"width": 64}),
-    "mlp": ("mlp", {"width": 512, "depth": 3}),
+MODELS = {  # name: the model as a trial config has it (training.workload.build_model)
+    "small_cnn": {"name": "small_cnn", "width": 16},
+    "wide_cnn": {"name": "small_cnn", "width": 64},
+    "mlp": {"name": "mlp", "width": 512, "depth": 3},
 }
+DEFAULT_MODEL = {"name": "small_cnn"}  # the built-in SmallCNN with its defaults (width 16)
 
 
 def digits_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +60,7 @@ def digits_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 def plain_training_s(steps: int, batch: int) -> float:
     """A trial's run without profiling: `steps` SGD steps of the default SmallCNN."""
     torch.manual_seed(0)
-    model = build_model("small_cnn")
+    model = build_model(DEFAULT_MODEL)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, y = digits_batch(batch * 8)
     t0 = time.perf_counter()
@@ -79,7 +81,7 @@ def overhead(args: argparse.Namespace) -> None:
     profile_s = []
     for _ in range(2):  # the first call in a process also pays one-time set-up (kernels, flop counter)
         t0 = time.perf_counter()
-        profile_model(build_model("small_cnn"), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
+        profile_model(build_model(DEFAULT_MODEL), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
         profile_s.append(time.perf_counter() - t0)
     print(f"\n== overhead of profiling a trial (SmallCNN width 16, batch {args.batch}, 1 CPU thread)")
     print(f"plain training, {args.train_steps} steps: {train_s:.2f} s")
@@ -89,8 +91,8 @@ def overhead(args: argparse.Namespace) -> None:
     print(f"probe + profile: {total:.2f} s = {total / train_s:.0%} of the trial's training time")
 
 
-def run_ddp(name: str, nproc: int, batch: int, steps: int, port: int) -> DdpProfile:
-    model, kwargs = MODELS[name]
+def run_ddp(name: str, data: Path, nproc: int, batch: int, steps: int, port: int) -> DdpProfile:
+    workload = {"model": MODELS[name], "data": {"path": str(data)}, "loss": {"name": "cross_entropy"}}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         # Not pinned to cores (no CAMPAIGN_CPU_CORES): on a host shared with other work a pinned
@@ -98,7 +100,7 @@ def run_ddp(name: str, nproc: int, batch: int, steps: int, port: int) -> DdpProf
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         env.pop("CAMPAIGN_CPU_CORES", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "-m", "training.profile_ddp", "--model", model, "--model-kwargs", json.dumps(kwargs),
+               "--master-port", str(port), "-m", "training.profile_ddp", "--workload", json.dumps(workload),
                "--batch-size", str(batch), "--steps", str(steps), "--out", str(out)]
         subprocess.run(cmd, env=env, cwd=REPO, check=True, capture_output=True)
         return DdpProfile.from_json(out.read_text())
@@ -114,11 +116,13 @@ def prior(args: argparse.Namespace) -> None:
     port = 29500 + os.getpid() % 1000
     peaks = probe_device(torch.device("cpu"))
     measured: dict[str, list[tuple[ModelProfile, dict[int, DdpProfile]]]] = {name: [] for name in args.models}
-    for _ in range(args.rounds):  # each model profiled and measured in the same round: the host's load drifts
-        for name in args.models:
-            model, kwargs = MODELS[name]
-            profile = profile_model(build_model(model, **kwargs), digits_batch(args.batch), F.cross_entropy, torch.device("cpu"))
-            measured[name].append((profile, {n: run_ddp(name, n, args.batch, args.steps, port) for n in (1, 2)}))
+    with tempfile.TemporaryDirectory(prefix="profile-bench-") as tmp:
+        data = prepare_digits(Path(tmp) / "digits.npz")  # training.profile_ddp trains on real samples: both use these
+        batch = sample_batch(datasets({"path": str(data)})[0], args.batch)
+        for _ in range(args.rounds):  # each model profiled and measured in the same round: the host's load drifts
+            for name in args.models:
+                profile = profile_model(build_model(MODELS[name]), batch, F.cross_entropy, torch.device("cpu"))
+                measured[name].append((profile, {n: run_ddp(name, data, n, args.batch, args.steps, port) for n in (1, 2)}))
     # The first model's runs, all rounds: the link and wait (2 processes), DDP's per-bucket cost (1).
     calibration = [run for _, runs in measured[args.models[0]] for run in runs.values()]
     rows = []

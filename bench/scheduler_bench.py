@@ -9,8 +9,8 @@ policy replays the same workloads in the discrete-event simulator (simulated clo
 the policy's own decision time is wall-clock). Then the decision time alone is measured at
 4,096 GPUs (1,024 nodes x 4) with 2,000 active jobs.
 
-    PYTHONPATH=. .venv/bin/python bench/scheduler_bench.py            # about 1-2 minutes
-    PYTHONPATH=. .venv/bin/python bench/scheduler_bench.py --jobs 160,320,480,640 --seeds 1,2,3 --oracle
+    .venv/bin/python bench/scheduler_bench.py            # about 1-2 minutes
+    .venv/bin/python bench/scheduler_bench.py --jobs 160,320,480,640 --seeds 1,2,3 --oracle
 
 Prints tables; never passes or fails on the figures.
 """

@@ -453,17 +453,25 @@ def check_fits(
         fits = (sum(room) if multi_node else max(room, default=0)) >= req.devices
         if fits:
             continue
-        what = (f"trial {req.trial_id!r} needs {req.devices} device(s) with "
-                f"{_gib(req.memory_bytes)} free each, which ")
         if not caps:
-            raise PlacementError(what + "an inventory with no devices cannot hold")
+            raise PlacementError(f"trial {req.trial_id!r} needs {req.devices} device(s), and the inventory has none")
         name, node = max(caps.items(), key=lambda kv: (len(kv[1]), max(kv[1])))
-        where = "the whole cluster" if multi_node else "any one node"
+        count = len(inventory.devices) if multi_node else len(node)
+        if count < req.devices:  # too many devices, whatever their memory
+            where = "the whole cluster has" if multi_node else f"the largest node, {name!r}, has"
+            raise PlacementError(
+                f"trial {req.trial_id!r} needs {req.devices} devices; {where} {count} "
+                f"({inventory.kind} device{'s' if count != 1 else ''}). Set resources.devices to at most {count} "
+                f"(or a range such as [1, {req.devices}]); training.logical_ranks: {req.devices} keeps the results of "
+                f"{req.devices} processes on fewer devices."
+            )
+        best, best_node = max(caps.items(), key=lambda kv: (sum(c >= req.memory_bytes for c in kv[1]), max(kv[1])))
+        enough = sum(room) if multi_node else max(room, default=0)
         raise PlacementError(
-            what + f"is more than {where} can ever hold: the largest node, {name!r}, offers "
-            f"{len(node)} device(s) of up to {_gib(max(node))}"
-            + (f" ({len(inventory.devices)} devices in all)" if multi_node else "")
-            + ". Ask for fewer devices or less memory per device (smaller batch or model)."
+            f"trial {req.trial_id!r} needs {req.devices} device(s) with {_gib(req.memory_bytes)} free each; "
+            f"{'the cluster has' if multi_node else 'one node has at most'} {enough} with that much "
+            f"({best!r}: {len(best_node)} device(s) of up to {_gib(max(best_node))}). "
+            "Ask for less memory per device (resources.memory_gb, a smaller batch or model) or fewer devices."
         )
 
 

@@ -26,13 +26,14 @@ from cluster.types import Inventory, Placement
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.sizing import size_trials
+from tasks.workload import check_trials, trial_workload
 from tasks.records import campaign_dir, completed_result, log_allocation, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
-from tasks.trial import run_trial
+from tasks.trial import accept_launches, run_trial, stop_launched_trials
 from training.config import TrialConfig
 from training.files import read_json
 
@@ -56,19 +57,21 @@ def planning_inventory(spec: CampaignSpec) -> Inventory:
 
 
 def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
-    """Size every trial and check each fits some node at its minimum: errors name the trial."""
+    """Build and try every distinct workload, size every trial and check each fits some node
+    at its minimum: errors name the field and the trial."""
+    check_trials(trials)
     requests = size_trials(spec, trials, inventory)
     check_fits([r.at(r.min_devices) for r in requests.values()], inventory)
     return requests
 
 
-def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None) -> TrialConfig:
+def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None, request: SizedRequest) -> TrialConfig:
     t = trial.spec.training
-    model_kwargs = trial.spec.model.model_dump(exclude={"name"})
     return TrialConfig(
-        trial_id=trial.id, seed=trial.spec.seed, model=trial.spec.model.name, model_kwargs=model_kwargs,
-        data_path=str(trial.spec.data.path.resolve()), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
-        momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.schedule, warmup_steps=t.warmup_steps,
+        trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
+        precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
+        logical_ranks=t.logical_ranks or request.max_devices, reduction=t.reduction, max_device_batch=t.max_device_batch,
+        schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
         log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
         mlflow_tracking_uri=tracking_uri(spec.tracking), mlflow_run_id=mlflow_run_id,
@@ -92,6 +95,7 @@ class CampaignRun:
         self.pending: list[Trial] = []
         self.running: dict[PrefectFuture, Running] = {}
         self.scheduler: LiveScheduler | None = None
+        accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s)
@@ -120,7 +124,7 @@ class CampaignRun:
         request = self.requests[trial.id]
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
-        config = trial_config(self.spec, trial, self.root / trial.id, run_id)
+        config = trial_config(self.spec, trial, self.root / trial.id, run_id, request)
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
         log_allocation(self.root, trial.id, placement.device_ids, "start")
@@ -227,6 +231,10 @@ class CampaignRun:
                     continue
                 self.collect(future)
         finally:
+            # On any error here (a locked or full lease database...) the trials' processes
+            # stop before their leases are given back: no device is ever trained on by two.
+            if stopped := stop_launched_trials():
+                self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             self.heartbeat.close()
 
 

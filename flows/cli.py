@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 # Prefect phones home unless told not to, and these machines have no network for it.
@@ -21,7 +23,7 @@ PARAMS = typer.Argument(Path("params.yaml"), help="campaign spec")
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # '[1, 2]' is text, not markup
     raise typer.Exit(code)
 
 
@@ -43,15 +45,30 @@ def _validated(params: Path):
     return spec, trials
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that the flow's cleanup runs: its trials stop
+    before their leases go back (by default SIGTERM would end the process with none of it)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def _launch(params: Path) -> None:
     spec, trials = _validated(params)
     from flows.campaign import campaign_flow
 
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices} device(s) each")
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = campaign_flow(str(params))
+    except Terminated:
+        _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
+              "resumes from their checkpoints", code=143)
     except Exception as e:  # the flow has logged the details; say it plainly and exit non-zero
         _fail(str(e), code=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     best = summary.get("best")
     console.print(f"finished {summary['finished']}/{summary['trials']} trials" + (f"; best {best['trial']}: val_accuracy {best['val_accuracy']:.4f}" if best else ""))
 

@@ -6,6 +6,7 @@ bookkeeping is cluster.leases, the mechanism is the trial's agent (training/elas
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ from training.elastic import write_command
 from training.files import read_json
 
 
+log = logging.getLogger(__name__)
+
+
 class LeaseHeartbeat:
     """Renews this campaign's leases while trials run, so other campaigns see us alive."""
 
@@ -29,6 +33,7 @@ class LeaseHeartbeat:
         self.holders: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.failures = 0  # renewals failed in a row (the thread goes on renewing)
         self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
         self._thread.start()
 
@@ -46,7 +51,12 @@ class LeaseHeartbeat:
             with self._lock:
                 holders = list(self.holders)
             for holder in holders:
-                self.store.renew(holder)
+                try:
+                    self.store.renew(holder)
+                    self.failures = 0
+                except Exception as e:  # a locked or full database: try again next period, never stop renewing
+                    self.failures += 1
+                    log.warning("renewing the lease of %s failed (%d in a row): %s", holder, self.failures, e)
 
     def close(self) -> None:
         self._stop.set()

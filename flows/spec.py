@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from training.errors import CampaignError
 
@@ -30,8 +30,40 @@ class CampaignSection(Strict):
     seed: int = Field(default=0, ge=0)
 
 
+TARGET = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"  # package.module:callable
+TARGET_HELP = "a callable named 'package.module:callable'"
+DIGITS_PATH = Path("data/digits.npz")
+
+
 class DataSection(Strict):
-    path: Path = Path("data/digits.npz")
+    """The built-in digits (`path` of the prepared .npz) or a user's `target` returning (train, val)."""
+
+    path: Path | None = Field(default=None, description="the prepared digits .npz (default data/digits.npz)")
+    target: str | None = Field(default=None, pattern=TARGET, description=f"{TARGET_HELP} returning (train, val) map-style datasets")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the target")
+    workers: int = Field(default=0, ge=0, le=64, description="DataLoader worker processes per trial process")
+    on_device: Union[bool, Literal["auto"]] = Field(
+        default="auto", description="keep the whole training set in device memory (auto: tensor datasets that fit)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSection":
+        if self.target and self.path:
+            raise ValueError("data.path (the built-in digits) and data.target (your datasets) exclude each other: keep one")
+        if self.kwargs and not self.target:
+            raise ValueError("data.kwargs are the target's arguments: set data.target too")
+        return self
+
+    @property
+    def digits_path(self) -> Path | None:
+        return None if self.target else (self.path or DIGITS_PATH)
+
+    def trial_dict(self, root: Path) -> dict[str, Any]:
+        """What a trial's processes build the data from (training.workload.build_datasets)."""
+        loader = {"workers": self.workers, "on_device": self.on_device}
+        if self.target:
+            return {"target": self.target, "kwargs": dict(self.kwargs), **loader}
+        path = self.digits_path
+        return {"path": str(path if path.is_absolute() else (root / path).resolve()), **loader}
 
 
 class SmallCNNSpec(Strict):
@@ -47,20 +79,94 @@ class MLPSpec(Strict):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
 
 
-ModelSpec = Annotated[Union[SmallCNNSpec, MLPSpec], Field(discriminator="name")]
+class TargetModelSpec(Strict):
+    """Any model: a callable returning a torch.nn.Module, called with `kwargs`."""
+
+    target: str = Field(pattern=TARGET, description=f"{TARGET_HELP} returning a torch.nn.Module")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def _model_kind(raw: Any) -> str | None:
+    if isinstance(raw, dict):
+        return "target" if "target" in raw else raw.get("name")
+    return "target" if isinstance(raw, TargetModelSpec) else getattr(raw, "name", None)
+
+
+ModelSpec = Annotated[
+    Union[Annotated[SmallCNNSpec, Tag("small_cnn")], Annotated[MLPSpec, Tag("mlp")], Annotated[TargetModelSpec, Tag("target")]],
+    Discriminator(_model_kind, custom_error_type="model_kind",
+                  custom_error_message="model needs `name: small_cnn | mlp` (a built-in) or `target: package.module:callable`"),
+]
+
+
+class LossSection(Strict):
+    """The training loss, a mean over the batch's samples: a built-in name or a target."""
+
+    name: Literal["cross_entropy", "mse"] | None = None
+    target: str | None = Field(default=None, pattern=TARGET, description=f"{TARGET_HELP}: (outputs, targets) -> mean loss")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_loss(self) -> "LossSection":
+        if self.name and self.target:
+            raise ValueError("loss.name (a built-in) and loss.target exclude each other: keep one")
+        if self.kwargs and not self.target:
+            raise ValueError("loss.kwargs are the target's arguments: set loss.target too")
+        return self
+
+    def trial_dict(self) -> dict[str, Any]:
+        if self.target:
+            return {"target": self.target, "kwargs": dict(self.kwargs)}
+        return {"name": self.name or "cross_entropy"}
+
+
+class OptimizerSection(Strict):
+    """A torch.optim class by name; `kwargs` are its arguments (the learning rate is training.lr)."""
+
+    name: str = Field(default="SGD", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="a torch.optim class: SGD, AdamW, ...")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kwargs")
+    @classmethod
+    def _no_lr(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "lr" in kwargs:
+            raise ValueError("the learning rate is training.lr (the schedule scales it): remove optimizer.kwargs.lr")
+        return kwargs
+
+
+DEFAULT_OPTIMIZER = OptimizerSection(name="SGD", kwargs={"momentum": 0.9})
+MOVED_TO_OPTIMIZER = ("momentum", "weight_decay")
 
 
 class TrainingSection(Strict):
     steps: int = Field(ge=1)
-    batch_size: int = Field(ge=1, description="global batch, the same at every number of devices")
+    batch_size: int = Field(ge=1, le=2**24, description="global batch, the same at every number of devices")
     lr: float = Field(gt=0.0, le=10.0)
-    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(default=0, ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="autocast dtype; fp16 adds a gradient scaler")
+    grad_clip_norm: float | None = Field(default=None, gt=0.0, description="clip the global gradient norm to this")
+    compile: bool = Field(default=False, description="torch.compile the model")
+    logical_ranks: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="data-parallel width the result is defined for (default: the most devices a trial may use)")
+    reduction: Literal["fast", "exact"] = Field(
+        default="fast", description="fast: DDP's all-reduce, equal to float rounding at any device count; "
+                                    "exact: gradients summed in logical order, bit for bit at any device count")
+    max_device_batch: int | None = Field(default=None, ge=1, description="samples per forward pass at most: gradient accumulation above it")
     checkpoint_every: int = Field(default=50, ge=1)
     log_every: int = Field(default=10, ge=1)
     eval_every: int = Field(default=50, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            moved = [k for k in MOVED_TO_OPTIMIZER if k in raw]
+            if moved:
+                raise ValueError(f"training.{moved[0]} moved to the optimizer: write `optimizer: {{name: SGD, kwargs: {{{moved[0]}: "
+                                 f"{raw[moved[0]]}}}}}`")
+        return raw
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> "TrainingSection":
@@ -131,13 +237,20 @@ class TrialSpec(Strict):
     seed: int
     data: DataSection
     model: ModelSpec
+    optimizer: OptimizerSection
+    loss: LossSection
     training: TrainingSection
+
+
+GRID_SECTIONS = ("model", "data", "training", "optimizer", "loss")
 
 
 class CampaignSpec(Strict):
     campaign: CampaignSection
     data: DataSection = DataSection()
     model: ModelSpec
+    optimizer: OptimizerSection = DEFAULT_OPTIMIZER
+    loss: LossSection = LossSection()
     training: TrainingSection
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     resources: ResourcesSection = ResourcesSection()
@@ -150,9 +263,10 @@ class CampaignSpec(Strict):
     def _grid_axes(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
         for key, values in grid.items():
             section, _, field = key.partition(".")
-            if section not in ("model", "training") or not field or "." in field:
-                raise ValueError(f"grid key {key!r} must be 'model.<field>' or 'training.<field>'")
-            if not values:
+            if section not in GRID_SECTIONS or not field or "" in field.split("."):
+                raise ValueError(f"grid key {key!r} must be '<section>.<field>' with a section of {', '.join(GRID_SECTIONS)} "
+                                 "(deeper for kwargs: 'model.kwargs.depth')")
+            if not isinstance(values, list) or not values:
                 raise ValueError(f"grid axis {key!r} is empty: give it at least one value")
             if len({repr(v) for v in values}) != len(values):
                 raise ValueError(f"grid axis {key!r} repeats a value: {values}")
@@ -161,21 +275,44 @@ class CampaignSpec(Strict):
     @model_validator(mode="after")
     def _batch_covers_devices(self) -> "CampaignSpec":
         most = self.resources.max_devices
-        if most is not None and self.training.batch_size < most:
+        logical = self.training.logical_ranks
+        if most is not None and logical is not None and logical < most:
+            raise ValueError(f"training.logical_ranks ({logical}) is smaller than the {most} devices of resources.devices: "
+                             "every process holds at least one logical rank; raise logical_ranks or lower the devices")
+        width = logical or most
+        if width is not None and self.training.batch_size < width:
             raise ValueError(
-                f"training.batch_size ({self.training.batch_size}) is smaller than the {most} devices of resources.devices: "
-                "every process needs at least one sample per step"
+                f"training.batch_size ({self.training.batch_size}) is smaller than the {width} "
+                + ("logical ranks of training.logical_ranks" if logical else "devices of resources.devices")
+                + ": every logical rank needs at least one sample per step"
             )
         return self
+
+
+MODEL_TAGS = ("small_cnn", "mlp", "target")
 
 
 def _format_errors(source: str, error: ValidationError, prefix: str = "") -> list[str]:
     lines = []
     for e in error.errors():
-        path = prefix + ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in ("small_cnn", "mlp")))
+        loc = list(e["loc"])
+        if len(loc) > 1 and loc[0] == "model" and loc[1] in MODEL_TAGS:  # the union's tag, not a field
+            del loc[1]
+        path = prefix + ".".join(str(p) for p in loc)
         got = "" if e["type"] in ("missing",) else f" (got {e.get('input')!r})"
         lines.append(f"  {path or '<root>'}: {e['msg']}{got}")
     return lines
+
+
+def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
+    """raw[a][b][c] = value for key 'a.b.c', making the dicts on the way (grid overrides)."""
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
 
 
 def _grid_value_errors(spec: CampaignSpec) -> list[str]:
@@ -183,14 +320,18 @@ def _grid_value_errors(spec: CampaignSpec) -> list[str]:
     problems = []
     base = spec.model_dump()
     for key, values in spec.grid.items():
-        section, _, field = key.partition(".")
+        section, _, rest = key.partition(".")
+        field, _, deeper = rest.partition(".")
         known = type(getattr(spec, section)).model_fields
         if field not in known:
             problems.append(f"  grid.{key}: {section} has no field {field!r}; valid: {', '.join(sorted(known))}")
             continue
+        if deeper and not isinstance(getattr(getattr(spec, section), field), dict):
+            problems.append(f"  grid.{key}: {section}.{field} is not a mapping; only kwargs take deeper keys")
+            continue
         for i, value in enumerate(values):
             raw = copy.deepcopy(base)
-            raw[section][field] = value
+            set_path(raw, key, value)
             try:
                 CampaignSpec.model_validate(raw)
             except ValidationError as e:
@@ -212,24 +353,49 @@ def parse_spec(raw: Any, source: str = "params.yaml") -> CampaignSpec:
     return spec
 
 
+MAX_SPEC_BYTES = 1 << 20  # a campaign spec is a page or two; anything this big is a mistake or an attack
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: a few lines of aliases can expand to gigabytes
+    (the "billion laughs"), and a campaign spec has no use for them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a campaign "
+                            "spec: write the value out")
+        return super().compose_node(parent, index)
+
+
 def load_spec(path: str | Path) -> CampaignSpec:
     path = Path(path)
     try:
+        if path.is_file() and path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError(f"{path} is {path.stat().st_size} bytes: a campaign spec is at most {MAX_SPEC_BYTES} bytes")
         text = path.read_text()
     except FileNotFoundError:
         raise SpecError(f"{path} does not exist: pass the path of a campaign spec (e.g. params.yaml)") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path} is not a text file ({e.__class__.__name__}): pass the path of a campaign spec") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from None
     return parse_spec(raw, str(path))
 
 
 def check_data(spec: CampaignSpec, root: Path = Path(".")) -> None:
-    """The data file must exist before anything starts."""
-    path = spec.data.path if spec.data.path.is_absolute() else root / spec.data.path
-    if not path.is_file():
+    """The built-in data's file must exist before anything starts (a target is checked by
+    tasks.workload.check_trials, which builds it)."""
+    path = spec.data.digits_path
+    if path is None:
+        return
+    full = path if path.is_absolute() else root / path
+    if not full.is_file():
         raise SpecError(
-            f"data.path: {spec.data.path} does not exist: run `dvc repro prepare` "
-            f"(or `python -m training.data --out {spec.data.path}`) first, or point data.path at the prepared .npz"
+            f"data.path: {path} " + ("is not a file" if full.exists() else "does not exist") + ": run `dvc repro prepare` "
+            f"(or `python -m training.data --out {path}`) first, or point data.path at the prepared .npz"
         )

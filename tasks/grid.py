@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from flows.spec import CampaignSpec, TrialSpec
+from flows.spec import CampaignSpec, TrialSpec, set_path
+from training.config import LOADER_FIELDS
 
 
 @dataclass(frozen=True)
@@ -29,23 +31,29 @@ def trial_id(spec: TrialSpec, overrides: dict[str, Any]) -> str:
     Changing anything that affects training (steps, seed, a non-grid field) changes the id,
     so a resume never continues a checkpoint under different settings.
     """
-    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True)
+    # How batches are fed (loader workers, device residency) does not change what is trained.
+    canonical = json.dumps(spec.model_dump(mode="json", exclude={"data": set(LOADER_FIELDS)}), sort_keys=True)
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     readable = "-".join(f"{key.split('.')[-1]}{_short(v)}" for key, v in overrides.items())
     return f"{readable}-{digest}" if readable else digest
 
 
 def expand_grid(spec: CampaignSpec) -> list[Trial]:
-    """The cartesian product of the grid axes, in the order the spec lists them."""
+    """The cartesian product of the grid axes, in the order the spec lists them.
+
+    A trial's logical width is resolved here when the spec leaves it to the devices (their
+    maximum), so that it is part of the trial's identity: it changes the result."""
     keys = list(spec.grid)
     trials = []
     base = spec.model_dump()
+    base["training"].setdefault("logical_ranks", None)
+    if base["training"]["logical_ranks"] is None:
+        base["training"]["logical_ranks"] = spec.resources.max_devices  # None for `auto`: decided by sizing
     for values in itertools.product(*(spec.grid[k] for k in keys)) if keys else [()]:
-        raw = {"seed": spec.campaign.seed, "data": base["data"], "model": dict(base["model"]), "training": dict(base["training"])}
+        raw = {"seed": spec.campaign.seed, **copy.deepcopy({k: base[k] for k in ("data", "model", "optimizer", "loss", "training")})}
         overrides = dict(zip(keys, values))
         for key, value in overrides.items():
-            section, _, field = key.partition(".")
-            raw[section][field] = value
+            set_path(raw, key, value)
         trial_spec = TrialSpec.model_validate(raw)
         label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in overrides.items()) or "default"
         trials.append(Trial(trial_id(trial_spec, overrides), label, overrides, trial_spec))

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from prefect import get_run_logger, task
@@ -43,11 +42,11 @@ from cluster.inventory import visible_devices_env
 from cluster.step_time_prior import ProfileStepTimeModel, StepTimeBreakdown
 from cluster.types import Device
 from tasks.grid import Trial
-from tasks.sizing import INPUT_SHAPE, NUM_CLASSES
+from tasks.workload import trial_workload
 from tasks.tracking import CAMPAIGN_TAG
 from training.errors import CampaignError
 from training.files import write_atomic
-from training.models import build_model
+from training.workload import build_loss, build_model, build_optimizer, datasets, sample_batch
 from training.process import die_with_parent
 from training.profiler import DdpProfile, ModelProfile, ProfileError, profile_model, to_markdown
 from training.roofline import DevicePeaks, DeviceUnavailableError, plot_roofline, probe_device
@@ -68,12 +67,9 @@ class ProfileJob:
 
     trial_id: str
     label: str
-    model: str
-    model_kwargs: dict[str, Any]
+    workload: dict[str, Any]  # model, data, loss, optimizer: as the trial's config has them (training.workload)
     batch_size: int  # global, as the trial trains
     lr: float
-    momentum: float
-    weight_decay: float
     seed: int
     devices: tuple[Device, ...]  # one per DDP process, rank order; the first also gets the per-layer profile
     out_dir: Path
@@ -102,9 +98,8 @@ def profile_dir(runs_dir: Path, campaign: str, trial_id: str) -> Path:
 def profile_job(trial: Trial, devices: Sequence[Device], out_dir: Path, predict_up_to: int, **options: Any) -> ProfileJob:
     t = trial.spec.training
     return ProfileJob(
-        trial_id=trial.id, label=trial.label, model=trial.spec.model.name,
-        model_kwargs=trial.spec.model.model_dump(exclude={"name"}), batch_size=t.batch_size,
-        lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, seed=trial.spec.seed,
+        trial_id=trial.id, label=trial.label, workload=trial_workload(trial.spec), batch_size=t.batch_size,
+        lr=t.lr, seed=trial.spec.seed,
         devices=tuple(devices), out_dir=Path(out_dir), predict_up_to=max(predict_up_to, len(devices)), **options,
     )
 
@@ -146,22 +141,22 @@ def torch_device(device: Device) -> torch.device:
     return torch.device("cuda", device.index)  # training.roofline.check_device names it if it is missing
 
 
-def example_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A digits-shaped batch: the models here have no data-dependent control flow, so time
-    and FLOPs depend on the shapes only, and the profile needs no data file."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(batch_size, *INPUT_SHAPE, generator=generator), torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
+def example_batch(job: ProfileJob) -> tuple[Any, Any]:
+    """A batch of the trial's real training samples at its global batch size: time and FLOPs
+    depend on the shapes (and, for data-dependent models, on the data itself)."""
+    return sample_batch(datasets(job.workload["data"])[0], job.batch_size)
 
 
 def profile_layers(job: ProfileJob) -> tuple[ModelProfile, DevicePeaks]:
     """The per-layer profile and the roofline probe, on the first device, with the trial's optimizer."""
     device = job.devices[0]
-    model = build_model(job.model, **job.model_kwargs)
-    optimizer = lambda params: torch.optim.SGD(params, lr=job.lr, momentum=job.momentum, weight_decay=job.weight_decay)  # noqa: E731
+    torch.manual_seed(job.seed)
+    model = build_model(job.workload["model"])
+    optimizer = lambda params: build_optimizer(job.workload["optimizer"], params, job.lr)  # noqa: E731
     with pinned(device):
         where = torch_device(device)
         peaks = probe_device(where)
-        profile = profile_model(model, example_batch(job.batch_size, job.seed), F.cross_entropy, where, job.repeats, optimizer=optimizer)
+        profile = profile_model(model, example_batch(job), build_loss(job.workload["loss"]), where, job.repeats, optimizer=optimizer)
     return profile, peaks
 
 
@@ -180,9 +175,9 @@ def plan_ddp(job: ProfileJob, directory: Path, python: str = sys.executable) -> 
     out = directory / "ddp.json"
     command = [
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(job.devices)}",
-        "-m", "training.profile_ddp", "--model", job.model, "--model-kwargs", json.dumps(job.model_kwargs),
+        "-m", "training.profile_ddp", "--workload", json.dumps(job.workload),
         "--batch-size", str(job.batch_size), "--steps", str(job.ddp_steps), "--seed", str(job.seed),
-        "--input-shape", ",".join(map(str, INPUT_SHAPE)), "--classes", str(NUM_CLASSES), "--out", str(out),
+        "--out", str(out),
     ]
     env = {
         **visible_devices_env(job.devices),  # CPU slots: each rank pins itself to its core (training.train.pick_device)

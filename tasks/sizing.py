@@ -7,23 +7,31 @@ from cluster.types import Inventory
 from flows.spec import CampaignSpec, TrialSpec
 from tasks.grid import Trial
 
-INPUT_SHAPE = (1, 8, 8)  # the digits images; the data file is checked separately
-NUM_CLASSES = 10
+def optimizer_slots(optimizer: dict, lr: float) -> int:
+    """Tensors of state the optimizer keeps per parameter (SGD with momentum 1, Adam 2),
+    found by stepping it once on a small parameter."""
+    import torch
+
+    from training.workload import build_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    p.grad = torch.ones(8)
+    opt = build_optimizer(optimizer, [p], lr)
+    opt.step()
+    return sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel())
 
 
 def estimate_memory(trial: TrialSpec, on_gpu: bool) -> MemoryEstimate:
-    """A dry run of the trial's model on its whole global batch (on the CPU: same bytes)."""
-    import torch
-    import torch.nn.functional as F
+    """A dry run of the trial's model on its whole global batch of real samples (on the CPU: same bytes)."""
+    from tasks.workload import trial_workload
+    from training.workload import build_loss, build_model, datasets, sample_batch
 
-    from training.models import build_model
-
-    model = build_model(trial.model.name, **trial.model.model_dump(exclude={"name"}))
-    batch = trial.training.batch_size
-    x = torch.zeros(batch, *INPUT_SHAPE)
-    y = torch.zeros(batch, dtype=torch.long)
-    slots = 1 if trial.training.momentum > 0 else 0  # SGD keeps one momentum buffer per parameter
-    return measure_memory(model, x, y, F.cross_entropy, slots, on_gpu)
+    work = trial_workload(trial)
+    model = build_model(work["model"])
+    train, _ = datasets(work["data"])
+    x, y = sample_batch(train, trial.training.batch_size)
+    slots = optimizer_slots(work["optimizer"], trial.training.lr)
+    return measure_memory(model, x, y, build_loss(work["loss"]), slots, on_gpu)
 
 
 def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
@@ -34,7 +42,7 @@ def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -
     for trial in trials:
         estimate = None
         if needs_estimate:
-            key = trial.spec.model.model_dump_json() + str(trial.spec.training.batch_size)
+            key = trial.spec.model.model_dump_json() + trial.spec.data.model_dump_json() + str(trial.spec.training.batch_size)
             if key not in cache:
                 try:
                     cache[key] = estimate_memory(trial.spec, on_gpu=inventory.kind == "gpu")
@@ -44,5 +52,9 @@ def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -
         request = size_request(trial.id, spec.resources.devices, spec.resources.memory_gb, inventory, estimate)
         if request.max_devices > trial.spec.training.batch_size:
             raise SizingError(f"trial {trial.id!r}: {request.max_devices} devices but a global batch of {trial.spec.training.batch_size}: every process needs a sample")
+        logical = trial.spec.training.logical_ranks
+        if logical is not None and request.max_devices > logical:
+            raise SizingError(f"trial {trial.id!r}: sized to {request.max_devices} devices but training.logical_ranks is {logical}: "
+                              "every process holds at least one logical rank; raise training.logical_ranks")
         sized[trial.id] = request
     return sized

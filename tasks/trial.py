@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,58 @@ class TrialFailed(CampaignError):
 
 
 PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
+STOP_GRACE_S = 30.0  # SIGTERM, then this long for a trial's processes to go, then SIGKILL
+
+# Process groups of the trials this process has launched and not yet seen exit: the flow
+# stops them before it gives their devices back (no device to two trials, even on a crash).
+_live_groups: dict[int, str] = {}
+_live_lock = threading.Lock()
+_stopped = threading.Event()  # set by stop_launched_trials: a task's retry must not launch afterwards
+
+
+def accept_launches() -> None:
+    """A campaign flow starts: launches are allowed (again) in this process."""
+    _stopped.clear()
+
+
+def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
+    """Stop every trial this process launched that is still running; returns their ids.
+    Returns only when their process groups are gone (or were killed)."""
+    with _live_lock:
+        _stopped.set()
+        groups = dict(_live_groups)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for pgid in groups:
+        while _group_alive(pgid) and time.time() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+            while _group_alive(pgid) and time.time() < deadline + 10:
+                time.sleep(0.05)
+    return list(groups.values())
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any process of the group still running (zombies, already dead, do not count)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -97,18 +150,24 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
             old.unlink()
         (control / "state.json").unlink(missing_ok=True)
         write_command(control, 0, list(plan.workers))
-    with open(plan.log_path, "ab") as log:
+    with open(plan.log_path, "ab") as log, _live_lock:
+        if _stopped.is_set():
+            raise TrialFailed(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
         proc = subprocess.Popen(
             plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_torchrun_dies_with_campaign,
         )
-        try:
-            return proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-            raise
+        _live_groups[proc.pid] = config.trial_id  # start_new_session: the group id is its pid
+    try:
+        return proc.wait()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    finally:
+        with _live_lock:
+            _live_groups.pop(proc.pid, None)
 
 
 def log_tail(path: Path) -> str:

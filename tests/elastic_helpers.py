@@ -12,16 +12,17 @@ from pathlib import Path
 from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.elastic import write_command
-from training.models import build_model
+from training.workload import build_model
 
 
 def cpu_slot(i: int) -> dict:
     return {"id": f"cpu{i}", "env": {"CAMPAIGN_CPU_CORES": str(i % os.cpu_count()), "CUDA_VISIBLE_DEVICES": ""}}
 
 
-def trial_config(trial_dir: Path, data: Path, **overrides) -> TrialConfig:
-    base = dict(trial_id=trial_dir.name, seed=11, model="small_cnn", model_kwargs={"width": 8, "dropout": 0.1},
-                data_path=str(data), steps=1500, batch_size=30, lr=0.05, warmup_steps=20,
+def trial_config(trial_dir: Path, digits: Path, **overrides) -> TrialConfig:
+    # Two logical ranks: a run at 1 process and one at 2 train the same thing.
+    base = dict(trial_id=trial_dir.name, seed=11, model={"name": "small_cnn", "width": 8, "dropout": 0.1},
+                data={"path": str(digits)}, logical_ranks=2, steps=1500, batch_size=30, lr=0.05, warmup_steps=20,
                 checkpoint_every=100, eval_every=1500, trial_dir=str(trial_dir), trace=True, control_every=5)
     return TrialConfig(**{**base, **overrides})
 
@@ -97,7 +98,7 @@ def trace(cfg: TrialConfig) -> dict[int, tuple[list[int], float]]:
 
 def final_weights(cfg: TrialConfig):
     result = json.loads(Path(cfg.result_path).read_text())
-    return load_model_weights(Path(result["checkpoint"]), build_model(cfg.model, **cfg.model_kwargs)).state_dict()
+    return load_model_weights(Path(result["checkpoint"]), build_model(cfg.model)).state_dict()
 
 
 def resizes(cfg: TrialConfig) -> list[dict]:

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import yaml
+
+pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,6 +14,8 @@ from cluster.leases import LeaseStore
 from tasks.records import campaign_status
 from training.manifest import latest_valid_checkpoint
 
+pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
+
 
 @pytest.fixture(scope="module")
 def prefect_backend():

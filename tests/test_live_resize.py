@@ -18,6 +18,8 @@ from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from training.files import read_json
 
+pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
+
 
 @pytest.fixture(scope="module")
 def prefect_backend():

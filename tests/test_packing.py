@@ -264,8 +264,11 @@ def test_fgd_keeps_room_for_the_common_size_where_best_fit_does_not():
 def test_check_fits_names_the_trial_and_what_the_largest_node_offers():
     inv = Inventory(one_node(8 * GIB, 2, name="small").devices + one_node(16 * GIB, 4).devices)
     check_fits([Request("ok", 4, 16 * GIB)], inv)
-    with pytest.raises(PlacementError, match=r"'wide'.*5 device.*'box'.*4 device"):
+    with pytest.raises(PlacementError, match=r"'wide' needs 5 devices; the largest node, 'box', has 4 \(gpu devices\)"):
         check_fits([Request("ok", 1, GIB), Request("wide", 5, GIB)], inv)
+    # Enough devices but not enough memory on them: the message speaks of memory, not count.
+    with pytest.raises(PlacementError, match=r"'big' needs 3 device\(s\) with 10\.0 GiB free each; one node has at most 2 with that much \('x': 2 device\(s\) of up to 16\.0 GiB\)"):
+        check_fits([Request("big", 3, 10 * GIB)], Inventory(one_node(8 * GIB, 2, name="small").devices + one_node(16 * GIB, 2, name="x").devices + one_node(9 * GIB, 4).devices))
     with pytest.raises(PlacementError, match=r"'fat'.*20\.0 GiB.*16\.0 GiB"):
         check_fits([Request("fat", 1, 20 * GIB)], inv)
     with pytest.raises(PlacementError, match="'none'"):

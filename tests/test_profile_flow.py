@@ -32,10 +32,10 @@ def prefect_backend():
         yield
 
 
-def write_params(root: Path, name: str, devices: int) -> Path:
+def write_params(root: Path, name: str, devices: int, data: Path) -> Path:
     params = {
         "campaign": {"name": name, "seed": 1},
-        "data": {"path": str(root / "absent.npz")},  # a profile needs no data: shapes only
+        "data": {"path": str(data)},  # the profile runs on real samples
         "model": {"name": "small_cnn", "width": 4, "dropout": 0.1},
         "training": {"steps": 10, "batch_size": 16, "lr": 0.05},
         "grid": {"training.lr": [0.05, 0.2]},
@@ -54,9 +54,9 @@ def markdown_artifacts(flow_run_id) -> list:
     return [a for a in found if a.type == "markdown"]
 
 
-def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(tmp_path, prefect_backend, monkeypatch):
+def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(tmp_path, digits_npz, prefect_backend, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    params = write_params(tmp_path, "prof", devices=2)
+    params = write_params(tmp_path, "prof", devices=2, data=digits_npz)
     spec = load_spec(params)
     trial = expand_grid(spec)[1]
     uri = spec.tracking.mlflow_uri
@@ -107,9 +107,9 @@ def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(
     assert LeaseStore().leases() == []
 
 
-def test_an_unknown_trial_id_is_refused_with_the_valid_ones(tmp_path, prefect_backend, monkeypatch):
+def test_an_unknown_trial_id_is_refused_with_the_valid_ones(tmp_path, digits_npz, prefect_backend, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    params = write_params(tmp_path, "typo", devices=1)
+    params = write_params(tmp_path, "typo", devices=1, data=digits_npz)
     valid = [t.id for t in expand_grid(load_spec(params))]
     with pytest.raises(TrialNotFoundError, match="no trial 'lr0.5-0000'") as err:
         profile_flow(str(params), "lr0.5-0000")
@@ -117,8 +117,18 @@ def test_an_unknown_trial_id_is_refused_with_the_valid_ones(tmp_path, prefect_ba
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+class Picky(nn.Linear):
+    """Trains on the pre-flight check's two samples, fails at the profile's batch (as a batch
+    that does not fit a device would)."""
+
+    def forward(self, x):
+        if len(x) > 2:
+            raise RuntimeError(f"cannot take a batch of {len(x)}")
+        return super().forward(x)
+
+
 def broken_model(**kwargs) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(65, 10))  # 64 features arrive
+    return nn.Sequential(nn.Flatten(), Picky(64, 10))
 
 
 def vanished_core(spec) -> Inventory:
@@ -128,16 +138,16 @@ def vanished_core(spec) -> Inventory:
 
 @pytest.mark.parametrize(
     "breakage, culprit",
-    [("model", "layer 1 (Linear)"), ("device", "CPU slot host/cpu0 (core 4000) is not available")],
+    [("model", "layer 1 (Picky)"), ("device", "CPU slot host/cpu0 (core 4000) is not available")],
 )
-def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, culprit, tmp_path, prefect_backend, monkeypatch, caplog):
+def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, culprit, tmp_path, digits_npz, prefect_backend, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     if breakage == "model":
         monkeypatch.setitem(MODELS, "small_cnn", broken_model)
     else:
         monkeypatch.setattr("flows.profile.inventory_for", vanished_core)
     caplog.set_level(logging.WARNING)
-    params = write_params(tmp_path, "broken", devices=2)
+    params = write_params(tmp_path, "broken", devices=2, data=digits_npz)
     summary = profile_flow(str(params))  # completes: a profile is advice, not a result
     assert summary.result is None and summary.mlflow_run_id is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -148,11 +158,11 @@ def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, cul
     assert LeaseStore().leases() == []
 
 
-def test_a_failed_ddp_part_drops_only_that_part_and_new_runs_wait_for_the_campaign(tmp_path, prefect_backend, monkeypatch, caplog):
+def test_a_failed_ddp_part_drops_only_that_part_and_new_runs_wait_for_the_campaign(tmp_path, digits_npz, prefect_backend, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # the ranks cannot form their group
     caplog.set_level(logging.WARNING)
-    params = write_params(tmp_path, "noddp", devices=2)
+    params = write_params(tmp_path, "noddp", devices=2, data=digits_npz)
     summary = profile_flow(str(params))
     result = summary.result
     assert summary.trial_id == expand_grid(load_spec(params))[0].id  # the first trial by default

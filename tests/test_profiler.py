@@ -208,13 +208,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_ddp_all_reduces_exactly_the_gradients(tmp_path):
+def test_two_process_ddp_all_reduces_exactly_the_gradients(tmp_path, digits_npz):
     kwargs = {"width": 512, "depth": 2}  # 1.2 MB of gradients: more than DDP's 1 MiB first bucket
     out = tmp_path / "ddp.json"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "training.profile_ddp", "--model", "mlp", "--model-kwargs", json.dumps(kwargs),
+         "--master-port", str(free_port()), "-m", "training.profile_ddp",
+         "--workload", json.dumps({"model": {"name": "mlp", **kwargs}, "data": {"path": str(digits_npz)}}),
          "--batch-size", "32", "--steps", "5", "--warmup", "2", "--probe-bytes", "4096,262144", "--out", str(out)],
         env=env, cwd=REPO, check=True, capture_output=True, timeout=120,
     )

@@ -6,6 +6,8 @@ back to the previous whole one), and a finished trial is not recomputed.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -20,15 +22,17 @@ import torch
 from training.checkpoint import load_model_weights
 from training.manifest import latest_valid_checkpoint, list_checkpoints
 from training.config import TrialConfig
-from training.models import build_model
+from training.workload import build_model
+
+pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
 STEPS, EVERY = 1500, 100
 
 
 def config(trial_dir: Path, data: Path) -> TrialConfig:
     return TrialConfig(
-        trial_id="resume-test", seed=7, model="small_cnn", model_kwargs={"width": 8, "dropout": 0.2},
-        data_path=str(data), steps=STEPS, batch_size=32, lr=0.05, warmup_steps=10,
+        trial_id="resume-test", seed=7, model={"name": "small_cnn", "width": 8, "dropout": 0.2},
+        data={"path": str(data)}, logical_ranks=2, steps=STEPS, batch_size=32, lr=0.05, warmup_steps=10,
         checkpoint_every=EVERY, keep_checkpoints=3, eval_every=500, trial_dir=str(trial_dir),
     )
 
@@ -77,7 +81,7 @@ def workers_of_pids(pids: list[int]) -> list[int]:
 
 def final_weights(cfg: TrialConfig) -> dict[str, torch.Tensor]:
     result = json.loads(Path(cfg.result_path).read_text())
-    model = build_model(cfg.model, **cfg.model_kwargs)
+    model = build_model(cfg.model)
     return load_model_weights(Path(result["checkpoint"]), model).state_dict()
 
 

@@ -73,9 +73,9 @@ def test_auto_that_cannot_fit_names_the_trial():
         size_request("x", "auto", None, gpus(8), None)
 
 
-def test_small_trials_share_one_gpu_by_memory():
+def test_small_trials_share_one_gpu_by_memory(digits_npz):
     spec = parse_spec({
-        "campaign": {"name": "share"}, "model": {"name": "small_cnn", "width": 8},
+        "campaign": {"name": "share"}, "model": {"name": "small_cnn", "width": 8}, "data": {"path": str(digits_npz)},
         "training": {"steps": 10, "batch_size": 64, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2, 0.3, 0.4]},
         "resources": {"devices": 1, "memory_gb": "auto"},
     })
@@ -99,13 +99,13 @@ def test_start_size_leaves_room_for_the_queue():
     assert start_size(elastic, lambda n: None, 0, 4) is None
 
 
-def test_campaign_plan_places_on_the_declared_cluster(tmp_path):
+def test_campaign_plan_places_on_the_declared_cluster(tmp_path, digits_npz):
     import yaml
 
     from conftest import campaign_cli
 
     spec = {
-        "campaign": {"name": "plan"}, "model": {"name": "small_cnn", "width": 8},
+        "campaign": {"name": "plan"}, "model": {"name": "small_cnn", "width": 8}, "data": {"path": str(digits_npz)},
         "training": {"steps": 10, "batch_size": 64, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2, 0.3]},
         "resources": {"devices": 2},
         "cluster": {"nodes": [{"name": "a", "devices": 2, "memory_gb": 16, "nvlink_pairs": [[0, 1]]},
@@ -122,3 +122,32 @@ def test_campaign_plan_places_on_the_declared_cluster(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     result = campaign_cli("plan", str(path))
     assert result.returncode == 2 and "'b'" in result.stderr  # the inconsistent node is named
+
+
+def test_the_default_campaign_fits_a_one_gpu_machine(digits_npz):
+    """`make campaign` on one GPU: every trial of params.yaml shares it by measured memory."""
+    import yaml
+
+    from cluster.inventory import discover
+    from cluster.packing import Packer, PlacementError
+    from conftest import REPO
+    from flows.campaign import checked_requests
+    from tests.fakes.fake_nvml import FakeGpu, FakeNvml, gpu_uuid
+
+    one_gpu = discover(FakeNvml([FakeGpu(gpu_uuid(0, 0))]), node="box")
+    assert len(one_gpu.devices) == 1 and one_gpu.kind == "gpu"
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["data"]["path"] = str(digits_npz)
+    spec = parse_spec(raw)
+    trials = expand_grid(spec)
+    requests = checked_requests(spec, trials, one_gpu)
+    packer = Packer(one_gpu)
+    placed = [packer.place(requests[t.id].at(requests[t.id].min_devices)) for t in trials]
+    assert all(p is not None and p.device_ids == (one_gpu.devices[0].id,) for p in placed), placed
+    assert all(t.spec.training.logical_ranks == 2 for t in trials)  # a 2-rank DDP result, on one device
+
+    # Asking more devices than there are is refused, saying how many there are.
+    raw["resources"] = {"devices": 2}
+    wide = parse_spec(raw)
+    with pytest.raises(PlacementError, match=r"needs 2 devices; the largest node, 'box', has 1 \(gpu device\)"):
+        checked_requests(wide, expand_grid(wide), one_gpu)

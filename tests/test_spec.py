@@ -12,6 +12,7 @@ from tasks.grid import expand_grid
 
 GOOD = {
     "campaign": {"name": "t", "seed": 0},
+    "data": {"path": "data/digits.npz"},
     "model": {"name": "small_cnn", "width": 8},
     "training": {"steps": 20, "batch_size": 16, "lr": 0.1},
     "grid": {"training.lr": [0.1, 0.2], "model.width": [4, 8]},
@@ -52,7 +53,24 @@ BAD = [
     ("training/warmup_steps", 50, ["warmup_steps (50) must be smaller than steps (20)"]),
     ("training/checkpoint_every", 0, ["training.checkpoint_every"]),
     ("grid", {"training.lr": []}, ["grid", "empty"]),
-    ("grid", {"optimizer.lr": [1]}, ["grid key 'optimizer.lr'", "model.<field>"]),
+    ("grid", {"scheduler.lr": [1]}, ["grid key 'scheduler.lr'", "model, data, training, optimizer, loss"]),
+    ("grid", {"training.steps.x": [1]}, ["grid.training.steps.x", "not a mapping"]),
+    ("grid", {"optimizer.kwargs.momentum": [0.5, 0.5]}, ["repeats a value"]),
+    ("training/momentum", 0.9, ["training.momentum moved to the optimizer", "optimizer: {name: SGD, kwargs: {momentum: 0.9}}"]),
+    ("training/reduction", "approximate", ["training.reduction", "fast", "exact"]),
+    ("training/precision", "fp8", ["training.precision", "bf16", "fp16"]),
+    ("training/grad_clip_norm", 0, ["training.grad_clip_norm", "greater than 0"]),
+    ("training/logical_ranks", 0, ["training.logical_ranks"]),
+    ("training/batch_size", 1e9, ["training.batch_size", "less than or equal to"]),
+    ("model", {"target": "no-colon-here"}, ["model.target", "pattern"]),
+    ("model", {"target": "pkg.mod:make", "width": 3}, ["model.width", "Extra inputs"]),
+    ("model", {"width": 3}, ["model", "name: small_cnn | mlp", "target: package.module:callable"]),
+    ("data/target", "pkg.data:make", ["data.path (the built-in digits) and data.target", "exclude each other"]),
+    ("data/kwargs", {"n": 1}, ["data.kwargs are the target's arguments"]),
+    ("data/workers", -1, ["data.workers"]),
+    ("optimizer/kwargs", {"lr": 0.1}, ["training.lr", "remove optimizer.kwargs.lr"]),
+    ("optimizer/name", "not a name", ["optimizer.name", "pattern"]),
+    ("loss/name", "hinge", ["loss.name", "cross_entropy", "mse"]),
     ("grid", {"training.lr": [0.1, 0.1]}, ["repeats a value"]),
     ("grid", {"training.lr": [0.1, -3]}, ["grid.training.lr[1] = -3", "greater than 0"]),
     ("grid", {"model.heads": [1, 2]}, ["grid.model.heads", "no field 'heads'", "width"]),
@@ -99,6 +117,32 @@ def test_grid_expands_to_stable_distinct_ids():
     # Anything that changes training changes the id, so a resume never mixes settings.
     longer = expand_grid(parse_spec(with_change("training/steps", 40)))
     assert not {t.id for t in trials} & {t.id for t in longer}
+
+
+def test_logical_ranks_cover_the_devices():
+    elastic = with_change("resources/devices", [1, 4])
+    message = str(pytest.raises(SpecError, parse_spec, with_change("training/logical_ranks", 2, elastic)).value)
+    assert "training.logical_ranks (2) is smaller than the 4 devices" in message
+    # Unset, it is the most devices a trial may use, and part of the trial's identity.
+    (trial, *_) = expand_grid(parse_spec(elastic))
+    assert trial.spec.training.logical_ranks == 4
+    assert trial.id != expand_grid(parse_spec(with_change("training/logical_ranks", 8, elastic)))[0].id
+
+
+def test_grid_over_kwargs_and_sections_beyond_training():
+    raw = with_change("grid", {"optimizer.name": ["SGD", "AdamW"], "model.kwargs.depth": [1, 2]},
+                      with_change("model", {"target": "pkg.mod:make", "kwargs": {"depth": 1, "width": 4}}))
+    raw = with_change("optimizer", {"name": "SGD", "kwargs": {}}, raw)
+    trials = expand_grid(parse_spec(raw))
+    assert [(t.spec.optimizer.name, t.spec.model.kwargs["depth"]) for t in trials] == [("SGD", 1), ("SGD", 2), ("AdamW", 1), ("AdamW", 2)]
+    assert all(t.spec.model.kwargs["width"] == 4 for t in trials)  # the rest of kwargs is kept
+    assert len({t.id for t in trials}) == 4
+
+
+def test_loader_settings_do_not_change_trial_ids():
+    base = expand_grid(parse_spec(GOOD))
+    faster = expand_grid(parse_spec(with_change("data/workers", 4, with_change("data/on_device", False))))
+    assert [t.id for t in base] == [t.id for t in faster]
 
 
 def test_empty_grid_is_one_trial():

@@ -13,18 +13,29 @@ from pathlib import Path
 from typing import Any
 
 
+# Keys of a trial's `data` that say how batches are fed, not which: not part of its identity.
+LOADER_FIELDS = ("workers", "on_device")
+
+
 @dataclass(frozen=True, slots=True)
 class TrialConfig:
     trial_id: str
     seed: int
-    model: str
-    model_kwargs: dict[str, Any]
-    data_path: str
+    # What to train (training.workload): plain dicts from the spec, built-in names or targets.
+    model: dict[str, Any]  # {"name": "small_cnn", ...} or {"target": "pkg.mod:factory", "kwargs": {...}}
+    data: dict[str, Any]  # {"path": "data/digits.npz"} or {"target": ..., "kwargs": ...}; + workers, on_device
     steps: int
     batch_size: int  # global: the same at every world size
     lr: float
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "SGD", "kwargs": {"momentum": 0.9}})
+    loss: dict[str, Any] = field(default_factory=lambda: {"name": "cross_entropy"})
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
+    grad_clip_norm: float | None = None
+    compile: bool = False  # torch.compile the model
+    # The data-parallel width the result is defined for: each step's global batch is split
+    # into this many logical ranks, whatever the number of processes (training.batches).
+    logical_ranks: int = 1
+    reduction: str = "fast"  # fast: DDP's all-reduce (equal to rounding); exact: summed in logical order (bit for bit)
     schedule: str = "cosine"  # "cosine" or "constant"
     warmup_steps: int = 0
     checkpoint_every: int = 50
@@ -35,6 +46,7 @@ class TrialConfig:
     async_checkpoints: bool = True  # periodic checkpoints written off the training path
     control_every: int = 10  # steps between checks for a resize request (elastic trials)
     trace: bool = False  # audit: record the samples and loss of every step of every process
+    hold_at_step: int | None = None  # tests: wait before this step while the file `hold` exists in trial_dir
     trial_dir: str = "."  # checkpoints, progress and result files live here
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging

@@ -64,20 +64,21 @@ class SampleOrder:
         self.seed = seed
 
     @lru_cache(maxsize=4)
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of the dataset's indices in `epoch` (host: once an epoch)."""
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def global_batch(self, step: int, batch_size: int) -> np.ndarray:
         start = step * batch_size
         epoch, offset = divmod(start, self.num_samples)
         if offset + batch_size <= self.num_samples:  # the common case: within one epoch, a view
-            return self._permutation(epoch)[offset:offset + batch_size]
+            return self.permutation(epoch)[offset:offset + batch_size]
         positions = np.arange(start, start + batch_size)
         epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(batch_size, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            out[mask] = self._permutation(int(epoch))[offsets[mask]]
+            out[mask] = self.permutation(int(epoch))[offsets[mask]]
         return out
 
 

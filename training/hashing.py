@@ -1,9 +1,7 @@
-"""SplitMix64's finalizer: a cheap, well-mixed 64-bit hash, for seeds and dropout streams
-that must be pure functions of (seed, step, ...), computed on every step."""
+"""SplitMix64's finalizer: a cheap, well-mixed 64-bit hash, for the RNG seeds that must be
+pure functions of (seed, step, logical rank), computed on every step."""
 
 from __future__ import annotations
-
-import numpy as np
 
 MASK64 = 2**64 - 1
 GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (the golden ratio) and mixing constants
@@ -16,13 +14,3 @@ def mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * MIX1) & MASK64
     z = ((z ^ (z >> 27)) * MIX2) & MASK64
     return z ^ (z >> 31)
-
-
-def mix64_array(z: np.ndarray) -> np.ndarray:
-    """The same finalizer over a uint64 array, in place (uint64 arithmetic wraps mod 2**64)."""
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(MIX1)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(MIX2)
-    z ^= z >> np.uint64(31)
-    return z

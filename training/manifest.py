@@ -1,23 +1,74 @@
-"""What makes a checkpoint whole: its manifest, and finding the newest whole one.
+"""What makes a checkpoint whole and ours: its manifest, and finding the newest such one.
 
 Plain files and hashes, no torch: `campaign status` and `campaign resize` read checkpoints
 through this module and answer in a fraction of a second instead of importing torch
 first. training/checkpoint.py writes checkpoints with DCP and uses this to seal them.
+
+The manifest lists every file with its size and sha256, and is itself signed with an
+HMAC under this host's checkpoint key (created once, readable by its owner only). DCP
+unpickles a checkpoint's `.metadata`, so a checkpoint is loaded only when the signature
+holds: someone who can write the folder (or a poisoned DVC remote) but not read the key
+cannot make a checkpoint that loads. A file the manifest does not list, a manifest of the
+wrong shape or a missing signature makes the checkpoint invalid, never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
+import re
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from training.files import write_json_atomic
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
+KEY_ENV = "CAMPAIGN_CHECKPOINT_KEY"  # path of the signing key; default ~/.local/state/campaign/checkpoint.key
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+FILE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
+
+
+def key_path() -> Path:
+    return Path(os.environ.get(KEY_ENV) or Path.home() / ".local" / "state" / "campaign" / "checkpoint.key")
+
+
+def signing_key() -> bytes:
+    """This host's checkpoint key, made on first use (0600; the first of racing processes wins)."""
+    path = key_path()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _read_whole(path)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(32).hex().encode())
+        f.flush()
+        os.fsync(f.fileno())
+    return path.read_bytes()
+
+
+def _read_whole(path: Path) -> bytes:
+    for _ in range(100):  # another process created it a moment ago and is writing it
+        data = path.read_bytes()
+        if len(data) == 64:
+            return data
+        time.sleep(0.01)
+    return path.read_bytes()
+
+
+def _signature(body: dict[str, Any]) -> str:
+    canonical = json.dumps({k: body[k] for k in ("step", "files")}, sort_keys=True).encode()
+    return hmac.new(signing_key(), canonical, hashlib.sha256).hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -38,21 +89,48 @@ def write_manifest(directory: Path, step: int, world_size: int) -> None:
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    write_json_atomic(directory / MANIFEST, {"step": step, "world_size": world_size, "created": time.time(), "files": files})
+    body = {"step": step, "world_size": world_size, "created": time.time(), "files": files}
+    write_json_atomic(directory / MANIFEST, {**body, "hmac": _signature(body)})
 
 
 def verify(directory: Path) -> str | None:
-    """None if the checkpoint matches its manifest, else what is wrong with it."""
+    """None if the checkpoint is whole and signed by this host's key, else what is wrong with it."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return f"no readable manifest ({e.__class__.__name__})"
-    for name, meta in manifest["files"].items():
+    problem = _shape_problem(manifest)
+    if problem:
+        return f"the manifest is malformed: {problem}"
+    if not hmac.compare_digest(str(manifest.get("hmac", "")), _signature(manifest)):
+        return f"the manifest's signature does not match this host's checkpoint key ({key_path()})"
+    listed = manifest["files"]
+    present = {p.name for p in directory.iterdir() if p.name != MANIFEST}
+    if unlisted := sorted(present - set(listed)):
+        return f"{unlisted[0]} is not in the manifest"
+    for name, meta in listed.items():
         path = directory / name
-        if not path.is_file():
+        if not path.is_file() or path.is_symlink():
             return f"{name} is missing"
         if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
             return f"{name} does not match its checksum"
+    return None
+
+
+def _shape_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict):
+        return "not a mapping"
+    if not isinstance(manifest.get("step"), int):
+        return "no integer step"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no files listed"
+    for name, meta in files.items():
+        if not (isinstance(name, str) and FILE_NAME.match(name) and name not in (".", "..")):
+            return f"file name {name!r}"
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
+                and SHA256.match(meta["sha256"])):
+            return f"entry of {name!r}"
     return None
 
 

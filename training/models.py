@@ -1,6 +1,8 @@
-"""Small models written here (there is no CPU torchvision): a CNN for 8x8 digits and an MLP.
+"""The built-in models (there is no CPU torchvision): a CNN for 8x8 digits and an MLP.
 
-Each model is built from a name and keyword arguments so that params.yaml can choose it.
+Chosen in params.yaml by `model.name`; any other model comes in by `model.target`
+(training.workload). Their `nn.Dropout` is schedule-independent through logical ranks
+(training.trainer).
 """
 
 from __future__ import annotations
@@ -8,14 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from training.dropout import SampleDropout
 
 
 class SmallCNN(nn.Module):
     """Two 3x3 conv blocks and a linear head, for 1x8x8 images (sklearn digits).
-
-    No batch norm: its statistics depend on the per-rank batch, so results would change
-    with the number of processes (the elastic invariant forbids that).
 
     `width` is the channel count of the first block; the second has twice as many.
     """
@@ -32,7 +30,7 @@ class SmallCNN(nn.Module):
         pooled = image_size // 2
         self.head = nn.Sequential(
             nn.Flatten(),
-            SampleDropout(dropout, layer_id=0),
+            nn.Dropout(dropout),
             nn.Linear(2 * width * pooled * pooled, num_classes),
         )
 
@@ -48,7 +46,7 @@ class MLP(nn.Module):
         layers: list[nn.Module] = [nn.Flatten()]
         features = in_features
         for _ in range(depth):
-            layers += [nn.Linear(features, width), nn.ReLU(), SampleDropout(dropout, layer_id=len(layers))]
+            layers += [nn.Linear(features, width), nn.ReLU(), nn.Dropout(dropout)]
             features = width
         layers.append(nn.Linear(features, num_classes))
         self.net = nn.Sequential(*layers)
@@ -57,9 +55,4 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS: dict[str, type[nn.Module]] = {"small_cnn": SmallCNN, "mlp": MLP}
-
-
-def build_model(name: str, **kwargs) -> nn.Module:
-    """Build a registered model; the spec has already checked the name."""
-    return MODELS[name](**kwargs)
+MODELS: dict[str, type[nn.Module]] = {"small_cnn": SmallCNN, "mlp": MLP}  # built by training.workload.build_model

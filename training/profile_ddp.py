@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.errors import CampaignError
 from training.files import write_atomic
-from training.models import MODELS, build_model
+from training.workload import build_loss, build_model, datasets, move, sample_batch
 from training.profiler import BucketProfile, DdpProfile, LinkEstimate
 from training.roofline import cpu_threads
 from training.train import pick_device
@@ -145,7 +145,8 @@ def probe_link(device: torch.device, world_size: int, sizes: tuple[int, ...] = P
     return fit_link([(size, statistics.median(times[size])) for size in sizes], world_size)
 
 
-def _plain_step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, steps: int, aligned: bool) -> list[float]:
+def _plain_step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, steps: int, aligned: bool,
+                      loss_fn=F.cross_entropy) -> list[float]:
     """Seconds of each training step without DDP (no communication). `aligned`: every rank
     starts each step together, after a barrier, as a synchronous DDP step would."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -155,14 +156,15 @@ def _plain_step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
         if aligned:
             dist.barrier()
         t0 = _sync(device)
-        F.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         optimizer.step()
         if i >= 2:
             times.append(_sync(device) - t0)
     return times
 
 
-def measure_corun_slowdown(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, env: DistEnv, device: torch.device, steps: int) -> float:
+def measure_corun_slowdown(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, env: DistEnv, device: torch.device, steps: int,
+                           loss_fn=F.cross_entropy) -> float:
     """How much slower the slowest rank computes a step while every rank computes than a
     rank computes it alone.
 
@@ -177,8 +179,8 @@ def measure_corun_slowdown(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
     for turn in range(env.world_size):
         dist.barrier()
         if turn == env.rank:
-            alone = statistics.median(_plain_step_times(work, x, y, device, steps, aligned=False))
-    together = _max_over_ranks(_plain_step_times(work, x, y, device, steps, aligned=True), device)
+            alone = statistics.median(_plain_step_times(work, x, y, device, steps, aligned=False, loss_fn=loss_fn))
+    together = _max_over_ranks(_plain_step_times(work, x, y, device, steps, aligned=True, loss_fn=loss_fn), device)
     mean_alone = statistics.fmean(_gather(alone, env.world_size, device))
     return max(1.0, statistics.median(together) / mean_alone)
 
@@ -207,7 +209,7 @@ def _timed_steps(ddp: DDP, recorder: _CommRecorder, x: torch.Tensor, y: torch.Te
         optimizer.zero_grad(set_to_none=True)
         record = recorder.new_step()
         t0 = _sync(device)
-        loss = F.cross_entropy(ddp(x), y, reduction="sum") * env.world_size / args.batch_size
+        loss = args.loss_fn(ddp(x), y) * len(y) * env.world_size / args.batch_size
         t1 = _sync(device)
         loss.backward()
         t2 = _sync(device)
@@ -231,12 +233,11 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
             f"{env.world_size}) and at least one step must be measured"
         )
     torch.manual_seed(args.seed)
-    model = build_model(args.model, **args.model_kwargs).to(device)
+    model = build_model(args.workload["model"]).to(device)
+    args.loss_fn = build_loss(args.workload.get("loss", {"name": "cross_entropy"}))
     local = len(np.array_split(np.arange(args.batch_size), env.world_size)[env.rank])
-    generator = torch.Generator().manual_seed(args.seed + env.rank)
-    x = torch.rand(local, *args.input_shape, generator=generator).to(device)
-    y = torch.randint(0, args.classes, (local,), generator=generator).to(device)
-    corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1)
+    x, y = (move(v, device) for v in sample_batch(datasets(args.workload["data"])[0], local))  # real samples
+    corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1, args.loss_fn)
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     recorder = _CommRecorder(model)
@@ -247,7 +248,7 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
     med = [statistics.median(column) for column in zip(*rows)]
     buckets = tuple(BucketProfile(i, b, p) for i, (b, p) in sorted(recorder.step.buckets.items()))
     return DdpProfile(
-        model=args.model, world_size=env.world_size, backend=dist.get_backend(), global_batch=args.batch_size, steps=args.steps,
+        model=model_label(args.workload["model"]), world_size=env.world_size, backend=dist.get_backend(), global_batch=args.batch_size, steps=args.steps,
         buckets=buckets, allreduce_bytes=sum(b.bytes for b in buckets),
         forward_s=med[0], backward_s=med[1], optimizer_s=med[2], step_s=med[3], allreduce_s=med[4], overlap_s=med[5],
         peer_wait_s=None if math.isnan(med[6]) else med[6], corun_slowdown=corun,
@@ -255,16 +256,18 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
     )
 
 
+def model_label(model: dict) -> str:
+    return model.get("name") or model["target"]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Measure DDP gradient buckets, all-reduce time and overlap at this world size.")
-    parser.add_argument("--model", required=True, choices=sorted(MODELS))
-    parser.add_argument("--model-kwargs", type=json.loads, default={}, help='JSON, e.g. \'{"width": 32}\'')
+    parser.add_argument("--workload", type=json.loads, required=True,
+                        help='JSON {"model": ..., "data": ..., "loss": ...} as in a trial config (training.workload)')
     parser.add_argument("--batch-size", type=int, required=True, help="global batch, split over the processes")
     parser.add_argument("--steps", type=int, default=30, help="measured steps (medians are reported)")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring (DDP rebuilds its buckets after the first)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process on CPU (one CPU slot = one core)")
-    parser.add_argument("--input-shape", type=lambda s: tuple(int(v) for v in s.split(",")), default=(1, 8, 8))
-    parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--probe-bytes", type=lambda s: tuple(int(v) for v in s.split(",")), default=PROBE_BYTES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)

@@ -1,13 +1,17 @@
-"""The DDP trainer: owns the loop; the Checkpointer owns saving.
+"""The DDP trainer: owns the loop; the Checkpointer owns saving, training.batches the data.
 
-Invariant (DESIGN.md #1): the result does not depend on the world size, on restarts or on
-resizes.
-- Each step trains on the same global batch (training.data.SampleOrder), split by rank,
-  and split again into micro-batches of at most `max_device_batch` (gradient accumulation).
-- The loss is summed and scaled by world_size / global_batch, so DDP's gradient average
-  equals the gradient of the mean loss over the global batch, for any split.
-- Dropout masks come from (seed, step, global sample position) (training.dropout), and the
-  global RNG is reseeded every step from (seed, step, rank) for anything else.
+Invariant (DESIGN.md #1): the result does not depend on the number of processes, on
+restarts or on resizes, for any model.
+- Each step trains on the same global batch (training.data.SampleOrder), split into the
+  trial's L logical ranks; a process runs the logical ranks it holds one after another
+  (training.batches.local_spans), each split again into micro-batches of at most
+  `max_device_batch` (gradient accumulation).
+- Each logical rank's micro-batches run under that rank's own RNG stream, seeded from
+  (seed, step, logical rank): `nn.Dropout` and anything else random draws what it would
+  draw at L processes. BatchNorm sees each logical rank's batch; its running statistics
+  are logical rank 0's, as DDP's buffer broadcast makes them at L processes.
+- The mean loss of a micro-batch is scaled by its size x world_size / global_batch, so
+  DDP's gradient average equals the gradient of the mean loss over the global batch.
 
 A Trainer outlives process groups: `attach` binds it to the current default group (a
 torchrun job, or one generation of an elastic trial), `detach` lets it go, and
@@ -26,22 +30,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from training.batches import Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
 from training.config import TrialConfig
-from training.data import SampleOrder, load_digits_npz, shard_bounds
-from training.dropout import batch_context
+from training.data import SampleOrder
+from training.exact import OrderedReduction
 from training.files import write_json_atomic
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger
-from training.models import build_model
+from training.workload import build_loss, build_model, build_optimizer, datasets
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+HOLD_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -81,22 +87,37 @@ StopCheck = Callable[[int], bool]
 class Trainer(Stateful):
     def __init__(self, cfg: TrialConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        data = load_digits_npz(cfg.data_path)
-        self.train_x, self.train_y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
-        self.val_x, self.val_y = torch.from_numpy(data.val_x).to(device), torch.from_numpy(data.val_y).to(device)
-        self.order = SampleOrder(len(self.train_y), cfg.seed)
+        self.train_set, self.val_set = datasets(cfg.data)
+        self.order = SampleOrder(len(self.train_set), cfg.seed)
+        self.feed = make_feed(self.train_set, self.order, cfg.batch_size, device,
+                              cfg.data.get("on_device", "auto"), cfg.data.get("workers", 0))
+        self._val_cache: dict = {}
+        self._batches, self._batches_next = None, None  # the feed's open iterator, and the step it is at
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
-        self.model = build_model(cfg.model, **cfg.model_kwargs).to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        self.model = build_model(cfg.model).to(device)
+        self.loss_fn = build_loss(cfg.loss)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg.schedule, cfg.warmup_steps, cfg.steps, s)
         )
+        self.autocast_dtype = PRECISIONS[cfg.precision]
+        # fp16 needs its loss scaled against underflow; bf16 has fp32's range and does not.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.buffers = list(self.model.buffers())  # BatchNorm's running statistics and the like
         self.step = 0
         self.last_step_at: float | None = None  # wall time the latest step completed
         self.latest: dict[str, float] = {}
         self.env: DistEnv | None = None
         self.ddp: DDP | None = None
+        self.forward: Callable | None = None  # the module a step calls: DDP's wrapper, compiled or not
+        self.ordered: OrderedReduction | None = None  # reduction: exact
+        self.ends_logical: tuple[bool, ...] = ()
+        if cfg.reduction == "exact":
+            # Bit for bit at any process count needs the same kernels every time.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.spans: tuple[Span, ...] = ()
         self.checkpointer: Checkpointer | None = None
         self.metrics = MetricsLogger(None, None)
         self._async_group = None
@@ -110,7 +131,17 @@ class Trainer(Stateful):
             trace_dir = Path(self.cfg.trial_dir) / "trace"
             trace_dir.mkdir(parents=True, exist_ok=True)
             self.trace = open(trace_dir / f"{trace_name or f'rank{env.rank}'}.jsonl", "a", buffering=1)
-        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.ddp = None  # one process: nothing to all-reduce, no wrapper on the step's path
+        if self.cfg.reduction == "exact":  # summed in logical order by OrderedReduction, not all-reduced
+            self.ordered = OrderedReduction(self.model.parameters(), self.cfg.logical_ranks, env.world_size, env.rank, self.device)
+        elif env.world_size > 1:
+            self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        module = self.ddp or self.model
+        self.forward = torch.compile(module) if self.cfg.compile else module
+        self.spans = local_spans(self.cfg.batch_size, self.cfg.logical_ranks, env.world_size, env.rank, self.cfg.max_device_batch)
+        # Where a logical rank's micro-batches end: exact reduction files its gradient there.
+        self.ends_logical = tuple(i == len(self.spans) - 1 or self.spans[i + 1].logical_rank != s.logical_rank
+                                  for i, s in enumerate(self.spans))
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group)
@@ -128,7 +159,10 @@ class Trainer(Stateful):
             dist.destroy_process_group(self._async_group)
         if self.trace is not None:
             self.trace.close()
-        self.ddp, self.checkpointer, self._async_group, self.trace = None, None, None, None
+        self.feed.close()
+        self._batches = self._batches_next = None
+        self.ordered = None
+        self.ddp, self.forward, self.checkpointer, self._async_group, self.trace = None, None, None, None, None
 
     @property
     def is_rank0(self) -> bool:
@@ -143,21 +177,29 @@ class Trainer(Stateful):
             "scheduler": self.scheduler.state_dict(),
             # The data position and the RNG streams are functions of (seed, step): see the
             # module docstring. They are stored so a resume can check it continues the same run.
-            "progress": {"step": self.step, "samples_seen": self.step * self.cfg.batch_size, "seed": self.cfg.seed},
+            "scaler": self.scaler.state_dict(),
+            "progress": {"step": self.step, "samples_seen": self.step * self.cfg.batch_size, "seed": self.cfg.seed,
+                         "logical_ranks": self.cfg.logical_ranks},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if state["progress"]["seed"] != self.cfg.seed:
-            raise RuntimeError(f"checkpoint was written with seed {state['progress']['seed']}, this trial has {self.cfg.seed}")
-        self.step = int(state["progress"]["step"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        progress = state["progress"]
+        if progress["seed"] != self.cfg.seed:
+            raise RuntimeError(f"checkpoint was written with seed {progress['seed']}, this trial has {self.cfg.seed}")
+        if progress.get("logical_ranks", self.cfg.logical_ranks) != self.cfg.logical_ranks:
+            raise RuntimeError(f"checkpoint was written with {progress['logical_ranks']} logical ranks, this trial has "
+                               f"{self.cfg.logical_ranks}: its results would differ; start the trial afresh")
+        self.step = int(progress["step"])
 
     def state_bytes(self) -> bytes:
         """The whole training state, for a process joining through memory (not disk)."""
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "step": self.step}, buf)
+                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, payload: bytes) -> None:
@@ -165,6 +207,8 @@ class Trainer(Stateful):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
 
     # --- the loop ----------------------------------------------------------------------
@@ -174,53 +218,106 @@ class Trainer(Stateful):
         return self.checkpointer.load_latest({"trainer": self})
 
     def save_checkpoint(self, blocking: bool = True) -> None:
+        self.sync_buffers()
         self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
 
-    def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step; this rank's summed loss, left on the device (reading it would
-        make the host wait for the device on every step)."""
-        cfg, env = self.cfg, self.env
-        batch = self.order.global_batch(step, cfg.batch_size)
-        offset, stop = shard_bounds(cfg.batch_size, env.world_size, env.rank)
-        local = batch[offset:stop]
-        chunks = math.ceil(len(local) / cfg.max_device_batch) if cfg.max_device_batch else 1
-        # Only the generators this step can use: torch.manual_seed would also seed every
-        # accelerator backend, a measurable cost on steps of a few milliseconds.
-        seed = step_seed(cfg.seed, step, env.rank)
+    def sync_buffers(self) -> None:
+        """Every process takes rank 0's buffers (BatchNorm statistics), so a checkpoint,
+        whichever rank's copy DCP keeps, holds logical rank 0's (collective)."""
+        if self.buffers and self.env is not None and self.env.world_size > 1:
+            for b in self.buffers:
+                dist.broadcast(b, src=0)
+
+    def _seed(self, step: int, logical_rank: int) -> None:
+        # Only the generators a step can use: torch.manual_seed would also seed every
+        # accelerator backend, a measurable cost on short steps.
+        seed = step_seed(self.cfg.seed, step, logical_rank)
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, step: int, batches) -> torch.Tensor:
+        """One optimizer step over this process's micro-batches (pulled from `batches`);
+        the summed loss, left on the device (reading it would make the host wait for the
+        device on every step)."""
+        cfg, spans = self.cfg, self.spans
         # One multiplication; DDP then averages over world_size, so each sample's gradient
-        # ends up scaled by 1 / batch_size at every world size.
-        scale = env.world_size / cfg.batch_size
+        # ends up scaled by 1 / batch_size at every world size (exact: summed, not averaged).
+        scale = (1 if self.ordered is not None else self.env.world_size) / cfg.batch_size
+        # Running statistics are logical rank 0's (what DDP's buffer broadcast keeps at L
+        # processes): rank 0 runs every other logical rank from the step's starting buffers.
+        keep_buffers = self.buffers and self.env.rank == 0 and spans[-1].logical_rank > 0
+        start_buffers = kept = None
         total = None
-        start = 0
-        for i, micro in enumerate(np.array_split(local, chunks) if chunks > 1 else (local,)):
-            index = torch.from_numpy(micro)
-            x = self.train_x[index].to(self.device, non_blocking=True)
-            y = self.train_y[index].to(self.device, non_blocking=True)
-            # Gradients are reduced across ranks once per step, on the last micro-batch.
-            with (self.ddp.no_sync() if i < chunks - 1 else contextlib.nullcontext()), batch_context(cfg.seed, step, offset + start, cfg.batch_size):
-                loss_sum = F.cross_entropy(self.ddp(x), y, reduction="sum")
-                (loss_sum * scale).backward()
-            total = loss_sum.detach() if total is None else total + loss_sum.detach()
+        last = len(spans) - 1
+        for i, span in enumerate(spans):
+            x, y = next(batches)
+            if span.first:
+                self._seed(step, span.logical_rank)
+                if keep_buffers:
+                    if span.logical_rank == 0:
+                        start_buffers = [b.clone() for b in self.buffers]
+                    else:
+                        if kept is None:
+                            kept = [b.clone() for b in self.buffers]
+                        for b, v in zip(self.buffers, start_buffers):
+                            b.copy_(v)
+            # Gradients are reduced across processes once per step, on the last micro-batch.
+            with (self.ddp.no_sync() if self.ddp is not None and i < last else contextlib.nullcontext()):
+                with self._autocast():
+                    loss = self.loss_fn(self.forward(x), y)  # the mean over the micro-batch
+                self.scaler.scale(loss * (span.size * scale)).backward()  # one multiplication on the device
+            # The step's summed loss, for logging: one fused add per micro-batch.
+            total = loss.detach() * span.size if total is None else total.add(loss.detach(), alpha=span.size)
+            if self.ordered is not None and self.ends_logical[i]:
+                self.ordered.take(span.logical_rank)
             if self.trace is not None:
-                self.trace.write(json.dumps({"step": step, "offset": offset + start, "samples": micro.tolist(), "loss_sum": loss_sum.item()}) + "\n")
-            start += len(micro)
-        self.optimizer.step()
+                samples = self.order.global_batch(step, cfg.batch_size)[span.start:span.stop]
+                self.trace.write(json.dumps({"step": step, "offset": span.start, "samples": samples.tolist(),
+                                             "loss_sum": loss.item() * span.size}) + "\n")
+        if kept is not None:
+            for b, v in zip(self.buffers, kept):
+                b.copy_(v)
+        if self.ordered is not None:
+            self.ordered.reduce()
+        if cfg.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Mean loss (and accuracy, for class targets) over the validation set, on this process."""
         self.model.eval()
-        logits = self.model(self.val_x)
-        self.model.train()
-        return {
-            "val_loss": F.cross_entropy(logits, self.val_y).item(),
-            "val_accuracy": (logits.argmax(1) == self.val_y).float().mean().item(),
-        }
+        loss_sum = correct = count = 0.0
+        try:
+            for x, y in eval_batches(self.val_set, max(self.cfg.batch_size, 256), self.device,
+                                     self.cfg.data.get("on_device", "auto"), self.cfg.data.get("workers", 0), self._val_cache):
+                with self._autocast():
+                    out = self.model(x)
+                    loss = self.loss_fn(out, y)
+                n = len(y)
+                loss_sum += loss.float() * n
+                if correct is not None and isinstance(out, torch.Tensor) and not y.is_floating_point() and out.shape[:-1] == y.shape:
+                    correct += (out.argmax(-1) == y).float().mean() * n
+                else:
+                    correct = None
+                count += n
+        finally:
+            self.model.train()
+        metrics = {"val_loss": float(loss_sum / count)}
+        if correct is not None:
+            metrics["val_accuracy"] = float(correct / count)
+        return metrics
 
     def write_progress(self, state: str) -> None:
         # A status for people and the scheduler, written often: no fsync on the training path.
@@ -237,16 +334,19 @@ class Trainer(Stateful):
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
-        shard_start, shard_stop = shard_bounds(cfg.batch_size, self.env.world_size, self.env.rank)
-        local_samples = shard_stop - shard_start
+        local_samples = sum(span.size for span in self.spans)
         window_loss, window_steps, window_start = None, 0, time.perf_counter()
         progress_at = 0.0
+        batches = self._batches_at(self.step)
         if self.is_rank0:
             self.write_progress("running")
         while self.step < cfg.steps:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
+                self._batches_next = self.step  # a later call at this step goes on with the same feed
                 return None
-            loss = self.train_step(self.step)
+            if self.step == cfg.hold_at_step:
+                self.hold()
+            loss = self.train_step(self.step, batches)
             self.step += 1
             self.last_step_at = time.time()
             if after_first_step is not None and self.step == start_step + 1:
@@ -285,6 +385,24 @@ class Trainer(Stateful):
             write_json_atomic(cfg.result_path, result)
         return result
 
+    def _batches_at(self, step: int):
+        """The feed's micro-batches from `step` on: the open iterator when it is there (a
+        DataLoader's workers and prefetched batches survive a pause), else a new one."""
+        if self._batches is None or self._batches_next != step:
+            self.feed.close()
+            self._batches = iter(self.feed.batches(step, self.cfg.steps, self.spans))
+        self._batches_next = None
+        return self._batches
+
+    def hold(self) -> None:
+        """Tests: wait here while `<trial_dir>/hold` exists (a step a test can count on)."""
+        hold = Path(self.cfg.trial_dir) / "hold"
+        if self.is_rank0:
+            self.write_progress("held")
+        while hold.exists():
+            time.sleep(HOLD_POLL_S)
+
     def close(self) -> None:
+        self.feed.close()
         self.metrics.close()
 

@@ -1,0 +1,189 @@
+"""Feeding a trainer: which samples each process trains on at each step, and how they reach the device.
+
+The global sample order (training.data.SampleOrder) fixes the global batch of every step.
+It is split into L logical ranks (the trial's logical width, fixed for its whole life),
+and each physical process holds a contiguous range of them (`local_spans`); a logical
+rank's share may be split again into micro-batches of at most `max_device_batch`. So the
+samples a logical rank sees, and in which micro-batches, never depend on how many
+processes there are.
+
+Two feeds deliver a process's micro-batches in order:
+- `DeviceFeed`: the whole dataset (a TensorDataset, or materialized when asked) lives on
+  the device; a micro-batch is one gather there, with the epoch's permutation kept on the
+  device too: no host work that grows with the batch, no host-to-device copy per step.
+- `LoaderFeed`: any map-style dataset through a DataLoader (worker processes, pinned
+  memory, prefetching) whose batch sampler walks the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+
+from training.data import SampleOrder, shard_bounds
+from training.workload import WorkloadError, dataset_bytes, move, split_pair
+
+DEVICE_BYTES_AUTO = 2 * 2**30  # `on_device: auto` keeps a TensorDataset on a GPU up to this size...
+DEVICE_FRACTION_AUTO = 0.25  # ...and this share of the GPU's memory
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One micro-batch of a process: positions [start, stop) of the step's global batch."""
+
+    logical_rank: int
+    start: int
+    stop: int
+    first: bool  # the first micro-batch of its logical rank: that rank's RNG stream starts here
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def local_spans(batch_size: int, logical_ranks: int, world_size: int, rank: int, max_device_batch: int | None) -> tuple[Span, ...]:
+    """The micro-batches physical `rank` of `world_size` runs at every step, in order."""
+    if not 1 <= world_size <= logical_ranks:
+        raise ValueError(f"{world_size} processes for {logical_ranks} logical ranks: each process needs at least one")
+    first, last = shard_bounds(logical_ranks, world_size, rank)
+    spans = []
+    for logical in range(first, last):
+        start, stop = shard_bounds(batch_size, logical_ranks, logical)
+        chunks = max(1, math.ceil((stop - start) / max_device_batch)) if max_device_batch else 1
+        for c in range(chunks):
+            lo, hi = shard_bounds(stop - start, chunks, c)
+            spans.append(Span(logical, start + lo, start + hi, c == 0))
+    return tuple(spans)
+
+
+class DeviceFeed:
+    """The whole training set on the device; each micro-batch is a gather by index there."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, order: SampleOrder, batch_size: int, device: torch.device):
+        self.inputs, self.targets = inputs.to(device), targets.to(device)
+        self.order, self.batch_size, self.device = order, batch_size, device
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:  # once an epoch: the host draws it, the device keeps it
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = torch.from_numpy(self.order.permutation(epoch)).to(self.device)
+        return self._perms[epoch]
+
+    def indices(self, step: int, span: Span) -> torch.Tensor:
+        n = self.order.num_samples
+        epoch, offset = divmod(step * self.batch_size + span.start, n)
+        if offset + span.size <= n:
+            return self._perm(epoch)[offset:offset + span.size]
+        parts, need = [], span.size
+        while need:
+            take = min(need, n - offset)
+            parts.append(self._perm(epoch)[offset:offset + take])
+            need, epoch, offset = need - take, epoch + 1, 0
+        return torch.cat(parts)
+
+    def batches(self, first_step: int, last_step: int, spans: tuple[Span, ...]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for step in range(first_step, last_step):
+            for span in spans:
+                index = self.indices(step, span)
+                yield self.inputs[index], self.targets[index]
+
+    def close(self) -> None:
+        pass
+
+
+class SpanSampler:
+    """A DataLoader batch sampler: the index lists of a process's micro-batches, step after step."""
+
+    def __init__(self, order: SampleOrder, batch_size: int, spans: tuple[Span, ...], first_step: int, last_step: int):
+        self.order, self.batch_size, self.spans = order, batch_size, spans
+        self.first_step, self.last_step = first_step, last_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.first_step, self.last_step):
+            batch = self.order.global_batch(step, self.batch_size)
+            for span in self.spans:
+                yield batch[span.start:span.stop].tolist()
+
+    def __len__(self) -> int:
+        return (self.last_step - self.first_step) * len(self.spans)
+
+
+class LoaderFeed:
+    """Any map-style dataset through a DataLoader walking the global order."""
+
+    def __init__(self, dataset: Dataset, order: SampleOrder, batch_size: int, device: torch.device, workers: int):
+        self.dataset, self.order, self.batch_size, self.device, self.workers = dataset, order, batch_size, device, workers
+        self._iterator = None
+
+    def batches(self, first_step: int, last_step: int, spans: tuple[Span, ...]) -> Iterator[tuple[Any, Any]]:
+        loader = DataLoader(
+            self.dataset, batch_sampler=SpanSampler(self.order, self.batch_size, spans, first_step, last_step),
+            num_workers=self.workers, pin_memory=self.device.type == "cuda",
+            prefetch_factor=4 if self.workers else None, persistent_workers=False,
+        )
+        self._iterator = iter(loader)
+        for batch in self._iterator:
+            x, y = split_pair(batch)
+            yield move(x, self.device, non_blocking=True), move(y, self.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes (a trainer that stops early, for a resize)."""
+        it, self._iterator = self._iterator, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dataset's samples as two stacked tensors (inputs, targets)."""
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        return dataset.tensors[0], dataset.tensors[1]
+    x, y = split_pair(default_collate([dataset[i] for i in range(len(dataset))]))
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        raise WorkloadError("data.on_device: true needs samples whose input and target are tensors")
+    return x, y
+
+
+def keeps_on_device(dataset: Dataset, on_device: bool | str, device: torch.device) -> bool:
+    """Whether the dataset is fed from device memory: always when asked; for `auto`, a
+    TensorDataset of two tensors that is small enough (on the CPU: always, it is there already)."""
+    if on_device is True:
+        return True
+    if on_device is False or not (isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2):
+        return False
+    if device.type != "cuda":
+        return True
+    size = dataset_bytes(dataset) or 0
+    total = torch.cuda.get_device_properties(device).total_memory
+    return size <= min(DEVICE_BYTES_AUTO, DEVICE_FRACTION_AUTO * total)
+
+
+def make_feed(dataset: Dataset, order: SampleOrder, batch_size: int, device: torch.device,
+              on_device: bool | str = "auto", workers: int = 0) -> DeviceFeed | LoaderFeed:
+    if keeps_on_device(dataset, on_device, device):
+        return DeviceFeed(*materialize(dataset), order, batch_size, device)
+    return LoaderFeed(dataset, order, batch_size, device, workers)
+
+
+def eval_batches(dataset: Dataset, batch_size: int, device: torch.device, on_device: bool | str = "auto",
+                 workers: int = 0, cache: dict | None = None) -> Iterator[tuple[Any, Any]]:
+    """The validation set in order, in batches; kept on the device between evaluations when it fits."""
+    if keeps_on_device(dataset, on_device, device):
+        if cache is not None and "val" in cache:
+            x, y = cache["val"]
+        else:
+            x, y = (t.to(device) for t in materialize(dataset))
+            if cache is not None:
+                cache["val"] = (x, y)
+        for start in range(0, len(y), batch_size):
+            yield x[start:start + batch_size], y[start:start + batch_size]
+        return
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda")
+    for batch in loader:
+        x, y = split_pair(batch)
+        yield move(x, device, non_blocking=True), move(y, device, non_blocking=True)
