@@ -27,10 +27,10 @@ from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_workload
-from tasks.records import campaign_dir, completed_result, log_allocation, update_record, write_campaign
+from tasks.records import campaign_dir, completed_result, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import write_summary
-from tasks.tracking import close_campaign_run, close_trial_run, open_campaign_run, open_trial_run
+from tasks.tracking import close_campaign_run, close_trial_run, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, run_trial, stop_launched_trials
@@ -105,6 +105,9 @@ class CampaignRun:
             if done is not None:
                 logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
                 self.results[t.id] = done
+                update_record(self.root / t.id, state="finished")
+                if settle_finished_run(self.uri, parent_run_id, t.id, done):
+                    logger.info(f"trial {t.id}: its MLflow run is marked FINISHED (the campaign was killed after its result)")
             else:
                 self.add_pending(t)
 
@@ -214,6 +217,7 @@ class CampaignRun:
         self.logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
 
     def run(self) -> None:
+        ended = False
         try:
             while self.pending or self.running:
                 if self.scheduler is not None:
@@ -230,12 +234,25 @@ class CampaignRun:
                     self.serve()
                     continue
                 self.collect(future)
+            ended = True
         finally:
             # On any error here (a locked or full lease database...) the trials' processes
             # stop before their leases are given back: no device is ever trained on by two.
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             self.heartbeat.close()
+            if not ended:
+                self.record_stop()
+
+    def record_stop(self) -> None:
+        """The campaign stops early: its records and MLflow runs say so (stopped, KILLED), not 'running'."""
+        for job in self.running.values():
+            update_record(job.trial_dir, state="stopped")
+        update_campaign(self.spec.tracking.runs_dir, self.name, state="stopped", ended=time.time())
+        try:
+            mark_killed(self.uri, [job.run_id for job in self.running.values()] + [self.parent_run_id])
+        except Exception as e:  # the tracking server may be what failed
+            self.logger.error(f"could not mark the MLflow runs KILLED ({e.__class__.__name__}: {e})")
 
 
 @flow(name="campaign", log_prints=True)
@@ -251,6 +268,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
     write_campaign(spec.tracking.runs_dir, name, {
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
+        "owner": process_identity(), "state": "running", "started": time.time(),
         "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides,
                     "devices": [requests[t.id].min_devices, requests[t.id].max_devices]} for t in trials],
     })
@@ -259,6 +277,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
 
     summary = write_summary(spec, trials, run.results, run.failed)
     close_campaign_run(uri, parent_run_id, summary)
+    update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")
     return summary

@@ -57,6 +57,13 @@ def _terminate(signum, frame) -> None:
 def _launch(params: Path) -> None:
     spec, trials = _validated(params)
     from flows.campaign import campaign_flow
+    from flows.spec import tracking_uri
+    from flows.warden import start_warden
+    from tasks.records import campaign_dir
+
+    # Before Prefect starts its server: if this process is killed outright, the warden ends
+    # what it left behind and sets its records straight.
+    start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
 
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -174,7 +174,7 @@ def plan_ddp(job: ProfileJob, directory: Path, python: str = sys.executable) -> 
     """torchrun of training.profile_ddp on the job's devices, one rank per device."""
     out = directory / "ddp.json"
     command = [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(job.devices)}",
+        python, "-m", "training.launch", "--standalone", f"--nproc-per-node={len(job.devices)}",
         "-m", "training.profile_ddp", "--workload", json.dumps(job.workload),
         "--batch-size", str(job.batch_size), "--steps", str(job.ddp_steps), "--seed", str(job.seed),
         "--out", str(out),

@@ -2,7 +2,7 @@
 
     <runs_dir>/<campaign>/campaign.json          trials, their labels, the MLflow parent run
     <runs_dir>/<campaign>/<trial_id>/trial.json  the trainer's TrialConfig
-    <runs_dir>/<campaign>/<trial_id>/record.json state, devices, attempts, error (the orchestrator)
+    <runs_dir>/<campaign>/<trial_id>/record.json state, its owner process, devices, attempts (the orchestrator)
     <runs_dir>/<campaign>/<trial_id>/progress.json  step and latest metrics (the trainer, rank 0)
     <runs_dir>/<campaign>/<trial_id>/result.json    written once, after the final checkpoint
     <runs_dir>/<campaign>/<trial_id>/checkpoints/step-XXXXXXXX/  DCP checkpoints
@@ -13,6 +13,8 @@ Every file is written atomically, so a reader never sees half of one.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,11 @@ def write_campaign(runs_dir: Path, campaign: str, record: dict[str, Any]) -> Non
     (Path(runs_dir) / LATEST).write_text(campaign + "\n")
 
 
+def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> None:
+    path = campaign_dir(runs_dir, campaign) / "campaign.json"
+    write_json_atomic(path, {**(read_json(path) or {}), **fields})
+
+
 def latest_campaign(runs_dir: Path) -> str | None:
     try:
         return (Path(runs_dir) / LATEST).read_text().strip() or None
@@ -40,11 +47,47 @@ def latest_campaign(runs_dir: Path) -> str | None:
         return None
 
 
+ACTIVE = ("starting", "running")  # states only true while the campaign process that wrote them lives
+
+
+def process_identity(pid: int | None = None) -> str | None:
+    """host:pid:start-time of a process (this one by default); None if it is gone. The start
+    time tells a reused pid apart from the process that wrote a record."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        start = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{socket.gethostname()}:{pid}:{start}"
+
+
+def owner_alive(owner: str | None) -> bool:
+    """Whether the process named by `owner` (process_identity) still runs; on another host: assumed so."""
+    if not owner:
+        return True  # written before owners were recorded: nothing to check against
+    host, pid, _ = owner.rsplit(":", 2)
+    if host != socket.gethostname():
+        return True
+    return process_identity(int(pid)) == owner
+
+
 def update_record(trial_dir: Path, **fields: Any) -> dict[str, Any]:
+    """Merge fields into the trial's record; an active state is stamped with its owner, this process."""
     record = read_json(trial_dir / "record.json") or {}
+    if fields.get("state") in ACTIVE:
+        fields["owner"] = process_identity()
     record.update(fields, updated=time.time())
     write_json_atomic(trial_dir / "record.json", record)
     return record
+
+
+def record_state(record: dict[str, Any]) -> str:
+    """The record's state, told true: an active state whose campaign process is gone (killed
+    with no chance to say so) is 'interrupted'."""
+    state = record.get("state", "pending")
+    if state in ACTIVE and not owner_alive(record.get("owner")):
+        return "interrupted"
+    return state
 
 
 def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
@@ -81,7 +124,7 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     progress = read_json(trial_dir / "progress.json") or {}
     result = read_json(trial_dir / "result.json")
     agent = read_json(trial_dir / "control" / "state.json") or {}  # an elastic trial's devices now
-    state = "finished" if result else record.get("state", "pending")
+    state = "finished" if result else record_state(record)
     devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
     latest = latest_valid_checkpoint(trial_dir / "checkpoints")
     return TrialStatus(

@@ -69,7 +69,7 @@ def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) ->
     client = _client(uri)
     exp_id = client.get_run(parent_run_id).info.experiment_id
     run = _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial.id}'")
-    if run is not None:
+    if run is not None:  # an earlier launch's run: this one continues it
         client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
     tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial.id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
@@ -101,3 +101,30 @@ def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
     numbers = {k: v for k, v in flatten("", summary).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()])
     client.set_terminated(run_id, status="FINISHED" if summary["failed"] == 0 else "FAILED")
+
+
+def mark_killed(uri: str, run_ids: list[str]) -> None:
+    """Runs a stopped campaign leaves behind: KILLED, not RUNNING forever. Not a task: this
+    runs while the flow is being torn down."""
+    client = _client(uri)
+    for run_id in run_ids:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status="KILLED")
+
+
+def find_trial_run(uri: str, parent_run_id: str, trial_id: str):
+    client = _client(uri)
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    return _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'")
+
+
+@task(name="settle finished trial", retries=2, retry_delay_seconds=1)
+def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dict[str, Any]) -> bool:
+    """A trial whose result is on disk but whose run is not FINISHED (its campaign was killed
+    between the two): finish the run now. True if it had to."""
+    run = find_trial_run(uri, parent_run_id, trial_id)
+    if run is None or run.info.status == "FINISHED":
+        return False
+    devices = run.data.tags.get("devices", "")
+    close_trial_run.fn(uri, run.info.run_id, result, devices.split(",") if devices else [])
+    return True

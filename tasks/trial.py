@@ -21,11 +21,11 @@ from prefect import task
 
 from cluster.inventory import visible_devices_env
 from cluster.types import Device
-from tasks.records import update_record
+from tasks.records import completed_result, update_record
 from training.config import TrialConfig
 from training.elastic import write_command
 from training.errors import CampaignError
-from training.files import read_json, write_atomic
+from training.files import write_atomic
 from training.process import die_with_parent
 
 LOG_TAIL_CHARS = 3000
@@ -33,6 +33,10 @@ LOG_TAIL_CHARS = 3000
 
 class TrialFailed(CampaignError):
     """torchrun exited with an error; the message holds the end of the trial's log."""
+
+
+class TrialStopped(TrialFailed):
+    """The campaign stopped the trial (SIGTERM, an error of its own): not the trial's fault."""
 
 
 PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
@@ -118,7 +122,7 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
         return LaunchPlan(command, _launch_env(), cwd, trial_dir / "trial.json", trial_dir / "train.log", workers)
     env = {**visible_devices_env(devices), **_launch_env()}
     command = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "training.launch",  # torchrun, its stores on loopback only
         "--standalone",  # a single-node rendezvous on a free port: trials never collide
         f"--nproc-per-node={len(devices)}",
         "-m", "training.train", "--config", str(trial_dir / "trial.json"),
@@ -184,6 +188,8 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     Returns the trial's result, or {"preempted": True} when it was resized to zero devices.
     """
     trial_dir = Path(config.trial_dir)
+    if _stopped.is_set():  # a retry after the campaign began to stop: leave the record as the stop wrote it
+        raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping")
     trial_dir.mkdir(parents=True, exist_ok=True)
     record = update_record(trial_dir, state="running", devices=[d.id for d in devices])
     # Who had which device when: one interval per attempt.
@@ -195,12 +201,15 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     finally:
         intervals[-1]["end"] = time.time()
         update_record(trial_dir, intervals=intervals)
+    result = completed_result(trial_dir)
+    if result is not None:  # finished, whatever happened after: a worker killed after the result changes nothing
+        update_record(trial_dir, state="finished", exit_code=code)
+        return result
+    if _stopped.is_set():
+        update_record(trial_dir, state="stopped", exit_code=code)
+        raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
     if plan.elastic and code == PREEMPTED:
         update_record(trial_dir, state="preempted", exit_code=code)
         return {"preempted": True}
-    result = read_json(config.result_path)
-    if code != 0 or result is None:
-        update_record(trial_dir, state="failed", exit_code=code)
-        raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")
-    update_record(trial_dir, state="finished", exit_code=0)
-    return result
+    update_record(trial_dir, state="failed", exit_code=code)
+    raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")

@@ -197,30 +197,48 @@ def test_a_stopping_campaign_ends_its_trials_before_anything_else(tmp_path):
     accept_launches()
 
 
-@pytest.mark.slow
-def test_sigterm_stops_the_trials_and_releases_their_devices(tmp_path, digits_npz):
-    import signal
+def start_campaign(tmp_path: Path, digits_npz: Path, name: str):
+    """`campaign launch` of one long trial in a subprocess, returned once the trial trains."""
     import subprocess
     import sys
 
     import yaml
 
-    from cluster.leases import LeaseStore
-
     runs = tmp_path / "runs"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
-        "campaign": {"name": "term"}, "data": {"path": str(digits_npz)}, "model": {"name": "small_cnn", "width": 8},
+        "campaign": {"name": name}, "data": {"path": str(digits_npz)}, "model": {"name": "small_cnn", "width": 8},
         "training": {"steps": 100000, "batch_size": 32, "lr": 0.05, "checkpoint_every": 200, "eval_every": 100000},
-        "resources": {"devices": 1}, "cluster": {"cpu_slots": 2},
+        "resources": {"devices": 2}, "cluster": {"cpu_slots": 2},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "runs_dir": str(runs), "summary": str(tmp_path / "s.json")},
     }))
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
-    while not list(runs.glob("term/*/progress.json")):  # the trial is training
+    while not list(runs.glob(f"{name}/*/progress.json")):  # the trial is training
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() is not None else "slow"
         time.sleep(0.2)
-    config = next(runs.glob("term/*/trial.json"))
+    return proc, runs / name
+
+
+def mlflow_statuses(tmp_path: Path) -> list[str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    return sorted(r.info.status for r in client.search_runs([client.get_experiment_by_name("campaigns").experiment_id]))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_trials_and_leaves_true_records(tmp_path, digits_npz):
+    import signal
+
+    from cluster.leases import LeaseStore
+    from tasks.records import campaign_status
+
+    proc, root = start_campaign(tmp_path, digits_npz, "term")
+    config = next(root.glob("*/trial.json"))
+    family = descendants(proc.pid)
+    assert len(family) >= 4  # Prefect's server, torchrun, two workers (and their metric sinks)
+    assert all(address_is_loopback(a) for a in listening_addresses(family)), listening_addresses(family)
     assert LeaseStore().leases()
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=90)[0]
@@ -229,6 +247,99 @@ def test_sigterm_stops_the_trials_and_releases_their_devices(tmp_path, digits_np
     alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(config).encode() in _cmdline(p)]
     assert not alive, "a trial process outlived its campaign"
     assert LeaseStore().leases() == []
+    assert [t.state for t in campaign_status(root.parent, "term")] == ["stopped"]
+    assert mlflow_statuses(tmp_path) == ["KILLED", "KILLED"]  # the campaign's run and its trial's
+    wait_until(lambda: not [p for p in family if process_alive(p)], 30, "a process of the campaign outlived it")
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_nothing_running_and_records_that_say_so(tmp_path, digits_npz):
+    import signal
+
+    from tasks.records import campaign_status
+
+    proc, root = start_campaign(tmp_path, digits_npz, "nine")
+    family = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # no cleanup in the process itself: the warden's job
+    proc.communicate(timeout=30)
+    # The trial, Prefect's API server, everything it started ends; the records say interrupted.
+    wait_until(lambda: not [p for p in family if process_alive(p)], 60, "a process of the killed campaign lives on")
+    wait_until(lambda: [t.state for t in campaign_status(root.parent, "nine")] == ["interrupted"], 10, "not interrupted")
+    wait_until(lambda: mlflow_statuses(tmp_path) == ["KILLED", "KILLED"], 60, "MLflow runs left RUNNING")
+
+
+def test_a_record_whose_campaign_died_reads_interrupted(tmp_path):
+    import subprocess
+    import sys
+
+    from tasks.records import process_identity, record_state, update_record
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    owner = process_identity(gone.pid)
+    gone.wait()
+    write_json_atomic(tmp_path / "record.json", {"state": "running", "owner": owner})
+    assert record_state(json.loads((tmp_path / "record.json").read_text())) == "interrupted"
+    record = update_record(tmp_path, state="running")  # this process: alive
+    assert record_state(record) == "running"
+    assert record_state({"state": "finished", "owner": owner}) == "finished"
+
+
+def wait_until(condition, timeout_s: float, message: str) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, message
+        time.sleep(0.2)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, by parent links (sessions of their own included)."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    addresses = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.append(fields[1].split(":")[0])
+    return addresses
+
+
+def address_is_loopback(hex_address: str) -> bool:
+    if len(hex_address) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return hex_address.endswith("7F")
+    return hex_address in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F") or (
+        hex_address.startswith("0000000000000000FFFF0000") and hex_address.endswith("7F"))
 
 
 def _cmdline(proc: Path) -> bytes:

@@ -41,7 +41,7 @@ def launch(cfg: TrialConfig) -> subprocess.Popen:
     Path(cfg.trial_dir).mkdir(parents=True, exist_ok=True)
     path = Path(cfg.trial_dir) / "trial.json"
     path.write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "training.train", "--config", str(path)]
+    cmd = [sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "-m", "training.train", "--config", str(path)]
     log = open(Path(cfg.trial_dir) / "train.log", "ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from mlflow import MlflowClient
 
 from training.checkpoint import load_model_weights
 from training.config import TrialConfig
@@ -139,7 +140,7 @@ def launch(cfg: TrialConfig, processes: int, cwd: Path) -> subprocess.Popen:
     Path(cfg.trial_dir).mkdir(parents=True, exist_ok=True)
     path = Path(cfg.trial_dir) / "trial.json"
     path.write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+    cmd = [sys.executable, "-m", "training.launch", "--standalone", f"--nproc-per-node={processes}",
            "-m", "training.train", "--config", str(path)]
     log = open(Path(cfg.trial_dir) / "train.log", "ab")
     return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -171,7 +172,11 @@ def largest_difference(a: dict, b: dict) -> float:
 def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, user_root, digits_npz):
     straight = run(config(tmp_path / "straight", digits_npz), 2, user_root)
 
-    held = config(tmp_path / "killed", digits_npz, hold_at_step=50)
+    # The killed trial logs to MLflow: the steps it replays after resuming are not logged twice.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("replay")).info.run_id
+    held = config(tmp_path / "killed", digits_npz, hold_at_step=50, log_every=5, mlflow_tracking_uri=uri, mlflow_run_id=run_id)
     Path(held.trial_dir).mkdir(parents=True)
     (Path(held.trial_dir) / "hold").touch()  # the trainer waits before step 50: the kill lands there
     proc = launch(held, 2, user_root)
@@ -180,6 +185,9 @@ def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, us
         assert proc.poll() is None, (Path(held.trial_dir) / "train.log").read_text()[-3000:]
         assert time.time() < deadline, "the trial never reached its hold step"
         time.sleep(0.05)
+    while max([m.step for m in client.get_metric_history(run_id, "train_loss")], default=0) < 45:  # the sink flushed step 45
+        assert time.time() < deadline, "step 45 never reached MLflow"
+        time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert [p.name for p in list_checkpoints(held.checkpoint_dir)] == ["step-00000040", "step-00000020"]
@@ -191,6 +199,8 @@ def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, us
     assert straight.keys() == resumed.keys() and any("running_mean" in k for k in straight)
     for name in straight:  # weights, BatchNorm statistics, all: bit for bit
         assert torch.equal(straight[name], resumed[name]), name
+    steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
+    assert sorted(steps) == list(range(5, 61, 5)), steps  # 45, logged before the kill and replayed after it: once
 
 
 @pytest.mark.slow

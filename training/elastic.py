@@ -36,6 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training.files import read_json, write_json_atomic
+from training.loopback import loopback_store
 from training.process import die_with_parent
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
@@ -71,7 +72,7 @@ def write_command(control: Path, seq: int, devices: list[dict], mode: str = "res
 class Agent:
     def __init__(self, config: Path, control: Path, python: str = sys.executable):
         self.config, self.control, self.python = config, control, python
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(days=7))
+        self.store = loopback_store(0, wait_for_workers=False, timeout=timedelta(days=7))
         self.workers: dict[str, Worker] = {}
         self.members: list[str] = []
         self.gen = -1

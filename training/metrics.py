@@ -114,12 +114,17 @@ def sink(uri: str, run_id: str, flush_s: float) -> None:
     from mlflow.entities import Metric, RunTag
 
     client = MlflowClient(tracking_uri=uri)
+    logged = last_logged_steps(client, run_id)
     while True:
         done = closed.wait(flush_s)
         with lock:
             items, buffer[:] = list(buffer), []
         tags = [RunTag(i["key"], i["tag"]) for i in items if "tag" in i]
-        metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in items if "tag" not in i]
+        # A resumed trial replays the steps after its checkpoint: those the run holds already are not logged twice.
+        fresh = [i for i in items if "tag" not in i and i["step"] > logged.get(i["key"], -1)]
+        metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in fresh]
+        for i in fresh:
+            logged[i["key"]] = max(i["step"], logged.get(i["key"], -1))
         for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
             batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
             try:
@@ -128,6 +133,15 @@ def sink(uri: str, run_id: str, flush_s: float) -> None:
                 print(f"MLflow log_batch failed, {len(batch)} metrics and {len(batch_tags)} tags dropped: {e}", file=sys.stderr, flush=True)
         if done:
             return
+
+
+def last_logged_steps(client, run_id: str) -> dict[str, int]:
+    """Per metric, the highest step the run holds (MLflow keeps each metric's latest by step)."""
+    try:
+        return {m.key: int(m.step) for m in client.get_run(run_id).data.to_proto().metrics}
+    except Exception as e:  # an unreachable store: the batches will say so; nothing to skip
+        print(f"could not read the run's logged steps ({e.__class__.__name__}); replayed steps may be logged twice", file=sys.stderr, flush=True)
+        return {}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,53 @@
+"""TCP stores that listen on loopback only.
+
+torch's TCPStore server listens on every interface (`*:port`), and torchrun hosts two of
+them per trial. On one machine nothing needs to reach them from outside, and anyone on the
+network could otherwise write into a trial's rendezvous. A store given an already-bound
+listening socket (`master_listen_fd`) listens on that socket's address instead, so we bind
+127.0.0.1 ourselves.
+
+`python -m training.launch` runs torchrun with every store it hosts made this way.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_TCPStore = dist.TCPStore
+_PARAMS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd", "use_libuv")
+
+
+def loopback_listener(port: int = 0) -> int:
+    """A socket listening on 127.0.0.1:port (0: any free port); returns its fd, owned by the caller."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(4096)
+    return sock.detach()  # the store owns the fd from here on
+
+
+def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300), **kwargs) -> dist.TCPStore:
+    """A TCPStore server on 127.0.0.1 (port 0: a free one; read it back from `.port`)."""
+    return _TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, master_listen_fd=loopback_listener(port), **kwargs)
+
+
+def _store(*args, **kwargs) -> dist.TCPStore:
+    """TCPStore as torch calls it, except that a server listens on loopback only."""
+    named = dict(zip(_PARAMS, args)) | kwargs
+    if named.get("is_master") and named.get("master_listen_fd") is None:
+        named["master_listen_fd"] = loopback_listener(int(named.get("port", 0)))
+        named["use_libuv"] = True  # the listening fd is only taken by the libuv server
+    return _TCPStore(**named)
+
+
+def patch_torch_stores() -> None:
+    """Every TCPStore server made in this process from here on listens on loopback only."""
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+    import torch.distributed.elastic.utils.distributed as elastic_distributed
+
+    dist.TCPStore = _store  # dynamic_rendezvous and elastic.utils.distributed call it through the module
+    c10d_backend.TCPStore = _store  # imported by name there
+    assert elastic_distributed.dist is dist
