@@ -152,7 +152,8 @@ class LeaseStore:
     # --- public API ----------------------------------------------------------------------
 
     def acquire(
-        self, holder: str, claims: Mapping[str, int], capacity: Mapping[str, int], pid: int | None = None
+        self, holder: str, claims: Mapping[str, int], capacity: Mapping[str, int], pid: int | None = None,
+        *, campaign: str | None = None,
     ) -> bool:
         """Leases every claimed device to `holder`, or none; False if any does not fit.
 
@@ -160,6 +161,11 @@ class LeaseStore:
         takes it exclusively. A holder may call again to grow or change its claims. For
         one heartbeat timeout after the file was rebuilt every acquire is refused, so
         that the holders still running can re-register first.
+
+        With `campaign` (a new trial of that campaign starting), the acquire also waits its
+        turn: it is refused while another campaign waits (`wait_turn`) that holds fewer
+        devices, or as many and has waited longer. Without it, a campaign whose trials end
+        one after another would take every freed device before a waiting one polls again.
         """
         _check_claims(holder, claims, capacity)
         pid = os.getpid() if pid is None else pid
@@ -175,8 +181,15 @@ class LeaseStore:
             if self._in_grace(conn, now):
                 log.info("lease %s refused: lease file rebuilt, waiting for live holders", holder)
                 return None
+            if campaign is not None and (ahead := _waiting_ahead(conn, live, campaign, now, self.heartbeat_timeout_s)):
+                log.info("lease %s deferred: campaign %s waits with fewer devices", holder, ahead)
+                return None
             lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, _this_host())
-            return _generation(conn) if _fit_and_write(conn, live, lease, claims, capacity) else None
+            if not _fit_and_write(conn, live, lease, claims, capacity):
+                return None
+            if campaign is not None:
+                _restart_wait(conn, campaign, now)  # it had its turn: its next trial queues behind the others
+            return _generation(conn)
 
         generation = self._run(take)
         if generation is None:
@@ -191,6 +204,25 @@ class LeaseStore:
                 acquired_at or self._clock(),
             )
         return True
+
+    def wait_turn(self, campaign: str, pid: int | None = None) -> None:
+        """`campaign` has trials waiting for devices: other campaigns' new trials give way to it
+        (see `acquire`). Call again at least every heartbeat timeout while it waits."""
+        pid = os.getpid() if pid is None else pid
+
+        def mark(conn: sqlite3.Connection) -> None:
+            now = self._clock()
+            since = _waiters(conn, now, self.heartbeat_timeout_s).get(campaign, (now,))[0]
+            _put_meta(conn, WAITING + campaign, f"{since} {now} {pid} {process_start(pid) or ''}")
+
+        self._run(mark)
+
+    def stop_waiting(self, campaign: str) -> None:
+        self._run(lambda conn: conn.execute("DELETE FROM meta WHERE key = ?", (WAITING + campaign,)))
+
+    def waiting(self) -> dict[str, float]:
+        """Campaigns waiting for devices now -> since when."""
+        return self._run(lambda conn: {c: w[0] for c, w in _waiters(conn, self._clock(), self.heartbeat_timeout_s).items()})
 
     def renew(self, holder: str) -> None:
         """Heartbeat. Re-registers after a rebuild; raises LeaseLost if the leases are gone."""
@@ -506,6 +538,49 @@ def _meta(conn: sqlite3.Connection) -> dict[str, str]:
             raise _Corrupt(f"meta entry {key!r} fails its checksum")
         meta[key] = value
     return meta
+
+
+WAITING = "waiting:"  # meta key prefix: "waiting:<campaign>" -> "since seen_at pid pid_start"
+
+
+def _put_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?, ?)", (key, value, _crc((key, value))))
+
+
+def _waiters(conn: sqlite3.Connection, now: float, timeout_s: float) -> dict[str, tuple[float, float]]:
+    """Live waiting campaigns -> (since, seen_at); entries of dead or silent ones are dropped."""
+    out, stale = {}, []
+    for key, value in _meta(conn).items():
+        if not key.startswith(WAITING):
+            continue
+        since, seen, pid, start = (value.split(" ") + [""])[:4]
+        alive = process_alive(int(pid), int(start) if start else None)
+        if now - float(seen) > timeout_s or not alive:
+            stale.append((key,))
+        else:
+            out[key[len(WAITING):]] = (float(since), float(seen))
+    if stale:
+        conn.executemany("DELETE FROM meta WHERE key = ?", stale)
+    return out
+
+
+def _restart_wait(conn: sqlite3.Connection, campaign: str, now: float) -> None:
+    value = _meta(conn).get(WAITING + campaign)
+    if value is not None:
+        _put_meta(conn, WAITING + campaign, " ".join([str(now), *value.split(" ")[1:]]))
+
+
+def _waiting_ahead(conn: sqlite3.Connection, live: list[Lease], campaign: str, now: float, timeout_s: float) -> str | None:
+    """A waiting campaign that should have the next devices before `campaign`, if any: one
+    holding fewer devices, or as many and waiting longer (holders are "<campaign>/<trial>...")."""
+    waiters = _waiters(conn, now, timeout_s)
+    held: dict[str, set[str]] = {}
+    for r in live:
+        held.setdefault(r.holder.split("/", 1)[0], set()).add(r.device_id)
+    ours = (len(held.get(campaign, ())), waiters.get(campaign, (now,))[0])
+    ahead = [(len(held.get(c, ())), since, c) for c, (since, _) in waiters.items() if c != campaign]
+    ahead = [a for a in ahead if a[:2] < ours]
+    return min(ahead)[2] if ahead else None
 
 
 def _generation(conn: sqlite3.Connection) -> str:

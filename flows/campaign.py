@@ -33,7 +33,7 @@ from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
-from tasks.trial import accept_launches, run_trial, stop_launched_trials
+from tasks.trial import accept_launches, readmit, revoke, run_trial, stop_launched_trials
 from training.config import TrialConfig
 from training.files import read_json
 
@@ -89,12 +89,13 @@ class CampaignRun:
         self.parent_run_id = parent_run_id
         self.capacity = {d.id: d.memory_bytes for d in inventory.devices}
         self.store = LeaseStore(lease_db)
-        self.heartbeat = LeaseHeartbeat(self.store, period_s=max(1.0, self.store.heartbeat_timeout_s / 4))
+        self.heartbeat = LeaseHeartbeat(self.store, period_s=max(1.0, self.store.heartbeat_timeout_s / 4), on_lost=self.lease_lost)
         self.results: dict[str, dict[str, Any]] = {}
         self.failed: dict[str, str] = {}
         self.pending: list[Trial] = []
         self.running: dict[PrefectFuture, Running] = {}
         self.scheduler: LiveScheduler | None = None
+        self.waiting_since: float | None = None  # when this campaign last told the lease store it waits
         accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -121,8 +122,8 @@ class CampaignRun:
     def start(self, trial: Trial, placement: Placement) -> bool:
         """Lease the placement's devices and launch the trial on them; False if they were taken."""
         holder = f"{self.name}/{trial.id}@{os.getpid()}"
-        if not self.store.acquire(holder, {d: placement.memory_bytes for d in placement.device_ids}, self.capacity):
-            return False  # another campaign took a device a moment ago: next round
+        if not self.store.acquire(holder, {d: placement.memory_bytes for d in placement.device_ids}, self.capacity, campaign=self.name):
+            return False  # another campaign took a device a moment ago, or it is its turn: next round
         self.heartbeat.add(holder)
         request = self.requests[trial.id]
         devices = [self.inventory.device(d) for d in placement.device_ids]
@@ -190,15 +191,27 @@ class CampaignRun:
             if job.device_ids != before:
                 log_allocation(self.root, job.trial.id, job.device_ids, "resize")
 
+    def lease_lost(self, holder: str) -> None:
+        """The heartbeat found a trial's leases reclaimed: its processes stop now (the devices
+        may be another campaign's); `collect` queues it again."""
+        trial_id = holder.split("/", 1)[1].rsplit("@", 1)[0]
+        self.logger.error(f"trial {trial_id}: its leases were reclaimed; stopping it, it resumes from its checkpoint on devices leased again")
+        revoke(trial_id)
+
     def collect(self, future: PrefectFuture) -> None:
         job = self.running.pop(future)
         self.heartbeat.release(job.holder)
         if self.scheduler is not None:
             self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
+        lease_lost = readmit(job.trial.id)
         try:
             result = future.result()
             log_allocation(self.root, job.trial.id, [], "preempted" if result.get("preempted") else "end")
         except Exception as e:
+            if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
+                log_allocation(self.root, job.trial.id, [], "lease lost")
+                self.pending.append(job.trial)
+                return
             log_allocation(self.root, job.trial.id, [], "failed")  # the task failed after its retries: record it, go on with the rest
             self.failed[job.trial.id] = str(e)
             close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e))
@@ -209,6 +222,16 @@ class CampaignRun:
         if result.get("preempted"):
             self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
             self.pending.append(job.trial)
+            if job.awaiting is not None:  # the resize to 0 is done when the trial has stopped: answer it now
+                answer(job.trial_dir, job.awaiting[2], "applied", f"preempted: its devices are free; it resumes from its "
+                       f"checkpoint when {'the rest of the campaign is done' if job.pinned_by_person else 'devices free up'}")
+            if self.scheduler is not None:
+                # A person's preemption parks the trial: the policy leaves it be while other trials
+                # want the devices, and it resumes when nothing else does (see run).
+                if job.pinned_by_person:
+                    self.scheduler.pin(job.trial.id, 0)
+                else:
+                    self.scheduler.unpin(job.trial.id)
             return
         self.results[job.trial.id] = result
         if self.scheduler is not None:
@@ -224,7 +247,11 @@ class CampaignRun:
                     self.schedule_elastic()
                 else:
                     self.start_first_come()
+                self.queue_for_devices()
                 if not self.running:
+                    if self.scheduler is not None and self.scheduler.unpin_parked():
+                        self.logger.info("nothing else of the campaign runs: trials preempted by hand resume")
+                        continue
                     if self.pending:  # every device we could use is leased by someone else
                         time.sleep(WAIT_FOR_DEVICES_S)
                     continue
@@ -241,8 +268,21 @@ class CampaignRun:
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             self.heartbeat.close()
+            if self.waiting_since is not None:
+                self.store.stop_waiting(self.name)
             if not ended:
                 self.record_stop()
+
+    def queue_for_devices(self) -> None:
+        """While trials wait, other campaigns' new trials give way to this one in turn
+        (LeaseStore.acquire): refreshed well within the lease timeout."""
+        now = time.time()
+        if self.pending and (self.waiting_since is None or now - self.waiting_since > self.store.heartbeat_timeout_s / 4):
+            self.store.wait_turn(self.name)
+            self.waiting_since = now
+        elif not self.pending and self.waiting_since is not None:
+            self.store.stop_waiting(self.name)
+            self.waiting_since = None
 
     def record_stop(self) -> None:
         """The campaign stops early: its records and MLflow runs say so (stopped, KILLED), not 'running'."""

@@ -30,13 +30,14 @@ def _fail(message: str, code: int = 2) -> None:
 def _validated(params: Path):
     """Parse and check everything that can be checked before a flow starts."""
     from flows.campaign import checked_requests, inventory_for
-    from flows.spec import check_data, load_spec
+    from flows.spec import check_data, check_tracking, load_spec
     from tasks.grid import expand_grid
     from training.errors import CampaignError
 
     try:
         spec = load_spec(params)
         check_data(spec)
+        check_tracking(spec)
         trials = expand_grid(spec)
         inventory = inventory_for(spec)
         checked_requests(spec, trials, inventory)

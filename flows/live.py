@@ -10,9 +10,10 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from cluster.inventory import visible_devices_env
-from cluster.leases import LeaseStore
+from cluster.leases import LeaseLost, LeaseStore
 from cluster.packing import resize_devices
 from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 class LeaseHeartbeat:
     """Renews this campaign's leases while trials run, so other campaigns see us alive."""
 
-    def __init__(self, store: LeaseStore, period_s: float):
-        self.store, self.period_s = store, period_s
+    def __init__(self, store: LeaseStore, period_s: float, on_lost: Callable[[str], None] | None = None):
+        """on_lost(holder): the holder's leases were reclaimed; called once, in a thread of its own."""
+        self.store, self.period_s, self.on_lost = store, period_s, on_lost
         self.holders: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,6 +56,12 @@ class LeaseHeartbeat:
                 try:
                     self.store.renew(holder)
                     self.failures = 0
+                except LeaseLost as e:  # its devices may be another campaign's now: the trial must stop at once
+                    log.error("%s", e)
+                    with self._lock:
+                        self.holders.discard(holder)
+                    if self.on_lost is not None:
+                        threading.Thread(target=self.on_lost, args=(holder,), name="lease-lost", daemon=True).start()
                 except Exception as e:  # a locked or full database: try again next period, never stop renewing
                     self.failures += 1
                     log.warning("renewing the lease of %s failed (%d in a row): %s", holder, self.failures, e)

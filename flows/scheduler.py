@@ -62,6 +62,16 @@ class LiveScheduler:
         """A person chose this trial's size: the policy no longer changes it."""
         self.tracked[trial_id].pinned = devices
 
+    def unpin(self, trial_id: str) -> None:
+        self.tracked[trial_id].pinned = None
+
+    def unpin_parked(self) -> list[str]:
+        """Give trials parked by a hand preemption (pinned at 0) back to the policy; their ids."""
+        parked = [t.trial_id for t in self.tracked.values() if t.pinned == 0]
+        for trial_id in parked:
+            self.unpin(trial_id)
+        return parked
+
     def observe(self, trial_id: str, devices: int, step_time_s: float) -> None:
         """A step time the trial reported at a size: refines its model."""
         if devices > 0 and step_time_s > 0:

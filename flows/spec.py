@@ -399,3 +399,27 @@ def check_data(spec: CampaignSpec, root: Path = Path(".")) -> None:
             f"data.path: {path} " + ("is not a file" if full.exists() else "does not exist") + ": run `dvc repro prepare` "
             f"(or `python -m training.data --out {path}`) first, or point data.path at the prepared .npz"
         )
+
+
+def check_tracking(spec: CampaignSpec, timeout_s: float = 5.0) -> None:
+    """The MLflow store must be reachable before anything starts: a server that is down
+    would otherwise fail the campaign only after Prefect and the checks have run."""
+    uri = tracking_uri(spec.tracking)
+    where = "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.mlflow_uri"
+    scheme = uri.split(":", 1)[0].lower()
+    if scheme in ("http", "https"):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+                return
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise SpecError(f"{where}: cannot reach the MLflow server at {uri} ({reason}): start it, or set {where} "
+                            "to a local store such as sqlite:///mlflow.db") from None
+    if scheme == "sqlite":
+        path = uri.split(":///", 1)[1] if ":///" in uri else ""
+        folder = Path(path).parent if path and path != ":memory:" else None
+        if folder is not None and not folder.is_dir():
+            raise SpecError(f"{where}: {uri} is in a folder that does not exist ({folder}): create it or point the URI elsewhere")

@@ -47,6 +47,7 @@ STOP_GRACE_S = 30.0  # SIGTERM, then this long for a trial's processes to go, th
 _live_groups: dict[int, str] = {}
 _live_lock = threading.Lock()
 _stopped = threading.Event()  # set by stop_launched_trials: a task's retry must not launch afterwards
+_revoked: set[str] = set()  # trials whose leases were lost: not launched again until readmitted
 
 
 def accept_launches() -> None:
@@ -60,6 +61,29 @@ def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
     with _live_lock:
         _stopped.set()
         groups = dict(_live_groups)
+    _stop_groups(list(groups), grace_s)
+    return list(groups.values())
+
+
+def revoke(trial_id: str, grace_s: float = STOP_GRACE_S) -> bool:
+    """The trial's leases are lost (reclaimed, maybe given to another campaign): stop its
+    processes now and refuse to launch it again until `readmit`. True if it was running."""
+    with _live_lock:
+        _revoked.add(trial_id)
+        groups = [pgid for pgid, owner in _live_groups.items() if owner == trial_id]
+    _stop_groups(groups, grace_s)
+    return bool(groups)
+
+
+def readmit(trial_id: str) -> bool:
+    """The campaign has taken note of the revocation (it queues the trial again); True if it was revoked."""
+    with _live_lock:
+        was = trial_id in _revoked
+        _revoked.discard(trial_id)
+    return was
+
+
+def _stop_groups(groups, grace_s: float) -> None:
     for pgid in groups:
         _signal_group(pgid, signal.SIGTERM)
     deadline = time.time() + grace_s
@@ -70,7 +94,6 @@ def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
             _signal_group(pgid, signal.SIGKILL)
             while _group_alive(pgid) and time.time() < deadline + 10:
                 time.sleep(0.05)
-    return list(groups.values())
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -156,7 +179,9 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
         write_command(control, 0, list(plan.workers))
     with open(plan.log_path, "ab") as log, _live_lock:
         if _stopped.is_set():
-            raise TrialFailed(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
+            raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
+        if config.trial_id in _revoked:
+            raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
         proc = subprocess.Popen(
             plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -188,8 +213,8 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     Returns the trial's result, or {"preempted": True} when it was resized to zero devices.
     """
     trial_dir = Path(config.trial_dir)
-    if _stopped.is_set():  # a retry after the campaign began to stop: leave the record as the stop wrote it
-        raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping")
+    if _stopped.is_set() or config.trial_id in _revoked:  # a retry after a stop: leave the record as the stop wrote it
+        raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping or its leases were lost")
     trial_dir.mkdir(parents=True, exist_ok=True)
     record = update_record(trial_dir, state="running", devices=[d.id for d in devices])
     # Who had which device when: one interval per attempt.
@@ -208,6 +233,9 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     if _stopped.is_set():
         update_record(trial_dir, state="stopped", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
+    if config.trial_id in _revoked:
+        update_record(trial_dir, state="lease lost", exit_code=code)
+        raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
     if plan.elastic and code == PREEMPTED:
         update_record(trial_dir, state="preempted", exit_code=code)
         return {"preempted": True}

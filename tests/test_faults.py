@@ -51,6 +51,23 @@ def test_a_huge_or_binary_spec_is_refused(tmp_path):
         load_spec(tmp_path)
 
 
+def test_an_unreachable_mlflow_server_is_refused_before_anything_runs(tmp_path, digits_npz):
+    import socket
+
+    from conftest import campaign_cli
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (tmp_path / "params.yaml").write_text(spec_text(
+        f"data: {{path: {digits_npz}}}\ntracking: {{mlflow_uri: 'http://127.0.0.1:{port}', runs_dir: runs}}\n"))
+    started = time.perf_counter()
+    done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and "tracking.mlflow_uri: cannot reach the MLflow server" in done.stderr, done.stderr
+    assert time.perf_counter() - started < 60
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
 @pytest.mark.parametrize("kind", ["text", "pickle"])
 def test_a_data_file_that_is_not_a_digits_npz_is_refused(tmp_path, kind):
     path = tmp_path / "data.npz"
@@ -227,6 +244,87 @@ def mlflow_statuses(tmp_path: Path) -> list[str]:
     return sorted(r.info.status for r in client.search_runs([client.get_experiment_by_name("campaigns").experiment_id]))
 
 
+def test_a_trial_whose_leases_are_reclaimed_stops_at_once(tmp_path):
+    """A campaign that cannot renew its leases (reclaimed as expired, the database rebuilt)
+    must stop the trial on them, and not launch it again by a task retry: the devices may be
+    another campaign's now."""
+    import sys
+    import threading
+
+    from cluster.leases import LeaseStore
+    from flows.live import LeaseHeartbeat
+    from tasks import trial as trial_module
+    from tasks.trial import LaunchPlan, TrialStopped, accept_launches, apply_launch, readmit, revoke
+    from training.config import TrialConfig
+
+    store = LeaseStore(tmp_path / "leases.db")
+    holder = "c/sleeper@1"
+    assert store.acquire(holder, {"cpu0": 1}, {"cpu0": 1})
+    cfg = TrialConfig(trial_id="sleeper", seed=0, model={"name": "mlp"}, data={"path": "x"}, steps=1, batch_size=1, lr=0.1,
+                      trial_dir=str(tmp_path))
+    plan = LaunchPlan([sys.executable, "-c", "import time; time.sleep(120)"], {}, tmp_path, tmp_path / "trial.json", tmp_path / "train.log")
+    accept_launches()
+    codes = []
+    runner = threading.Thread(target=lambda: codes.append(apply_launch(plan, cfg)))
+    runner.start()
+    wait_until(lambda: "sleeper" in trial_module._live_groups.values(), 10, "not launched")
+    lost = []
+    beat = LeaseHeartbeat(store, period_s=0.05, on_lost=lambda h: (lost.append(h), revoke(h.split("/")[1].split("@")[0], grace_s=1)))
+    beat.add(holder)
+    LeaseStore(tmp_path / "leases.db").release(holder)  # as another campaign reclaiming them would
+    runner.join(timeout=20)
+    assert lost == [holder] and codes and codes[0] < 0  # the trial's processes were ended by a signal
+    with pytest.raises(TrialStopped, match="leases were lost"):  # a task retry cannot launch it again
+        apply_launch(plan, cfg)
+    assert readmit("sleeper") and not readmit("sleeper")
+    beat.close()
+
+
+def test_a_trial_killed_after_its_result_counts_as_finished(tmp_path, monkeypatch):
+    """A worker killed after result.json (and its final checkpoint) were written: torchrun
+    exits non-zero, but the trial is done, and resume skips it; its record must agree."""
+    import sys
+
+    from tasks import trial as trial_module
+    from tasks.records import trial_status
+    from training.config import TrialConfig
+
+    trial_dir = tmp_path / "t"
+    final = two_checkpoints(trial_dir / "checkpoints")[0]
+    result = {"checkpoint": str(final), "steps": 20, "metrics": {"val_loss": 0.5}}
+    write_json_atomic(trial_dir / "result.json", result)
+    cfg = TrialConfig(trial_id="t", seed=0, model={"name": "mlp"}, data={"path": "x"}, steps=20, batch_size=1, lr=0.1,
+                      trial_dir=str(trial_dir))
+    killed = trial_module.LaunchPlan([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                                     {}, tmp_path, trial_dir / "trial.json", trial_dir / "train.log")
+    monkeypatch.setattr(trial_module, "plan_launch", lambda *a, **k: killed)
+    trial_module.accept_launches()
+    assert trial_module.run_trial.fn(cfg, [], str(tmp_path)) == result
+    assert trial_status(trial_dir, "t", "t", 20).state == "finished"
+    assert json.loads((trial_dir / "record.json").read_text())["state"] == "finished"
+
+
+def test_a_finished_trial_left_running_in_mlflow_is_settled_on_resume(tmp_path):
+    """The campaign was killed between a trial's result and closing its MLflow run: the next
+    launch skips the trial and finishes the run, with its final metrics."""
+    from mlflow import MlflowClient
+
+    from flows.spec import parse_spec
+    from tasks.grid import expand_grid
+    from tasks.tracking import open_campaign_run, open_trial_run, settle_finished_run
+
+    spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 20, "batch_size": 8, "lr": 0.1}})
+    (trial,) = expand_grid(spec)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = open_campaign_run.fn(uri, "exp", "c", {}, 1)
+    run_id = open_trial_run.fn(uri, parent, "c", trial)
+    result = {"checkpoint": "ckpt", "steps": 20, "metrics": {"val_loss": 0.25}}
+    assert settle_finished_run.fn(uri, parent, trial.id, result)
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["final_val_loss"] == 0.25
+    assert not settle_finished_run.fn(uri, parent, trial.id, result)  # nothing left to do
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_trials_and_leaves_true_records(tmp_path, digits_npz):
     import signal
@@ -347,3 +445,44 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.slow
+def test_two_campaigns_on_one_device_take_turns(tmp_path, digits_npz):
+    """Each campaign has three short trials for the one slot. Neither may run all three while
+    the other waits: when a trial ends, the waiting campaign goes next."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from cluster.inventory import discover
+    from cluster.leases import LeaseStore
+
+    (slot,) = discover(cpu_slots=1).devices
+    store = LeaseStore()
+    assert store.acquire("someone-else/x", {slot.id: slot.memory_bytes}, {slot.id: slot.memory_bytes})  # both queue first
+    procs = {}
+    for name in ("first", "second"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "params.yaml").write_text(yaml.safe_dump({
+            "campaign": {"name": name}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 16},
+            "training": {"steps": 60, "batch_size": 32, "lr": 0.05, "checkpoint_every": 60, "eval_every": 60},
+            "grid": {"training.lr": [0.01, 0.02, 0.03]}, "resources": {"devices": 1}, "cluster": {"cpu_slots": 1},
+            "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(tmp_path / "runs"), "summary": str(folder / "s.json")},
+        }))
+        procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=folder,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: name in store.waiting(), 180, f"campaign {name} never queued for the slot")
+    store.release("someone-else/x")
+    for name, proc in procs.items():
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, output[-3000:]
+    starts = sorted(
+        (event["time"], name)
+        for name in procs
+        for event in map(json.loads, (tmp_path / "runs" / name / "allocations.jsonl").read_text().splitlines())
+        if event["reason"] == "start"
+    )
+    assert [name for _, name in starts] == ["first", "second"] * 3  # turns, in the order they queued

@@ -363,3 +363,48 @@ def test_release_devices_gives_back_part_of_a_holding(tmp_path):
     assert not store.acquire("other2", {"a": 10}, capacity)  # the kept one is not
     store.renew("trial")  # the holder is still alive and holds what it kept
     assert {(l.holder, l.device_id) for l in store.leases()} == {("trial", "a"), ("other", "b")}
+
+
+# --- turns between campaigns --------------------------------------------------------------
+
+
+def test_a_waiting_campaign_gets_the_next_free_device(tmp_path):
+    """Campaign a's trials end one after another; b waits. Without turns a would take every
+    freed device before b polls again; with them, b gets the next one."""
+    clock = Clock()
+    store = LeaseStore(tmp_path / "l.db", heartbeat_timeout_s=30, clock=clock)
+    cap = {"d0": 10, "d1": 10}
+    assert store.acquire("a/t1@1", {"d0": 10}, cap, campaign="a")
+    assert store.acquire("a/t2@1", {"d1": 10}, cap, campaign="a")
+    store.wait_turn("a")  # a has more trials queued
+    clock.now += 1
+    store.wait_turn("b")  # b has not started any
+    assert set(store.waiting()) == {"a", "b"}
+    store.release("a/t1@1")
+    assert not store.acquire("a/t3@1", {"d0": 10}, cap, campaign="a")  # a holds 1 device, b holds 0: b's turn
+    assert store.acquire("b/t1@2", {"d0": 10}, cap, campaign="b")
+    clock.now += 1
+    store.release("a/t2@1")
+    assert store.acquire("a/t3@1", {"d1": 10}, cap, campaign="a")  # now a holds fewer: a's turn
+    # As many devices each: the one that waited longer goes first, and a start puts a campaign
+    # at the back (b started a trial at t+1, a at t+2: b has waited longer now).
+    clock.now += 1
+    store.release("a/t3@1")
+    store.release("b/t1@2")
+    assert not store.acquire("a/t4@1", {"d0": 10}, cap, campaign="a")
+    assert store.acquire("b/t2@2", {"d0": 10}, cap, campaign="b")
+    assert store.waiting()["b"] == clock.now
+    # A resize (no campaign given) is not a new trial and does not wait its turn.
+    assert store.acquire("b/t1@2", {"d1": 10}, cap)
+
+
+def test_a_silent_or_dead_waiter_does_not_block_anyone(tmp_path):
+    clock = Clock()
+    store = LeaseStore(tmp_path / "l.db", heartbeat_timeout_s=30, clock=clock)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.wait_turn("gone", pid=dead.pid)
+    store.wait_turn("silent")
+    clock.now += 31  # 'silent' stopped refreshing
+    assert store.acquire("a/t1@1", {"d0": 10}, CAP, campaign="a")
+    assert store.waiting() == {}

@@ -105,6 +105,38 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     assert run.info.status == "FINISHED" and LeaseStore().leases() == []
 
 
+def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    """`campaign resize TRIAL 0` stops the trial at once and says so; with nothing else to
+    run, the campaign resumes it from its checkpoint instead of sitting on free devices."""
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    live_params(tmp_path, digits_npz, "park", {"steps": 3000, "checkpoint_every": 100, "eval_every": 3000})
+    outcome: list[subprocess.CompletedProcess] = []
+
+    def drive():
+        deadline = time.time() + 120
+        while (record := read_json(runs / "park" / "campaign.json")) is None and time.time() < deadline:
+            time.sleep(0.1)
+        trial_dir = runs / "park" / record["trials"][0]["id"]
+        while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
+            time.sleep(0.05)
+        outcome.append(resize(runs, record["trials"][0]["id"], 0))
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    summary = campaign_flow(str(tmp_path / "params.yaml"))
+    driver.join()
+    assert outcome[0].returncode == 0, outcome[0].stderr
+    assert "preempted" in outcome[0].stdout
+    assert summary["finished"] == 1
+    (trial,) = json.loads((runs / "park" / "campaign.json").read_text())["trials"]
+    reasons = [json.loads(l)["reason"] for l in (runs / "park" / "allocations.jsonl").read_text().splitlines()]
+    assert reasons == ["start", "preempted", "start", "end"]
+    assert json.loads((runs / "park" / trial["id"] / "result.json").read_text())["resumed_from_step"] >= 200
+
+
 def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefect_backend, monkeypatch):
     from flows.campaign import campaign_flow
 
