@@ -25,9 +25,10 @@ from cluster.sizing import SizedRequest, start_size
 from cluster.types import Inventory, Placement
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
+from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_workload
-from tasks.records import campaign_dir, completed_result, log_allocation, process_identity, update_campaign, update_record, write_campaign
+from tasks.records import add_trial_entry, campaign_dir, completed_result, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
@@ -35,10 +36,13 @@ from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, readmit, revoke, run_trial, stop_launched_trials
 from training.config import TrialConfig
+from training.errors import CampaignError
 from training.files import read_json
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
+# Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
+HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
 
 
 def inventory_for(spec: CampaignSpec) -> Inventory:
@@ -65,9 +69,17 @@ def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Invento
     return requests
 
 
-def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None, request: SizedRequest) -> TrialConfig:
+def trial_entry(trial: Trial, request: SizedRequest) -> dict[str, Any]:
+    """A trial as campaign.json lists it (what `campaign status` and `resize` read)."""
+    return {"id": trial.id, "label": trial.label, "steps": trial.spec.training.steps, "overrides": trial.overrides,
+            "devices": [request.min_devices, request.max_devices]}
+
+
+def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None, request: SizedRequest,
+                 pruning: dict[str, Any] | None = None) -> TrialConfig:
     t = trial.spec.training
-    return TrialConfig(
+    hold = os.environ.get(HOLD_ENV)
+    return TrialConfig(pruning=pruning, hold_at_step=int(hold) if hold else None,
         trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
         precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
         logical_ranks=t.logical_ranks or request.max_devices, reduction=t.reduction, max_device_batch=t.max_device_batch,
@@ -82,7 +94,7 @@ class CampaignRun:
     """The state of one campaign flow run: what is pending, running, finished, and on what."""
 
     def __init__(self, spec: CampaignSpec, trials: list[Trial], inventory: Inventory, requests: dict[str, SizedRequest],
-                 parent_run_id: str, lease_db: str | None, logger):
+                 parent_run_id: str, lease_db: str | None, logger, search: Search | None = None):
         self.spec, self.inventory, self.requests, self.logger = spec, inventory, requests, logger
         self.name, self.uri = spec.campaign.name, tracking_uri(spec.tracking)
         self.root = campaign_dir(spec.tracking.runs_dir, self.name)
@@ -96,6 +108,10 @@ class CampaignRun:
         self.running: dict[PrefectFuture, Running] = {}
         self.scheduler: LiveScheduler | None = None
         self.waiting_since: float | None = None  # when this campaign last told the lease store it waits
+        self.search = search
+        self.trials: list[Trial] = list(trials)  # every trial known so far (a search adds them as it draws)
+        self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished()} if search else {}
+        self.pruned: set[str] = set()
         accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -106,7 +122,11 @@ class CampaignRun:
             if done is not None:
                 logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
                 self.results[t.id] = done
-                update_record(self.root / t.id, state="finished")
+                update_record(self.root / t.id, state="pruned" if done.get("pruned") else "finished")
+                if done.get("pruned"):
+                    self.pruned.add(t.id)
+                if t.id in self.drawn:  # the campaign was killed before it told the study
+                    self.search.tell(self.drawn.pop(t.id).number, done)
                 if settle_finished_run(self.uri, parent_run_id, t.id, done):
                     logger.info(f"trial {t.id}: its MLflow run is marked FINISHED (the campaign was killed after its result)")
             else:
@@ -128,7 +148,9 @@ class CampaignRun:
         request = self.requests[trial.id]
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
-        config = trial_config(self.spec, trial, self.root / trial.id, run_id, request)
+        drawn = self.drawn.get(trial.id)
+        config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
+                              self.search.pruning(drawn) if drawn is not None else None)
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
         log_allocation(self.root, trial.id, placement.device_ids, "start")
@@ -143,6 +165,49 @@ class CampaignRun:
         if self.scheduler is not None:
             self.scheduler.running(trial.id, devices[0].node, len(devices), time.time())
         return True
+
+    def draw(self) -> None:
+        """A search draws its next trial when none waits: late draws learn from more results."""
+        while self.search is not None and not self.pending and self.search.remaining() > 0:
+            drawn = self.search.ask()
+            trial = drawn.trial
+            active = {t.id for t in self.pending} | {job.trial.id for job in self.running.values()}
+            if trial.id in active or trial.id in self.failed:
+                # The sampler drew a point that runs now (a small discrete space): one run per id.
+                self.search.tell(drawn.number, None)
+                self.logger.info(f"trial {trial.id} ({trial.label}) drawn again while it runs: counted, not run twice")
+                continue
+            self.trials.append(trial)
+            done = completed_result(self.root / trial.id)
+            if done is not None:  # drawn before (same point, same seed): its result stands
+                self.results[trial.id] = done
+                self.search.tell(drawn.number, done)
+                continue
+            try:
+                self.requests.update(checked_requests(self.spec, [trial], self.inventory))
+            except CampaignError as e:  # this point cannot run (too big, a kwarg the model refuses): the search goes on
+                self.failed[trial.id] = str(e)
+                self.search.tell(drawn.number, None)
+                self.logger.error(f"trial {trial.id} ({trial.label}) cannot run: {e}")
+                continue
+            self.drawn[trial.id] = drawn
+            add_trial_entry(self.spec.tracking.runs_dir, self.name, trial_entry(trial, self.requests[trial.id]))
+            self.logger.info(f"search: trial {self.search.drawn()}/{self.search.total} is {trial.id} ({trial.label})")
+            self.add_pending(trial)
+
+    def known_trials(self) -> list[Trial]:
+        """The campaign's trials: a grid's, or every one its search drew (this run or before),
+        with the results of those that ended before this run."""
+        if self.search is None:
+            return self.trials
+        trials = {t.id: t for t in self.trials}
+        for drawn in self.search.all_drawn():
+            trials.setdefault(drawn.trial.id, drawn.trial)
+            if drawn.trial.id not in self.results and (done := completed_result(self.root / drawn.trial.id)) is not None:
+                self.results[drawn.trial.id] = done
+                if done.get("pruned"):
+                    self.pruned.add(drawn.trial.id)
+        return list(trials.values())
 
     def packer(self) -> Packer:
         pending_min = [self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending]
@@ -214,6 +279,8 @@ class CampaignRun:
                 return
             log_allocation(self.root, job.trial.id, [], "failed")  # the task failed after its retries: record it, go on with the rest
             self.failed[job.trial.id] = str(e)
+            if job.trial.id in self.drawn:
+                self.search.tell(self.drawn.pop(job.trial.id).number, None)
             close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e))
             self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
@@ -236,13 +303,21 @@ class CampaignRun:
         self.results[job.trial.id] = result
         if self.scheduler is not None:
             self.scheduler.finish(job.trial.id)
+        if job.trial.id in self.drawn:
+            self.search.tell(self.drawn.pop(job.trial.id).number, result)
         close_trial_run(self.uri, job.run_id, result, job.device_ids)
+        if result.get("pruned"):  # early stopping: its devices are free for the others now
+            self.pruned.add(job.trial.id)
+            update_record(job.trial_dir, state="pruned")
+            self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {result['metrics']}")
+            return
         self.logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
 
     def run(self) -> None:
         ended = False
         try:
-            while self.pending or self.running:
+            while self.pending or self.running or (self.search is not None and self.search.remaining()):
+                self.draw()
                 if self.scheduler is not None:
                     self.schedule_elastic()
                 else:
@@ -300,22 +375,25 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     logger = get_run_logger()
     spec = load_spec(params_path)
     check_data(spec)
-    trials = expand_grid(spec)
-    inventory = inventory_for(spec)
-    requests = checked_requests(spec, trials, inventory)  # a request no node can hold fails now
-
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
-    parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, spec.grid, len(trials))
+    inventory = inventory_for(spec)
+    # A search draws its trials as it goes; what it drew before a kill runs again (resumes).
+    search = Search(spec, campaign_dir(spec.tracking.runs_dir, name)) if spec.searched else None
+    trials = expand_grid(spec) if search is None else [d.trial for d in search.unfinished()]
+    requests = checked_requests(spec, trials or expand_grid(spec), inventory)  # a request no node can hold fails now
+
+    varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
+    parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
     write_campaign(spec.tracking.runs_dir, name, {
+        **(read_json(campaign_dir(spec.tracking.runs_dir, name) / "campaign.json") or {}),  # a search's trials so far
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
         "owner": process_identity(), "state": "running", "started": time.time(),
-        "trials": [{"id": t.id, "label": t.label, "steps": t.spec.training.steps, "overrides": t.overrides,
-                    "devices": [requests[t.id].min_devices, requests[t.id].max_devices]} for t in trials],
+        **({} if search else {"trials": [trial_entry(t, requests[t.id]) for t in trials]}),
     })
-    run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger)
+    run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
     run.run()
 
-    summary = write_summary(spec, trials, run.results, run.failed)
+    summary = write_summary(spec, run.known_trials(), run.results, run.failed, run.pruned)
     close_campaign_run(uri, parent_run_id, summary)
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     if run.failed:

@@ -66,7 +66,8 @@ def _launch(params: Path) -> None:
     # what it left behind and sets its records straight.
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
 
-    console.print(f"campaign [bold]{spec.campaign.name}[/]: {len(trials)} trials, {spec.resources.devices} device(s) each")
+    what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
+    console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = campaign_flow(str(params))
@@ -78,7 +79,9 @@ def _launch(params: Path) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     best = summary.get("best")
-    console.print(f"finished {summary['finished']}/{summary['trials']} trials" + (f"; best {best['trial']}: val_accuracy {best['val_accuracy']:.4f}" if best else ""))
+    pruned = f", {summary['pruned']} pruned" if summary.get("pruned") else ""
+    score = next(((k, v) for k, v in (best or {}).items() if k != "trial"), None)
+    console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
 
 
 @app.command()

@@ -218,6 +218,78 @@ class SchedulingSection(Strict):
     min_run_s: float = Field(default=20.0, gt=0, description="a trial runs at least this long between two resizes")
 
 
+class Choice(Strict):
+    choice: list[Any] = Field(min_length=1)
+
+
+class Uniform(Strict):
+    uniform: tuple[float, float]
+
+
+class LogUniform(Strict):
+    log_uniform: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]]
+
+
+class IntUniform(Strict):
+    int_uniform: tuple[int, int]
+
+
+DIMENSION_KINDS = ("choice", "uniform", "log_uniform", "int_uniform")
+
+
+def _dimension_kind(raw: Any) -> str | None:
+    keys = set(raw) if isinstance(raw, dict) else set(type(raw).model_fields) if isinstance(raw, BaseModel) else set()
+    kinds = [k for k in DIMENSION_KINDS if k in keys]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+Dimension = Annotated[
+    Union[Annotated[Choice, Tag("choice")], Annotated[Uniform, Tag("uniform")], Annotated[LogUniform, Tag("log_uniform")],
+          Annotated[IntUniform, Tag("int_uniform")]],
+    Discriminator(_dimension_kind, custom_error_type="dimension_kind",
+                  custom_error_message="a search dimension is one of {choice: [a, b, ...]}, {uniform: [low, high]}, "
+                                       "{log_uniform: [low, high]}, {int_uniform: [low, high]}"),
+]
+METRICS = ("val_loss", "val_accuracy", "train_loss")  # what every trial reports at its evaluations
+
+
+class SearchSection(Strict):
+    """Search beyond the grid: trials drawn from a space by an Optuna sampler, resumable."""
+
+    strategy: Literal["grid", "random", "sobol", "tpe"] = "random"
+    trials: int | None = Field(default=None, ge=1, le=100_000, description="how many points (grid: all of them)")
+    space: dict[str, Dimension] = Field(min_length=1, description="key -> {choice: [...]} | {uniform: [lo, hi]} | "
+                                        "{log_uniform: [lo, hi]} | {int_uniform: [lo, hi]}")
+    seeds: int = Field(default=1, ge=1, le=100, description="each point runs this many times, seeds campaign.seed + 0..K-1")
+    metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
+    mode: Literal["min", "max"] | None = Field(default=None, description="default: max for val_accuracy, else min")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SearchSection":
+        for key, dim in self.space.items():
+            bounds = getattr(dim, "uniform", None) or getattr(dim, "log_uniform", None) or getattr(dim, "int_uniform", None)
+            if bounds is not None and bounds[0] >= bounds[1]:
+                raise ValueError(f"search.space.{key}: [low, high] needs low < high (got {list(bounds)})")
+        if self.strategy == "grid":
+            ranged = [k for k, d in self.space.items() if not isinstance(d, Choice)]
+            if ranged:
+                raise ValueError(f"search.strategy grid takes only `choice` dimensions; {', '.join(ranged)} are ranges: "
+                                 "list their values, or use strategy random | sobol | tpe")
+        elif self.trials is None:
+            raise ValueError(f"search.trials is required with strategy {self.strategy}: how many points to try")
+        return self
+
+
+class EarlyStoppingSection(Strict):
+    """Stop bad trials at an evaluation (Optuna's pruners): their devices go to the others."""
+
+    rule: Literal["asha", "hyperband", "median"] = "asha"
+    metric: Literal["val_loss", "val_accuracy", "train_loss"] | None = Field(default=None, description="default: search.metric")
+    mode: Literal["min", "max"] | None = Field(default=None, description="default: search.mode")
+    min_steps: int = Field(default=1, ge=1, description="no trial is stopped before this step")
+    reduction_factor: int = Field(default=3, ge=2, le=100, description="asha/hyperband: 1/factor of the trials go on at each rung")
+
+
 class TrackingSection(Strict):
     mlflow_uri: str = Field(default="sqlite:///mlflow.db", description="overridden by $MLFLOW_TRACKING_URI")
     experiment: str = Field(default="campaigns", min_length=1)
@@ -253,6 +325,8 @@ class CampaignSpec(Strict):
     loss: LossSection = LossSection()
     training: TrainingSection
     grid: dict[str, list[Any]] = Field(default_factory=dict)
+    search: SearchSection | None = None
+    early_stopping: EarlyStoppingSection | None = None
     resources: ResourcesSection = ResourcesSection()
     cluster: ClusterSection = ClusterSection()
     scheduling: SchedulingSection = SchedulingSection()
@@ -271,6 +345,53 @@ class CampaignSpec(Strict):
             if len({repr(v) for v in values}) != len(values):
                 raise ValueError(f"grid axis {key!r} repeats a value: {values}")
         return grid
+
+    @field_validator("search")
+    @classmethod
+    def _search_keys(cls, search: SearchSection | None) -> SearchSection | None:
+        for key in (search.space if search else {}):
+            section, _, field = key.partition(".")
+            if section not in GRID_SECTIONS or not field or "" in field.split("."):
+                raise ValueError(f"search.space key {key!r} must be '<section>.<field>' with a section of {', '.join(GRID_SECTIONS)}")
+        return search
+
+    @model_validator(mode="after")
+    def _one_way_to_vary(self) -> "CampaignSpec":
+        if self.grid and self.search is not None:
+            raise ValueError("grid and search are two ways to vary trials: give one (a grid is `search: {strategy: grid, "
+                             "space: {key: {choice: [...]}}}`)")
+        stop = self.early_stopping
+        if stop is not None and self.search is not None and (
+                (stop.metric is not None and stop.metric != self.search.metric) or (stop.mode is not None and stop.mode != (self.search.mode or stop.mode))):
+            raise ValueError(f"early_stopping judges trials by the search's objective ({self.search.metric}): leave "
+                             "early_stopping.metric and mode out, or make them the search's")
+        if self.early_stopping is not None and self.training.eval_every > self.training.steps:
+            raise ValueError(f"early_stopping needs evaluations: training.eval_every ({self.training.eval_every}) is past "
+                             f"training.steps ({self.training.steps})")
+        return self
+
+    @property
+    def varies(self) -> dict[str, list[Any]]:
+        """key -> values that bound it (the grid's values; a range's ends), for checking each in its field."""
+        if self.search is None:
+            return self.grid
+        out = {}
+        for key, dim in self.search.space.items():
+            out[key] = list(getattr(dim, "choice", None) or getattr(dim, "uniform", None) or getattr(dim, "log_uniform", None)
+                            or getattr(dim, "int_uniform", None))
+        return out
+
+    @property
+    def objective(self) -> tuple[str, str]:
+        """(metric, min|max): what the search optimizes and early stopping judges trials by."""
+        metric = (self.search.metric if self.search else None) or (self.early_stopping.metric if self.early_stopping else None) or "val_loss"
+        mode = (self.search.mode if self.search else None) or (self.early_stopping.mode if self.early_stopping else None)
+        return metric, mode or ("max" if metric == "val_accuracy" else "min")
+
+    @property
+    def searched(self) -> bool:
+        """Trials come from an Optuna study (a search, or a grid with early stopping)."""
+        return self.search is not None or self.early_stopping is not None
 
     @model_validator(mode="after")
     def _batch_covers_devices(self) -> "CampaignSpec":
@@ -298,6 +419,8 @@ def _format_errors(source: str, error: ValidationError, prefix: str = "") -> lis
         loc = list(e["loc"])
         if len(loc) > 1 and loc[0] == "model" and loc[1] in MODEL_TAGS:  # the union's tag, not a field
             del loc[1]
+        if len(loc) > 3 and loc[:2] == ["search", "space"] and loc[3] in DIMENSION_KINDS and loc[4:5] == [loc[3]]:
+            del loc[3]  # search.space.<key>.<tag>.<field>: the tag repeats the field
         path = prefix + ".".join(str(p) for p in loc)
         got = "" if e["type"] in ("missing",) else f" (got {e.get('input')!r})"
         lines.append(f"  {path or '<root>'}: {e['msg']}{got}")
@@ -316,18 +439,19 @@ def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _grid_value_errors(spec: CampaignSpec) -> list[str]:
-    """Check each grid value in its field's type and range, naming `grid.<key>[i]`."""
+    """Check each grid value (or search range end) in its field's type and range, naming `grid.<key>[i]`."""
     problems = []
     base = spec.model_dump()
-    for key, values in spec.grid.items():
+    where = "grid" if spec.search is None else "search.space"
+    for key, values in spec.varies.items():
         section, _, rest = key.partition(".")
         field, _, deeper = rest.partition(".")
         known = type(getattr(spec, section)).model_fields
         if field not in known:
-            problems.append(f"  grid.{key}: {section} has no field {field!r}; valid: {', '.join(sorted(known))}")
+            problems.append(f"  {where}.{key}: {section} has no field {field!r}; valid: {', '.join(sorted(known))}")
             continue
         if deeper and not isinstance(getattr(getattr(spec, section), field), dict):
-            problems.append(f"  grid.{key}: {section}.{field} is not a mapping; only kwargs take deeper keys")
+            problems.append(f"  {where}.{key}: {section}.{field} is not a mapping; only kwargs take deeper keys")
             continue
         for i, value in enumerate(values):
             raw = copy.deepcopy(base)
@@ -336,7 +460,7 @@ def _grid_value_errors(spec: CampaignSpec) -> list[str]:
                 CampaignSpec.model_validate(raw)
             except ValidationError as e:
                 for line in _format_errors("", e):
-                    problems.append(f"  grid.{key}[{i}] = {value!r}:{line.split(':', 1)[1]}")
+                    problems.append(f"  {where}.{key}[{i}] = {value!r}:{line.split(':', 1)[1]}")
     return problems
 
 

@@ -38,23 +38,40 @@ def trial_id(spec: TrialSpec, overrides: dict[str, Any]) -> str:
     return f"{readable}-{digest}" if readable else digest
 
 
+def _base(spec: CampaignSpec) -> dict[str, Any]:
+    base = spec.model_dump()
+    base["training"].setdefault("logical_ranks", None)
+    if base["training"]["logical_ranks"] is None:
+        base["training"]["logical_ranks"] = spec.resources.max_devices  # None for `auto`: decided by sizing
+    return base
+
+
+def make_trial(spec: CampaignSpec, overrides: dict[str, Any], seed_index: int = 0, base: dict[str, Any] | None = None) -> Trial:
+    """The trial at one point of the grid or search space (and one of its seeds)."""
+    base = _base(spec) if base is None else base
+    raw = {"seed": spec.campaign.seed + seed_index, **copy.deepcopy({k: base[k] for k in ("data", "model", "optimizer", "loss", "training")})}
+    for key, value in overrides.items():
+        set_path(raw, key, value)
+    trial_spec = TrialSpec.model_validate(raw)
+    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in overrides.items()) or "default"
+    if seed_index:
+        label += f" seed+{seed_index}"
+    return Trial(trial_id(trial_spec, overrides), label, overrides, trial_spec)
+
+
 def expand_grid(spec: CampaignSpec) -> list[Trial]:
     """The cartesian product of the grid axes, in the order the spec lists them.
 
     A trial's logical width is resolved here when the spec leaves it to the devices (their
     maximum), so that it is part of the trial's identity: it changes the result."""
     keys = list(spec.grid)
-    trials = []
-    base = spec.model_dump()
-    base["training"].setdefault("logical_ranks", None)
-    if base["training"]["logical_ranks"] is None:
-        base["training"]["logical_ranks"] = spec.resources.max_devices  # None for `auto`: decided by sizing
-    for values in itertools.product(*(spec.grid[k] for k in keys)) if keys else [()]:
-        raw = {"seed": spec.campaign.seed, **copy.deepcopy({k: base[k] for k in ("data", "model", "optimizer", "loss", "training")})}
-        overrides = dict(zip(keys, values))
-        for key, value in overrides.items():
-            set_path(raw, key, value)
-        trial_spec = TrialSpec.model_validate(raw)
-        label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in overrides.items()) or "default"
-        trials.append(Trial(trial_id(trial_spec, overrides), label, overrides, trial_spec))
-    return trials
+    base = _base(spec)
+    return [make_trial(spec, dict(zip(keys, values)), base=base)
+            for values in (itertools.product(*(spec.grid[k] for k in keys)) if keys else [()])]
+
+
+def grid_points(spec: CampaignSpec) -> list[dict[str, Any]]:
+    """Every point of a grid: the `grid` section's, or a grid search's `choice` dimensions."""
+    axes = spec.grid if spec.search is None else {k: d.choice for k, d in spec.search.space.items()}
+    keys = list(axes)
+    return [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]

@@ -40,6 +40,14 @@ def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> None:
     write_json_atomic(path, {**(read_json(path) or {}), **fields})
 
 
+def add_trial_entry(runs_dir: Path, campaign: str, entry: dict[str, Any]) -> None:
+    """List one more trial in campaign.json (a search's draw), keeping those listed before."""
+    path = campaign_dir(runs_dir, campaign) / "campaign.json"
+    record = read_json(path) or {}
+    trials = [t for t in record.get("trials", []) if t["id"] != entry["id"]] + [entry]
+    write_json_atomic(path, {**record, "trials": trials})
+
+
 def latest_campaign(runs_dir: Path) -> str | None:
     try:
         return (Path(runs_dir) / LATEST).read_text().strip() or None
@@ -124,7 +132,7 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     progress = read_json(trial_dir / "progress.json") or {}
     result = read_json(trial_dir / "result.json")
     agent = read_json(trial_dir / "control" / "state.json") or {}  # an elastic trial's devices now
-    state = "finished" if result else record_state(record)
+    state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
     devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
     latest = latest_valid_checkpoint(trial_dir / "checkpoints")
     return TrialStatus(

@@ -26,8 +26,12 @@ def request_resize(trial_dir: Path, devices: int, by: str = "person") -> str:
 
 
 def pending_request(trial_dir: Path, handled: set[str]) -> dict[str, Any] | None:
+    """The request not yet answered, if any (answered ones stay on disk until the next)."""
     request = read_json(Path(trial_dir) / "control" / REQUEST)
     if request is None or request["id"] in handled:
+        return None
+    answered = read_json(Path(trial_dir) / "control" / RESULT)
+    if answered is not None and answered.get("id") == request["id"]:
         return None
     return request
 

@@ -12,18 +12,24 @@ RANK_BY = "val_accuracy"
 REPORTED = ("val_accuracy", "val_loss", "train_loss")  # per trial, in the DVC metrics
 
 
-def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
+def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str], pruned: set[str] = frozenset(),
+              objective: tuple[str, str] = (RANK_BY, "max")) -> dict[str, Any]:
+    """Counts, the best trial by the objective (pruned trials stopped early: not candidates), and each trial's metrics."""
     per_trial = {t.id: results[t.id]["metrics"] for t in trials if t.id in results}
-    summary: dict[str, Any] = {"trials": len(trials), "finished": len(per_trial), "failed": len(failed)}
-    ranked = [(m[RANK_BY], tid) for tid, m in per_trial.items() if RANK_BY in m]
+    summary: dict[str, Any] = {"trials": len(trials), "finished": len(per_trial) - len(pruned & set(per_trial)),
+                               "pruned": len(pruned & set(per_trial)), "failed": len(failed)}
+    metric, mode = objective
+    ranked = [(m[metric], tid) for tid, m in per_trial.items() if metric in m and tid not in pruned]
     if ranked:
-        best_value, best_id = max(ranked)
-        summary["best"] = {"trial": best_id, RANK_BY: best_value}
+        best_value, best_id = max(ranked) if mode == "max" else min(ranked)
+        summary["best"] = {"trial": best_id, metric: best_value}
     summary["per_trial"] = {tid: {k: round(m[k], 6) for k in REPORTED if k in m} for tid, m in per_trial.items()}
     return summary
 
 
-def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
-    summary = summarize(trials, results, failed)
+def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str],
+                  pruned: set[str] = frozenset()) -> dict[str, Any]:
+    # A grid ranks by validation accuracy, as it always has; a search by its own objective.
+    summary = summarize(trials, results, failed, pruned, spec.objective if spec.searched else (RANK_BY, "max"))
     write_json_atomic(spec.tracking.summary, {"campaign": spec.campaign.name, **summary})
     return summary

@@ -87,6 +87,7 @@ def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, device
     metrics = []
     if result is not None:
         tags.append(RunTag("checkpoint", result["checkpoint"]))
+        tags.append(RunTag("campaign.state", "pruned" if result.get("pruned") else "finished"))
         metrics = [Metric(f"final_{k}", float(v), now, result["steps"]) for k, v in result["metrics"].items()]
     if error:
         tags.append(RunTag("error", error[-4000:]))

@@ -44,6 +44,7 @@ from training.exact import OrderedReduction
 from training.files import write_json_atomic
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger
+from training.pruning import Pruning
 from training.workload import build_loss, build_model, build_optimizer, datasets
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,6 +121,8 @@ class Trainer(Stateful):
         self.spans: tuple[Span, ...] = ()
         self.checkpointer: Checkpointer | None = None
         self.metrics = MetricsLogger(None, None)
+        self.pruning = Pruning(cfg.pruning) if cfg.pruning else None  # reports on rank 0 only
+        self.pruned = False
         self._async_group = None
         self.trace = None  # an open file when cfg.trace: every (step, samples, loss) this process trains on
 
@@ -351,10 +354,11 @@ class Trainer(Stateful):
             self.last_step_at = time.time()
             if after_first_step is not None and self.step == start_step + 1:
                 after_first_step()
+            evaluate = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+            stop_here = False
             if self.is_rank0:
                 window_loss = loss if window_loss is None else window_loss + loss
                 window_steps += 1
-                evaluate = self.step % cfg.eval_every == 0 or self.step == cfg.steps
                 if evaluate or self.step % cfg.log_every == 0:
                     # Logged every log_every steps, as means over the window: reading the loss
                     # waits for the device, and a metric costs CPU on the training core.
@@ -364,8 +368,13 @@ class Trainer(Stateful):
                     window_loss, window_steps = None, 0
                     if evaluate:
                         self.latest.update(self.evaluate())
+                        stop_here = self.pruning is not None and self.step < cfg.steps and self.pruning.should_stop(self.step, self.latest)
                     self.metrics.log(self.step, **self.latest)
                     window_start = time.perf_counter()  # an evaluation is not a training step
+            if self.pruning is not None and evaluate and self.step < cfg.steps and self._agree(stop_here):
+                self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
+                self.metrics.tag("pruned_at_step", str(self.step))
+                break
             if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save_checkpoint(blocking=False)
             if self.is_rank0 and self.step % cfg.log_every == 0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
@@ -375,7 +384,7 @@ class Trainer(Stateful):
         if self.is_rank0 and "val_accuracy" not in self.latest:
             self.latest.update(self.evaluate())  # resumed from the final checkpoint: no step ran
         result = {
-            "trial_id": cfg.trial_id, "steps": self.step, "world_size": self.env.world_size,
+            "trial_id": cfg.trial_id, "steps": self.step, "world_size": self.env.world_size, "pruned": self.pruned,
             "resumed_from_step": start_step, "wall_s": time.time() - started,
             "metrics": dict(self.latest),
             "checkpoint": str(self.checkpointer.root / f"step-{self.step:08d}"),
@@ -384,6 +393,14 @@ class Trainer(Stateful):
             self.write_progress("finished")
             write_json_atomic(cfg.result_path, result)
         return result
+
+    def _agree(self, decision: bool) -> bool:
+        """Rank 0's decision, on every rank (collective; called at the same steps everywhere)."""
+        if self.env.world_size == 1:
+            return decision
+        flag = torch.tensor([int(decision)], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def _batches_at(self, step: int):
         """The feed's micro-batches from `step` on: the open iterator when it is there (a

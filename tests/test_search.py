@@ -1,0 +1,180 @@
+"""Search beyond the grid: Optuna samplers and pruners, a study that survives a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import campaign_cli
+from flows.spec import parse_spec
+from tasks.search import Search
+
+BASE = {"campaign": {"name": "s"}, "model": {"name": "mlp", "width": 16},
+        "training": {"steps": 100, "batch_size": 16, "lr": 0.1, "eval_every": 20}}
+
+
+def spec(**sections):
+    return parse_spec({**BASE, **sections})
+
+
+# --- the study, alone ---------------------------------------------------------------------
+
+def test_a_grid_runs_in_the_spec_order_and_each_seed_once(tmp_path):
+    search = Search(spec(grid={"training.lr": [0.3, 0.1], "model.width": [8, 16]}, early_stopping={"rule": "median"}), tmp_path)
+    assert search.total == 4
+    drawn = [search.ask() for _ in range(search.total)]
+    assert [d.trial.overrides for d in drawn] == [{"training.lr": 0.3, "model.width": 8}, {"training.lr": 0.3, "model.width": 16},
+                                                   {"training.lr": 0.1, "model.width": 8}, {"training.lr": 0.1, "model.width": 16}]
+    assert search.remaining() == 0
+
+    seeded = Search(spec(search={"strategy": "random", "trials": 2, "seeds": 3, "space": {"training.lr": {"log_uniform": [1e-3, 1]}}},
+                         campaign={"name": "seeded", "seed": 7}), tmp_path)
+    assert seeded.total == 6
+    drawn = [seeded.ask() for _ in range(6)]
+    assert [d.trial.spec.seed for d in drawn] == [7, 8, 9, 7, 8, 9]  # each point, then its repeats
+    assert drawn[0].trial.overrides == drawn[2].trial.overrides != drawn[3].trial.overrides
+    assert len({d.trial.id for d in drawn}) == 6
+
+
+@pytest.mark.parametrize("strategy", ["random", "sobol", "tpe"])
+def test_a_restarted_search_goes_on_where_it_was(tmp_path, strategy):
+    """What was told stays; what was drawn and not told is handed back to run again; new
+    draws are new points (a reseeded sampler does not replay the first draws)."""
+    the_spec = spec(search={"strategy": strategy, "trials": 6, "space": {"training.lr": {"log_uniform": [1e-4, 1.0]},
+                                                                           "model.width": {"int_uniform": [4, 64]}}})
+    first = Search(the_spec, tmp_path)
+    a, b, c = first.ask(), first.ask(), first.ask()
+    first.tell(a.number, {"metrics": {"val_loss": 0.5}})
+    first.tell(b.number, {"metrics": {"val_loss": 0.9}, "pruned": True})
+    # The campaign dies here, c still running. A new process opens the same study:
+    again = Search(the_spec, tmp_path)
+    assert [d.trial.id for d in again.unfinished()] == [c.trial.id]
+    assert again.drawn() == 3 and again.remaining() == 3
+    later = [again.ask() for _ in range(3)]
+    earlier = {json.dumps(d.trial.overrides, sort_keys=True) for d in (a, b, c)}
+    assert not earlier & {json.dumps(d.trial.overrides, sort_keys=True) for d in later}
+    assert again.remaining() == 0
+    states = sorted(t.state.name for t in again.study.trials)
+    assert states == ["COMPLETE", "PRUNED", "RUNNING", "RUNNING", "RUNNING", "RUNNING"]
+
+
+@pytest.mark.parametrize("bad, culprit", [
+    ({"search": {"strategy": "tpe", "space": {"training.lr": {"uniform": [0.1, 0.2]}}}}, "search.trials is required"),
+    ({"search": {"trials": 4, "space": {"training.lr": {"normal": [0, 1]}}}}, "a search dimension is one of"),
+    ({"search": {"trials": 4, "space": {"training.lr": {"uniform": [0.5, 0.1]}}}}, "needs low < high"),
+    ({"search": {"trials": 4, "space": {"training.lr": {"log_uniform": [0, 1]}}}}, "log_uniform.0: Input should be greater than 0"),
+    ({"search": {"trials": 4, "space": {"training.nope": {"uniform": [0.1, 1]}}}}, "training has no field 'nope'"),
+    ({"search": {"trials": 4, "space": {"training.batch_size": {"int_uniform": [0, 64]}}}}, r"batch_size\[0\] = 0"),
+    ({"search": {"strategy": "grid", "space": {"training.lr": {"uniform": [0.1, 1]}}}}, "grid takes only `choice`"),
+    ({"grid": {"training.lr": [0.1]}, "search": {"trials": 2, "space": {"training.lr": {"uniform": [0.1, 1]}}}}, "give one"),
+    ({"early_stopping": {"rule": "sometimes"}}, "early_stopping.rule"),
+    ({"early_stopping": {"rule": "asha", "reduction_factor": 1}}, "reduction_factor"),
+    ({"training": {**BASE["training"], "eval_every": 500}, "early_stopping": {"rule": "asha"}}, "needs evaluations"),
+])
+def test_bad_search_specs_exit_2_naming_the_field(tmp_path, digits_npz, bad, culprit):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({**BASE, "data": {"path": str(digits_npz)}, **bad,
+                                                          "tracking": {"runs_dir": "runs"}}))
+    done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert culprit.replace("\\", "") in done.stderr or __import__("re").search(culprit, done.stderr), done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# --- real campaigns -------------------------------------------------------------------------
+
+def write_params(folder: Path, digits: Path, name: str, **sections) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": name}, "data": {"path": str(digits)}, "model": {"name": "small_cnn", "width": 8},
+        "resources": {"devices": 1}, "cluster": {"cpu_slots": 1},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(folder / "runs"), "summary": str(folder / "s.json")},
+        **sections,
+    }))
+
+
+def events(folder: Path, name: str) -> list[tuple[str, str]]:
+    lines = (folder / "runs" / name / "allocations.jsonl").read_text().splitlines()
+    return [(e["trial"], e["reason"]) for e in map(json.loads, lines)]
+
+
+@pytest.mark.slow
+def test_a_pruned_trial_hands_its_device_to_the_next(tmp_path, digits_npz):
+    """A grid on one slot with the median rule: the hopeless learning rate is stopped at an
+    evaluation, recorded as pruned (result, status, MLflow), and the next trial gets its slot."""
+    from mlflow import MlflowClient
+
+    from tasks.records import campaign_status
+
+    # The grid runs (log_every 30: lr 0.1, 1e-5), then (60: 0.1, 1e-5). The second lr 0.1 trains
+    # exactly what the first does (log_every changes no number): the median rule (worse than
+    # the completed trials at the same step) keeps it. The hopeless ones are stopped at their
+    # first evaluation from min_steps on.
+    write_params(tmp_path, digits_npz, "prune", grid={"training.lr": [0.1, 0.00001], "training.log_every": [30, 60]},
+                 training={"steps": 300, "batch_size": 32, "lr": 0.05, "eval_every": 30, "checkpoint_every": 30},
+                 early_stopping={"rule": "median", "min_steps": 60})
+    done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2/4 trials, 2 pruned" in done.stdout
+    status = {row.trial_id: row for row in campaign_status(tmp_path / "runs", "prune")}
+    hopeless = sorted(t for t in status if "lr1e-05" in t)
+    assert [status[t].state for t in hopeless] == ["pruned", "pruned"] and all(status[t].step == 60 for t in hopeless)
+    result = json.loads((tmp_path / "runs" / "prune" / hopeless[0] / "result.json").read_text())
+    assert result["pruned"] and result["steps"] == 60 and Path(result["checkpoint"]).name == "step-00000060"  # at a checkpoint
+    order = events(tmp_path, "prune")
+    first_pruned = next(i for i, (trial, reason) in enumerate(order) if trial in hopeless and reason == "end")
+    assert order[first_pruned + 1] == ("log_every60-lr0.1-" + order[first_pruned + 1][0].rsplit("-", 1)[1], "start")  # its slot, to the next
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("campaigns").experiment_id], "tags.`campaign.kind` = 'trial'")
+    assert sorted(r.data.tags["campaign.state"] for r in runs) == ["finished", "finished", "pruned", "pruned"]
+
+
+@pytest.mark.slow
+def test_a_search_killed_outright_goes_on_to_n_without_rerunning(tmp_path, digits_npz):
+    """SIGKILL while the second of four drawn trials trains; `campaign launch` again: the
+    first stays as it is, the second resumes from its checkpoint, two more are drawn, and
+    the study holds four complete trials."""
+    import optuna
+
+    write_params(tmp_path, digits_npz, "killed",
+                 training={"steps": 1500, "batch_size": 32, "lr": 0.05, "eval_every": 500, "checkpoint_every": 100, "log_every": 100},
+                 search={"strategy": "random", "trials": 4, "space": {"training.lr": {"log_uniform": [0.01, 0.2]}}})
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "300"})
+    root = tmp_path / "runs" / "killed"
+    deadline = time.time() + 300
+    while len(first := [p.parent.name for p in root.glob("*/result.json")]) < 1:  # the first trial ran through
+        assert proc.poll() is None and time.time() < deadline, "the first trial never finished"
+        time.sleep(0.05)
+    second = None
+    while second is None or (json.loads((root / second / "progress.json").read_text() or "{}")
+                             if (root / second / "progress.json").exists() else {}).get("state") != "held":
+        dirs = [p.name for p in root.iterdir() if p.is_dir() and p.name not in first]
+        if dirs and second is None:
+            second = dirs[0]
+            (root / second / "hold").touch()  # it waits before step 300: the kill lands mid-trial
+        assert proc.poll() is None and time.time() < deadline, "the second trial never reached its hold step"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(2)  # the warden ends what the campaign left
+    (root / second / "hold").unlink()
+
+    done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    starts = [trial for trial, reason in events(tmp_path, "killed") if reason == "start"]
+    assert starts.count(first[0]) == 1  # completed before the kill: not run again
+    assert len(set(starts)) == 4 and len(starts) == 5  # the interrupted one started twice, two new ones once
+    resumed = [t for t in set(starts) if starts.count(t) == 2][0]
+    assert resumed == second
+    assert json.loads((root / resumed / "result.json").read_text())["resumed_from_step"] >= 100
+    study = optuna.load_study(study_name="killed", storage=f"sqlite:///{root / 'search.db'}")
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE"] * 4
+    assert len({t.params["training.lr"] for t in study.trials}) == 4

@@ -1,0 +1,62 @@
+"""Early stopping through Optuna's pruners: what the flow and the trainer share.
+
+The flow owns the study (tasks/search.py); each trial's rank 0 reports its metric at every
+evaluation and asks the pruner whether to stop (`Pruning.should_stop`). Both build the
+pruner from the same plain dict (`TrialConfig.pruning`), so they agree on the rule.
+The study lives in SQLite next to the campaign's trials: a waiting writer waits, it does
+not fail (`storage`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SQLITE_TIMEOUT_S = 60  # trials of one campaign report to one file; a writer waits this long for another
+
+
+def storage(url: str):
+    """Optuna's RDB storage on the campaign's SQLite file, tolerant of concurrent writers."""
+    import optuna
+
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
+
+
+def build_pruner(rule: str | None, min_steps: int = 1, reduction_factor: int = 3, max_steps: int | None = None):
+    """The Optuna pruner for an `early_stopping.rule` (None: never prune)."""
+    import optuna
+
+    if rule is None:
+        return optuna.pruners.NopPruner()
+    if rule == "asha":  # asynchronous successive halving: rungs at min_steps * factor^k
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_steps, reduction_factor=reduction_factor)
+    if rule == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=min_steps, max_resource=max_steps or "auto", reduction_factor=reduction_factor)
+    if rule == "median":  # below the median of earlier trials at the same step
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=max(0, min_steps - 1))
+    raise ValueError(f"unknown early-stopping rule {rule!r}")
+
+
+class Pruning:
+    """Rank 0's side: report the metric at an evaluation, learn whether the trial should stop."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self._trial = None
+
+    def _optuna_trial(self):
+        if self._trial is None:
+            import optuna
+
+            study = optuna.load_study(study_name=self.spec["study"], storage=storage(self.spec["storage"]),
+                                      pruner=build_pruner(self.spec["rule"], self.spec["min_steps"],
+                                                          self.spec["reduction_factor"], self.spec["max_steps"]))
+            self._trial = optuna.trial.Trial(study, self.spec["trial_id"])
+        return self._trial
+
+    def should_stop(self, step: int, metrics: dict[str, float]) -> bool:
+        value = metrics.get(self.spec["metric"])
+        if value is None:
+            return False
+        trial = self._optuna_trial()
+        trial.report(value, step)
+        return step >= self.spec["min_steps"] and trial.should_prune()
