@@ -34,7 +34,7 @@ from tasks.summary import write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
-from tasks.trial import accept_launches, readmit, revoke, run_trial, stop_launched_trials
+from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.files import read_json
@@ -155,7 +155,8 @@ class CampaignRun:
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
         log_allocation(self.root, trial.id, placement.device_ids, "start")
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
-        future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic)
+        warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
+        future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
         if stale := pending_request(job.trial_dir, set()):  # made for an earlier run of this trial
             job.handled.add(stale["id"])
@@ -342,6 +343,7 @@ class CampaignRun:
             # stop before their leases are given back: no device is ever trained on by two.
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
+            close_warm_workers()
             self.heartbeat.close()
             if self.waiting_since is not None:
                 self.store.stop_waiting(self.name)

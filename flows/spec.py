@@ -207,6 +207,8 @@ class DeclaredNodeSpec(Strict):
 
 class ClusterSection(Strict):
     cpu_slots: int | None = Field(default=None, ge=1, description="CPU slots when there is no GPU; unset: one per core")
+    warm_workers: bool = Field(default=True, description="one-device trials run in processes kept warm between trials "
+                               "(torch imported once), not a torchrun each")
     nodes: list[DeclaredNodeSpec] | None = Field(
         default=None, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
 

@@ -7,6 +7,7 @@ carries the end of the trial's log.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -126,6 +127,7 @@ class LaunchPlan:
     log_path: Path
     # Elastic trials: the agent's first command, one entry per worker: its device and env.
     workers: tuple[dict, ...] = ()
+    warm: bool = False  # a one-device trial run by a warm worker (command starts one if none is idle)
 
     @property
     def elastic(self) -> bool:
@@ -136,9 +138,14 @@ def control_dir(config: TrialConfig) -> Path:
     return Path(config.trial_dir) / "control"
 
 
-def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable, elastic: bool = False) -> LaunchPlan:
-    """torchrun for a fixed-size trial; the elastic agent (one worker per device) otherwise."""
+def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable, elastic: bool = False,
+                warm: bool = False) -> LaunchPlan:
+    """torchrun for a fixed-size trial; the elastic agent (one worker per device) for an
+    elastic one; a warm worker for a one-device trial when `warm`."""
     trial_dir = Path(config.trial_dir)
+    if warm and not elastic and len(devices) == 1:
+        env = {**visible_devices_env(devices), **_launch_env()}
+        return LaunchPlan([python, "-m", "training.worker"], env, cwd, trial_dir / "trial.json", trial_dir / "train.log", warm=True)
     if elastic:
         workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
         command = [python, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control_dir(config))]
@@ -168,8 +175,101 @@ def _torchrun_dies_with_campaign() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+class WarmWorker:
+    """A `training.worker` process: trials are sent to it one at a time (see that module)."""
+
+    def __init__(self, plan: LaunchPlan):
+        self.key = warm_key(plan)
+        reply_read, reply_write = os.pipe()
+        self.proc = subprocess.Popen(
+            [*plan.command, "--reply-fd", str(reply_write)], cwd=plan.cwd, env={**os.environ, **plan.env},
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(reply_write,),
+            start_new_session=True, preexec_fn=_torchrun_dies_with_campaign, text=True,
+        )
+        os.close(reply_write)
+        self.replies = os.fdopen(reply_read, "r")
+
+    def run(self, plan: LaunchPlan) -> int:
+        """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""
+        try:
+            self.proc.stdin.write(json.dumps({"config": str(plan.config_path), "log": str(plan.log_path)}) + "\n")
+            self.proc.stdin.flush()
+            line = self.replies.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if line:
+            return int(json.loads(line)["code"])
+        self.close()
+        return self.proc.returncode if self.proc.returncode is not None else 1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def discard(self) -> None:
+        """A worker whose trial failed or was stopped: not reused."""
+        if self.alive:
+            self.proc.kill()
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.replies.close()
+
+
+def warm_key(plan: LaunchPlan) -> str:
+    """Workers are interchangeable when they see the same device, environment and directory."""
+    return json.dumps([sorted(plan.env.items()), str(plan.cwd), plan.command], sort_keys=True)
+
+
+_idle_workers: dict[str, list[WarmWorker]] = {}
+
+
+def close_warm_workers() -> None:
+    """End the idle warm workers (the campaign is done; busy ones are stopped with their trials)."""
+    with _live_lock:
+        idle = [w for workers in _idle_workers.values() for w in workers]
+        _idle_workers.clear()
+    for worker in idle:
+        worker.close()
+
+
+def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
+    with _live_lock:
+        if _stopped.is_set():
+            raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
+        if config.trial_id in _revoked:
+            raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
+        idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
+        worker = idle.pop() if idle else WarmWorker(plan)
+        _idle_workers[warm_key(plan)] = idle
+        _live_groups[worker.proc.pid] = config.trial_id  # its own session: the group id is its pid
+    code, keep = None, False
+    try:
+        code = worker.run(plan)
+        return code
+    finally:
+        with _live_lock:
+            _live_groups.pop(worker.proc.pid, None)
+            keep = code == 0 and worker.alive and not _stopped.is_set()
+            if keep:
+                _idle_workers.setdefault(worker.key, []).append(worker)  # warm for the next trial
+        if not keep:
+            worker.discard()
+
+
 def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
     write_atomic(plan.config_path, config.to_json().encode())
+    if plan.warm:
+        return _run_warm(plan, config)
     if plan.elastic:  # a new agent starts a new command sequence
         control = control_dir(config)
         control.mkdir(parents=True, exist_ok=True)
@@ -207,7 +307,7 @@ def log_tail(path: Path) -> str:
 
 
 @task(retries=1, retry_delay_seconds=2)
-def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: bool = False) -> dict[str, Any]:
+def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: bool = False, warm: bool = False) -> dict[str, Any]:
     """One segment of a trial on its devices; a retry resumes from the last checkpoint.
 
     Returns the trial's result, or {"preempted": True} when it was resized to zero devices.
@@ -220,7 +320,7 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     # Who had which device when: one interval per attempt.
     intervals = record.get("intervals", []) + [{"devices": [d.id for d in devices], "start": time.time(), "end": None}]
     update_record(trial_dir, attempts=int(record.get("attempts", 0)) + 1, intervals=intervals)
-    plan = plan_launch(config, devices, Path(cwd), elastic=elastic)
+    plan = plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm)
     try:
         code = apply_launch(plan, config)
     finally:

@@ -47,7 +47,7 @@ def test_a_trainer_that_dies_without_closing_still_has_its_metrics_sent(tmp_path
         logger = MetricsLogger({uri!r}, {run_id!r}, flush_s=30)
         for step in range(5):
             logger.log(step, train_loss=float(step))
-        print(logger._sink.pid, flush=True)
+        print(logger._sink.proc.pid, flush=True)
         os._exit(9)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -67,3 +67,26 @@ def test_a_sink_that_cannot_log_does_not_stop_training(tmp_path):
     for step in range(3):
         logger.log(step, train_loss=1.0)  # the trainer's side never raises
     logger.close()
+
+
+def test_a_shared_sink_serves_trials_one_after_another(tmp_path, monkeypatch):
+    """A warm worker's trials share one sink: close() returns once that trial's metrics are
+    in MLflow, and the next trial's go to its own run through the same process."""
+    from training import metrics
+
+    monkeypatch.setattr(metrics, "_share", True)
+    monkeypatch.setattr(metrics, "_shared", None)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("shared")
+    pids = []
+    for trial in range(2):
+        run_id = client.create_run(exp).info.run_id
+        logger = MetricsLogger(uri, run_id, flush_s=30)  # only the sync at close sends
+        pids.append(logger._sink.proc.pid)
+        for step in range(1, 4):
+            logger.log(step, loss=float(trial * 10 + step))
+        logger.close()
+        assert [m.value for m in client.get_metric_history(run_id, "loss")] == [trial * 10 + 1.0, trial * 10 + 2.0, trial * 10 + 3.0]
+    assert pids[0] == pids[1]  # one sink process for both
+    metrics._shared.close(10)

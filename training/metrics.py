@@ -8,6 +8,10 @@ per call into a pipe, and a sink process (`python -m training.metrics`), started
 lowest CPU priority and free to run on any core, imports MLflow and sends what arrived
 with one `log_batch` every `flush_s`. When the trainer closes the pipe (or dies: the pipe
 closes with it) the sink sends the rest and exits.
+
+A warm worker (training/worker.py) runs trial after trial: its trials share one sink
+(`share_sink`), each line naming its run, and a trial's end is a sync the sink
+acknowledges once everything before it is sent, so MLflow is imported once per worker.
 """
 
 from __future__ import annotations
@@ -15,58 +19,119 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
+class _Sink:
+    """A sink process and the pipes to it: metric lines in, acknowledgements of syncs out."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "training.metrics", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+        self.syncs = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, lines: str) -> None:
+        self.proc.stdin.write(lines)
+        self.proc.stdin.flush()
+
+    def sync(self, timeout: float) -> bool:
+        """Everything sent so far is in MLflow (or was dropped with an error) when this returns True."""
+        self.syncs += 1
+        self.send(json.dumps({"sync": self.syncs}) + "\n")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.time()))
+            if not ready:
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                return False
+            if int(line) == self.syncs:
+                return True
+        return False
+
+    def close(self, timeout: float) -> bool:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return False
+
+
+_shared: _Sink | None = None  # a warm worker's one sink for all its trials (share_sink)
+_share = False
+
+
+def share_sink() -> None:
+    """Trials run one after another in this process (a warm worker): they share one sink
+    process, so MLflow is imported once, not at every trial's start and end."""
+    global _share
+    _share = True
+
+
 class MetricsLogger:
     def __init__(self, tracking_uri: str | None, run_id: str | None, flush_s: float = 2.0):
+        global _shared
         self.enabled = bool(tracking_uri and run_id)
-        self._sink: subprocess.Popen | None = None
-        if self.enabled:
-            self._sink = subprocess.Popen(
-                [sys.executable, "-m", "training.metrics", "--uri", tracking_uri, "--run-id", run_id, "--flush-s", str(flush_s)],
-                stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": _package_root()},
-            )
+        self._route = {"run": run_id, "uri": tracking_uri}
+        self._sink: _Sink | None = None
+        self._owned = not _share
+        if self.enabled and _share:
+            if _shared is None or not _shared.alive:
+                _shared = _Sink(["--flush-s", str(flush_s)])
+            self._sink = _shared
+        elif self.enabled:
+            self._sink = _Sink(["--flush-s", str(flush_s)])
 
     def log(self, step: int, **metrics: float) -> None:
         if self.enabled:
             stamp = int(time.time() * 1000)
-            self._send("".join(json.dumps({"key": k, "value": float(v), "timestamp": stamp, "step": step}) + "\n" for k, v in metrics.items()))
+            self._send("".join(json.dumps({**self._route, "key": k, "value": float(v), "timestamp": stamp, "step": step}) + "\n"
+                               for k, v in metrics.items()))
 
     def tag(self, key: str, value: str) -> None:
         """A run tag (an event worth reading as text), sent with the next batch."""
         if self.enabled:
-            self._send(json.dumps({"key": key, "tag": value}) + "\n")
+            self._send(json.dumps({**self._route, "key": key, "tag": value}) + "\n")
 
     def _send(self, lines: str) -> None:
         try:
-            self._sink.stdin.write(lines)
-            self._sink.stdin.flush()
+            self._sink.send(lines)
         except (BrokenPipeError, ValueError, OSError) as e:  # the sink is gone: training goes on
             warnings.warn(f"MLflow metrics sink exited ({e.__class__.__name__}); later metrics are not logged")
             self.enabled = False
 
     def close(self, timeout: float = 60.0) -> None:
-        """Let the sink send what it holds, and wait for it."""
+        """Let the sink send what it holds, and wait for it (a shared sink: until it says so)."""
         if self._sink is None:
             return
-        sink, self._sink, self.enabled = self._sink, None, False
+        sink, self._sink, was_enabled, self.enabled = self._sink, None, self.enabled, False
         try:
-            sink.stdin.close()
-        except OSError:
-            pass
-        try:
-            sink.wait(timeout)
-        except subprocess.TimeoutExpired:
+            done = sink.close(timeout) if self._owned else (not was_enabled or sink.sync(timeout))
+        except (BrokenPipeError, ValueError, OSError):
+            done = False
+        if not done:
             warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
-            sink.kill()
 
 
 def _package_root() -> str:
@@ -92,10 +157,13 @@ def _lower_priority() -> None:
         pass
 
 
-def _read_lines(buffer: list[dict], lock: threading.Lock, closed: threading.Event) -> None:
+def _read_lines(buffer: list[dict], lock: threading.Lock, wake: threading.Event, closed: threading.Event) -> None:
     for line in sys.stdin:
+        item = json.loads(line)
         with lock:
-            buffer.append(json.loads(line))
+            buffer.append(item)
+        if "sync" in item:  # someone waits: send now
+            wake.set()
     # The trainer is done: send the rest at normal priority, or a busy host would keep an
     # idle-only sink (and the trainer waiting on it) for as long as other trials train.
     try:
@@ -103,34 +171,70 @@ def _read_lines(buffer: list[dict], lock: threading.Lock, closed: threading.Even
     except (AttributeError, OSError):
         pass
     closed.set()
+    wake.set()
 
 
-def sink(uri: str, run_id: str, flush_s: float) -> None:
+class _Runs:
+    """What the sink knows of each run it logs to: its client, and the last step it holds per metric."""
+
+    def __init__(self):
+        from mlflow import MlflowClient
+
+        self._client_type = MlflowClient
+        self.clients: dict[str, Any] = {}
+        self.logged: dict[tuple[str, str], dict[str, int]] = {}
+
+    def client(self, uri: str):
+        if uri not in self.clients:
+            self.clients[uri] = self._client_type(tracking_uri=uri)
+        return self.clients[uri]
+
+    def steps(self, uri: str, run: str) -> dict[str, int]:
+        if (uri, run) not in self.logged:
+            self.logged[(uri, run)] = last_logged_steps(self.client(uri), run)
+        return self.logged[(uri, run)]
+
+    def send(self, items: list[dict]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        for uri, run in dict.fromkeys((i["uri"], i["run"]) for i in items):
+            mine = [i for i in items if (i["uri"], i["run"]) == (uri, run)]
+            logged = self.steps(uri, run)
+            tags = [RunTag(i["key"], i["tag"]) for i in mine if "tag" in i]
+            # A resumed trial replays the steps after its checkpoint: those the run holds already are not logged twice.
+            fresh = [i for i in mine if "tag" not in i and i["step"] > logged.get(i["key"], -1)]
+            metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in fresh]
+            for i in fresh:
+                logged[i["key"]] = max(i["step"], logged.get(i["key"], -1))
+            for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
+                batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
+                try:
+                    self.client(uri).log_batch(run, metrics=batch, tags=batch_tags, synchronous=True)
+                except Exception as e:  # a tracking hiccup must not end the sink: later batches may pass
+                    print(f"MLflow log_batch failed, {len(batch)} metrics and {len(batch_tags)} tags dropped: {e}", file=sys.stderr, flush=True)
+
+
+def sink(flush_s: float) -> None:
+    """Send what arrives every flush_s; at a sync line, send everything before it, then acknowledge."""
     buffer: list[dict] = []
-    lock, closed = threading.Lock(), threading.Event()
-    threading.Thread(target=_read_lines, args=(buffer, lock, closed), daemon=True).start()
-
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric, RunTag
-
-    client = MlflowClient(tracking_uri=uri)
-    logged = last_logged_steps(client, run_id)
+    lock, wake, closed = threading.Lock(), threading.Event(), threading.Event()
+    threading.Thread(target=_read_lines, args=(buffer, lock, wake, closed), daemon=True).start()
+    runs = _Runs()
     while True:
-        done = closed.wait(flush_s)
+        wake.wait(flush_s)
+        wake.clear()
+        done = closed.is_set()
         with lock:
             items, buffer[:] = list(buffer), []
-        tags = [RunTag(i["key"], i["tag"]) for i in items if "tag" in i]
-        # A resumed trial replays the steps after its checkpoint: those the run holds already are not logged twice.
-        fresh = [i for i in items if "tag" not in i and i["step"] > logged.get(i["key"], -1)]
-        metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in fresh]
-        for i in fresh:
-            logged[i["key"]] = max(i["step"], logged.get(i["key"], -1))
-        for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
-            batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
-            try:
-                client.log_batch(run_id, metrics=batch, tags=batch_tags, synchronous=True)
-            except Exception as e:  # a tracking hiccup must not end the sink: later batches may pass
-                print(f"MLflow log_batch failed, {len(batch)} metrics and {len(batch_tags)} tags dropped: {e}", file=sys.stderr, flush=True)
+        pending: list[dict] = []
+        for item in items:
+            if "sync" in item:
+                runs.send(pending)
+                pending = []
+                print(item["sync"], flush=True)
+            else:
+                pending.append(item)
+        runs.send(pending)
         if done:
             return
 
@@ -145,13 +249,11 @@ def last_logged_steps(client, run_id: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Send a trainer's metrics (JSON lines on stdin) to an MLflow run.")
-    parser.add_argument("--uri", required=True)
-    parser.add_argument("--run-id", required=True)
+    parser = argparse.ArgumentParser(description="Send trainers' metrics (JSON lines on stdin, each naming its run) to MLflow.")
     parser.add_argument("--flush-s", type=float, default=2.0)
     args = parser.parse_args(argv)
     _lower_priority()
-    sink(args.uri, args.run_id, args.flush_s)
+    sink(args.flush_s)
 
 
 if __name__ == "__main__":

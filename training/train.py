@@ -40,19 +40,13 @@ def finished_result(cfg: TrialConfig) -> dict | None:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train one trial with DDP.")
-    parser.add_argument("--config", required=True, help="trial JSON written by the campaign (training.config.TrialConfig)")
-    args = parser.parse_args(argv)
-    die_with_parent()  # torchrun gives workers their own session: never outlive it
-    cfg = TrialConfig.from_file(args.config)
-    env = DistEnv.from_environ()
+def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
+    """Resume (if a checkpoint exists) and train one trial on the process group already
+    initialized; rank 0 writes the result. Used by torchrun's workers and the warm workers."""
     if finished_result(cfg) is not None:  # nothing completed is recomputed
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
         return
-    device = pick_device(env.local_rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     trainer = None
     try:
         trainer = Trainer(cfg, device)
@@ -67,6 +61,24 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Train one trial with DDP.")
+    parser.add_argument("--config", required=True, help="trial JSON written by the campaign (training.config.TrialConfig)")
+    args = parser.parse_args(argv)
+    die_with_parent()  # torchrun gives workers their own session: never outlive it
+    cfg = TrialConfig.from_file(args.config)
+    env = DistEnv.from_environ()
+    if finished_result(cfg) is not None:  # nothing completed is recomputed
+        if env.rank == 0:
+            print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
+        return
+    device = pick_device(env.local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        train_trial(cfg, env, device)
+    finally:
         dist.destroy_process_group()
 
 

@@ -118,6 +118,8 @@ class Trainer(Stateful):
             # Bit for bit at any process count needs the same kernels every time.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
+        elif torch.are_deterministic_algorithms_enabled():  # set by an earlier trial of a warm worker
+            torch.use_deterministic_algorithms(False)
         self.spans: tuple[Span, ...] = ()
         self.checkpointer: Checkpointer | None = None
         self.metrics = MetricsLogger(None, None)

@@ -1,0 +1,99 @@
+"""Warm workers: one-device trials one after another in one process, exactly as torchrun runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks import trial as trial_module
+from tasks.trial import accept_launches, apply_launch, close_warm_workers, plan_launch, stop_launched_trials
+from training.checkpoint import load_model_weights
+from training.config import TrialConfig
+from training.workload import build_model
+
+pytestmark = pytest.mark.slow  # real trainers, torchrun
+
+
+def config(trial_dir: Path, digits: Path, **overrides) -> TrialConfig:
+    base = dict(trial_id=trial_dir.name, seed=5, model={"name": "small_cnn", "width": 8, "dropout": 0.1}, data={"path": str(digits)},
+                steps=40, batch_size=32, lr=0.05, warmup_steps=4, checkpoint_every=20, eval_every=40, trial_dir=str(trial_dir))
+    return TrialConfig(**{**base, **overrides})
+
+
+def weights(cfg: TrialConfig) -> dict[str, torch.Tensor]:
+    result = json.loads(Path(cfg.result_path).read_text())
+    return load_model_weights(Path(result["checkpoint"]), build_model(cfg.model)).state_dict()
+
+
+def torchrun(cfg: TrialConfig) -> dict[str, torch.Tensor]:
+    Path(cfg.trial_dir).mkdir(parents=True)
+    (Path(cfg.trial_dir) / "trial.json").write_text(cfg.to_json())
+    done = subprocess.run([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=1", "-m", "training.train",
+                           "--config", str(Path(cfg.trial_dir) / "trial.json")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights(cfg)
+
+
+def warm(cfg: TrialConfig, tmp_path: Path) -> int:
+    Path(cfg.trial_dir).mkdir(parents=True, exist_ok=True)
+    plan = plan_launch(cfg, [_slot()], tmp_path, warm=True)
+    assert plan.warm and plan.command[-1] == "training.worker"
+    return apply_launch(plan, cfg)
+
+
+def _slot():
+    from cluster.inventory import discover
+
+    return discover(cpu_slots=1).devices[0]
+
+
+def test_trials_in_one_warm_worker_match_torchrun_bit_for_bit(tmp_path, digits_npz):
+    """An `exact` trial, then another with other settings, in one process: each trains what
+    a fresh torchrun process trains (nothing leaks from one trial to the next)."""
+    first = config(tmp_path / "warm" / "first", digits_npz, reduction="exact")
+    second = config(tmp_path / "warm" / "second", digits_npz, seed=6, lr=0.1, model={"name": "mlp", "width": 32, "dropout": 0.2})
+    accept_launches()
+    try:
+        assert warm(first, tmp_path) == 0
+        (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert warm(second, tmp_path) == 0
+        assert [w.proc.pid for ws in trial_module._idle_workers.values() for w in ws] == [worker.proc.pid]  # the same process
+    finally:
+        close_warm_workers()
+    assert "fresh start" in (Path(second.trial_dir) / "train.log").read_text()  # each trial's output in its own log
+    for cfg in (first, second):
+        alone = torchrun(config(tmp_path / "torchrun" / Path(cfg.trial_dir).name, digits_npz,
+                                **{k: getattr(cfg, k) for k in ("seed", "lr", "model", "reduction")}))
+        ours = weights(cfg)
+        for name in alone:
+            assert torch.equal(alone[name], ours[name]), (cfg.trial_id, name)
+
+
+def test_a_stopping_campaign_ends_a_busy_warm_worker(tmp_path, digits_npz):
+    held = config(tmp_path / "held", digits_npz, steps=400, hold_at_step=10)
+    Path(held.trial_dir).mkdir(parents=True)
+    (Path(held.trial_dir) / "hold").touch()
+    accept_launches()
+    codes = []
+    runner = threading.Thread(target=lambda: codes.append(warm(held, tmp_path)))
+    runner.start()
+    deadline = time.time() + 120
+    while (json.loads(Path(held.progress_path).read_text()) if Path(held.progress_path).exists() else {}).get("state") != "held":
+        assert time.time() < deadline, (Path(held.trial_dir) / "train.log").read_text()[-2000:]
+        time.sleep(0.05)
+    (pgid,) = trial_module._live_groups
+    assert stop_launched_trials(grace_s=5) == ["held"]
+    assert not trial_module._group_alive(pgid)
+    runner.join(timeout=30)
+    assert codes and codes[0] != 0 and not trial_module._idle_workers.get(trial_module.warm_key(plan_launch(held, [_slot()], tmp_path, warm=True)))
+    accept_launches()
+    close_warm_workers()

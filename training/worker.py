@@ -1,0 +1,77 @@
+"""A warm worker: one process that trains one-device trials one after another.
+
+A trivial trial launched by torchrun spends seconds before its first step: the agent, the
+interpreter, `import torch`, the rendezvous. For searches of many short trials that fixed
+cost is most of the time. A warm worker pays it once: it imports torch, joins a process
+group of one (an in-memory store: nothing listens), and then runs each trial it is sent in
+the same process (`training.train.train_trial`, exactly what a torchrun worker runs),
+with the trial's output in the trial's own train.log.
+
+Protocol (tasks/trial.py drives it): one JSON line per trial on stdin, `{"config": path,
+"log": path}`; one JSON line back on the file descriptor given by `--reply-fd`, `{"code":
+0}` or `{"code": 1}`. A trial that raises is reported with code 1 and the worker exits
+(its state after an exception is not to be trusted); end of stdin ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from training.config import TrialConfig
+from training.metrics import share_sink
+from training.process import die_with_parent
+from training.train import pick_device, train_trial
+from training.trainer import DistEnv
+
+
+def run_one(request: dict, device: torch.device) -> int:
+    """Train the trial with this process's output going to its log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(request["log"], "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        train_trial(TrialConfig.from_file(request["config"]), DistEnv(0, 1, 0), device)
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Train one-device trials sent on stdin, one after another.")
+    parser.add_argument("--reply-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    share_sink()  # one MLflow sink for all the trials of this worker
+    device = pick_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with os.fdopen(args.reply_fd, "w", buffering=1) as reply:
+        for line in sys.stdin:
+            code = run_one(json.loads(line), device)
+            reply.write(json.dumps({"code": code}) + "\n")
+            if code != 0:
+                break
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
