@@ -167,17 +167,22 @@ def profile(
     console.print(f"profile in {result.directory}/ ({', '.join(result.files)}); MLflow run {summary.mlflow_run_id}; Prefect artifact {summary.artifact_key}")
 
 
-@app.command()
-def status(
-    campaign: Optional[str] = typer.Argument(None, help="campaign name (default: the latest launched)"),
-    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
-) -> None:
-    """List the trials of a campaign: state, progress, devices, latest metric, checkpoint."""
-    from tasks.records import campaign_status, latest_campaign
+TERMINAL = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
+
+
+def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
+    from tasks.records import latest_campaign
 
     name = campaign or latest_campaign(runs_dir)
     if name is None:
         _fail(f"no campaign found under {runs_dir}/: launch one with `campaign launch params.yaml`")
+    return name
+
+
+def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool]:
+    """The campaign's trials as a table, and whether every one has ended."""
+    from tasks.records import campaign_status
+
     rows = campaign_status(runs_dir, name)
     if not rows:
         _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
@@ -190,7 +195,68 @@ def status(
         checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
         table.add_row(r.trial_id, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-",
                       fmt("val_accuracy"), fmt("train_loss"), checkpoint)
-    console.print(table)
+    return table, all(r.state in TERMINAL for r in rows)
+
+
+@app.command()
+def status(
+    campaign: Optional[str] = typer.Argument(None, help="campaign name (default: the latest launched)"),
+    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
+    watch: bool = typer.Option(False, "--watch", "-w", help="redraw in place until every trial has ended (Ctrl-C to leave)"),
+    interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
+) -> None:
+    """List the trials of a campaign: state, progress, devices, latest metric, checkpoint."""
+    name = _campaign_name(campaign, runs_dir)
+    table, ended = _status_table(name, runs_dir)
+    if not watch:
+        console.print(table)
+        return
+    import time
+
+    from rich.live import Live
+
+    with Live(table, console=console, refresh_per_second=4) as live:
+        while not ended:
+            time.sleep(interval)
+            table, ended = _status_table(name, runs_dir)
+            live.update(table)
+
+
+@app.command()
+def logs(
+    trial: str = typer.Argument(..., help="trial id (see `campaign status`)"),
+    campaign: Optional[str] = typer.Option(None, help="campaign name (default: the latest launched)"),
+    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing what the trial writes until it ends"),
+) -> None:
+    """Print a trial's log (train.log: the trainer's output and errors)."""
+    import sys
+    import time
+
+    from tasks.records import campaign_dir, trial_status
+    from training.files import read_json
+
+    name = _campaign_name(campaign, runs_dir)
+    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
+    entry = next((t for t in record.get("trials", []) if t["id"] == trial), None)
+    if entry is None:
+        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in record.get('trials', [])) or 'none'}")
+    trial_dir = campaign_dir(runs_dir, name) / trial
+    log = trial_dir / "train.log"
+    position = 0
+    while True:
+        if log.exists():
+            with open(log, "rb") as f:
+                f.seek(position)
+                chunk = f.read()
+            position += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if not follow or trial_status(trial_dir, trial, entry["label"], entry["steps"]).state in TERMINAL:
+            if follow and log.exists() and log.stat().st_size > position:
+                continue  # the last lines written as it ended
+            return
+        time.sleep(0.5)
 
 
 @app.command()

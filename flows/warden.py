@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.leases import process_alive
 from tasks.records import ACTIVE, process_identity, update_campaign, update_record
 from training.files import read_json
 
@@ -89,10 +90,10 @@ def end_leftovers(token: str, grace_s: float = GRACE_S) -> list[int]:
     for pid in left:
         _signal(pid, signal.SIGTERM)
     deadline = time.time() + grace_s
-    while time.time() < deadline and any(_alive(p) for p in left):
+    while time.time() < deadline and any(process_alive(p, None) for p in left):
         time.sleep(0.1)
     for pid in left:
-        if _alive(pid):
+        if process_alive(pid, None):
             _signal(pid, signal.SIGKILL)
     return list(left)
 
@@ -102,14 +103,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def settle_records(campaign_dir: Path, owner: str) -> list[str]:
