@@ -11,11 +11,13 @@ which grows them when devices free up and shrinks them when others wait.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.futures import PrefectFuture, as_completed
 
 from cluster.inventory import DeclaredNode, declared_inventory, discover
@@ -28,9 +30,9 @@ from tasks.grid import Trial, expand_grid
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_workload
-from tasks.records import add_trial_entry, campaign_dir, completed_result, log_allocation, process_identity, update_campaign, update_record, write_campaign
+from tasks.records import add_trial_entry, campaign_dir, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
-from tasks.summary import write_summary
+from tasks.summary import summary_markdown, write_summary
 from tasks.tracking import close_campaign_run, close_trial_run, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
@@ -67,6 +69,11 @@ def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Invento
     requests = size_trials(spec, trials, inventory)
     check_fits([r.at(r.min_devices) for r in requests.values()], inventory)
     return requests
+
+
+def summary_key(campaign: str) -> str:
+    """The Prefect artifact key (lowercase letters, digits, dashes) of the campaign's summary."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"campaign-{campaign}".lower()).strip("-")
 
 
 def trial_entry(trial: Trial, request: SizedRequest) -> dict[str, Any]:
@@ -112,6 +119,7 @@ class CampaignRun:
         self.trials: list[Trial] = list(trials)  # every trial known so far (a search adds them as it draws)
         self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished()} if search else {}
         self.pruned: set[str] = set()
+        self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
         accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -148,6 +156,7 @@ class CampaignRun:
         request = self.requests[trial.id]
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
+        self.run_ids[trial.id] = run_id
         drawn = self.drawn.get(trial.id)
         config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
                               self.search.pruning(drawn) if drawn is not None else None)
@@ -395,8 +404,12 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
     run.run()
 
-    summary = write_summary(spec, run.known_trials(), run.results, run.failed, run.pruned)
+    known = run.known_trials()
+    summary = write_summary(spec, known, run.results, run.failed, run.pruned)
     close_campaign_run(uri, parent_run_id, summary)
+    states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
+    create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
+                             description=f"campaign {name}: its trials, states, metrics and MLflow runs")
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")

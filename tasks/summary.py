@@ -33,3 +33,23 @@ def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, di
     summary = summarize(trials, results, failed, pruned, spec.objective if spec.searched else (RANK_BY, "max"))
     write_json_atomic(spec.tracking.summary, {"campaign": spec.campaign.name, **summary})
     return summary
+
+
+def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], states: dict[str, str], run_ids: dict[str, str]) -> str:
+    """The campaign as a markdown table (the flow run's Prefect artifact): every trial, its
+    state and metrics, its MLflow run; the best trial first in words."""
+    lines = [f"# campaign {name}", ""]
+    counts = f"{summary['finished']} finished, {summary.get('pruned', 0)} pruned, {summary['failed']} failed of {summary['trials']}"
+    best = summary.get("best")
+    if best:
+        metric, value = next((k, v) for k, v in best.items() if k != "trial")
+        lines.append(f"{counts}; best **{best['trial']}**: {metric} {value:.4f}")
+    else:
+        lines.append(counts)
+    lines += ["", "| trial | grid point | state | " + " | ".join(REPORTED) + " | MLflow run |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in REPORTED) + " | --- |"]
+    for t in trials:
+        metrics = summary["per_trial"].get(t.id, {})
+        cells = [f"{metrics[k]:.4f}" if k in metrics else "-" for k in REPORTED]
+        lines.append(f"| {t.id} | {t.label} | {states.get(t.id, '-')} | " + " | ".join(cells) + f" | {run_ids.get(t.id, '-')} |")
+    return "\n".join(lines) + "\n"

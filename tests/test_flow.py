@@ -45,8 +45,17 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
 
     monkeypatch.chdir(tmp_path)
     params = write_params(tmp_path, digits_npz)
-    summary = campaign_flow(str(params))
+    state = campaign_flow(str(params), return_state=True)
+    summary = state.result()
     assert summary["trials"] == 4 and summary["finished"] == 4 and summary["failed"] == 0
+    # The flow run carries the campaign as a markdown table: every trial, its state and MLflow run.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as prefect:
+        (artifact,) = prefect.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert artifact.key == "campaign-flow-test" and artifact.data.count("| finished |") == 4
+    assert f"best **{summary['best']['trial']}**" in artifact.data
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("flow-test")
