@@ -135,6 +135,8 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
     reasons = [json.loads(l)["reason"] for l in (runs / "park" / "allocations.jsonl").read_text().splitlines()]
     assert reasons == ["start", "preempted", "start", "end"]
     assert json.loads((runs / "park" / trial["id"] / "result.json").read_text())["resumed_from_step"] >= 200
+    log = (runs / "park" / trial["id"] / "train.log").read_text()  # an elastic trial's log tells its story too
+    assert log.count("generation 0 on 2 device(s)") == 2 and "state from disk" in log and "finished 3000 steps" in log
 
 
 def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefect_backend, monkeypatch):

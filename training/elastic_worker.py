@@ -168,11 +168,17 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 share_state(trainer, rank, joiner=wid in assignment["joiners"])
             timings["state"] = time.time()
+            if rank == 0:  # the trial's log says what happened to it (train.log, like a torchrun trial's)
+                print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
+                      f"step {trainer.step}, state from {assignment['source']}", flush=True)
             stop_path = Path(assignment["stop_path"])
             report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
             should_stop = StopFlag(stop_path, rank, cfg.control_every, trainer.device)
             result = trainer.train(should_stop, after_first_step=report)
             if result is not None:  # finished: the result is written, nothing more to do
+                if rank == 0:
+                    print(f"trial {cfg.trial_id}: {'pruned at' if result.get('pruned') else 'finished'} {result['steps']} steps, "
+                          f"{result['metrics']}", flush=True)
                 trainer.detach()
                 dist.destroy_process_group()
                 return
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                 trainer.save_checkpoint(blocking=True)
             trainer.detach()
             if rank == 0:
+                print(f"trial {cfg.trial_id}: stopped at step {trainer.step} for a resize" + (" (checkpoint saved)" if stop["save"] else ""), flush=True)
                 trainer.write_progress("resizing")
                 store.set(f"stopped/{gen}", json.dumps({"step": trainer.step, "last_step_at": trainer.last_step_at, "time": time.time()}))
             dist.destroy_process_group()
