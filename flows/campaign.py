@@ -291,7 +291,7 @@ class CampaignRun:
             self.failed[job.trial.id] = str(e)
             if job.trial.id in self.drawn:
                 self.search.tell(self.drawn.pop(job.trial.id).number, None)
-            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e))
+            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(job.trial_dir / "train.log"))
             self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
                 self.scheduler.finish(job.trial.id)
@@ -315,7 +315,7 @@ class CampaignRun:
             self.scheduler.finish(job.trial.id)
         if job.trial.id in self.drawn:
             self.search.tell(self.drawn.pop(job.trial.id).number, result)
-        close_trial_run(self.uri, job.run_id, result, job.device_ids)
+        close_trial_run(self.uri, job.run_id, result, job.device_ids, log_path=str(job.trial_dir / "train.log"))
         if result.get("pruned"):  # early stopping: its devices are free for the others now
             self.pruned.add(job.trial.id)
             update_record(job.trial_dir, state="pruned")

@@ -7,6 +7,7 @@ continues the same parent and child runs instead of creating duplicates.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
@@ -80,8 +81,11 @@ def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) ->
 
 
 @task(name="close trial run", retries=2, retry_delay_seconds=1)
-def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None) -> None:
+def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None,
+                    log_path: str | None = None) -> None:
     client = _client(uri)
+    if log_path is not None and Path(log_path).is_file():  # the trainer's output, readable from the run's page
+        client.log_artifact(run_id, log_path)
     now = int(time.time() * 1000)
     tags = [RunTag("devices", ",".join(devices)), RunTag("world_size", str(len(devices)))]
     metrics = []

@@ -67,6 +67,7 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert child.info.status == "FINISHED"
+        assert [a.path for a in client.list_artifacts(child.info.run_id)] == ["train.log"]  # the trial's log, on its page
         assert 0.0 < child.data.metrics["final_val_accuracy"] <= 1.0
         assert child.data.params["training.lr"] in ("0.05", "0.2")
         assert child.data.tags["world_size"] == "1"
