@@ -133,3 +133,10 @@ def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dic
     devices = run.data.tags.get("devices", "")
     close_trial_run.fn(uri, run.info.run_id, result, devices.split(",") if devices else [])
     return True
+
+
+def log_files(uri: str, run_id: str, paths: list[Path], artifact_path: str) -> None:
+    """Files (pictures of the campaign) as artifacts of a run."""
+    client = _client(uri)
+    for path in paths:
+        client.log_artifact(run_id, str(path), artifact_path)

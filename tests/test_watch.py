@@ -50,3 +50,23 @@ def test_logs_name_the_trials_when_the_trial_is_unknown(tmp_path):
     assert done.returncode == 2 and "its trials: t1" in done.stderr
     done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
     assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n"
+
+
+def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
+    from tasks.timeline import intervals, write_timeline
+
+    events = [
+        {"time": 10.0, "trial": "a", "devices": ["d0", "d1"], "reason": "start"},
+        {"time": 11.0, "trial": "b", "devices": ["d2"], "reason": "start"},
+        {"time": 15.0, "trial": "a", "devices": ["d0"], "reason": "resize"},
+        {"time": 18.0, "trial": "b", "devices": [], "reason": "preempted"},
+        {"time": 20.0, "trial": "a", "devices": [], "reason": "end"},
+        {"time": 21.0, "trial": "b", "devices": ["d1"], "reason": "start"},
+    ]
+    bars = {(b.trial, b.device, b.start, b.end, b.ended_by) for b in intervals(events, now=25.0)}
+    assert bars == {("a", "d0", 10.0, 15.0, "resize"), ("a", "d1", 10.0, 15.0, "resize"), ("a", "d0", 15.0, 20.0, "end"),
+                    ("b", "d2", 11.0, 18.0, "preempted"), ("b", "d1", 21.0, 25.0, "running")}
+    (tmp_path / "allocations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    png, html = write_timeline(tmp_path, "campaign t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in html.read_text() and "campaign t" in html.read_text()

@@ -1,0 +1,89 @@
+"""The device timeline of a campaign: who held which device when (a Gantt chart).
+
+`intervals` is pure: it turns the allocation log (`<campaign>/allocations.jsonl`, one line
+per start, resize, preemption and end) into one bar per device and holding. `draw` renders
+them with matplotlib as PNG and as an HTML page (inline SVG), written next to the campaign
+record and logged to the campaign's MLflow run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True)
+class Bar:
+    trial: str
+    device: str
+    start: float
+    end: float
+    ended_by: str  # the event that closed it: end, resize, preempted, failed, lease lost (or "running")
+
+
+def intervals(events: Iterable[dict[str, Any]], now: float | None = None) -> list[Bar]:
+    """One bar per device a trial held, from when it got it to the event that took it away."""
+    holding: dict[str, tuple[float, list[str]]] = {}  # trial -> (since, devices)
+    bars: list[Bar] = []
+    last = 0.0
+    for event in sorted(events, key=lambda e: e["time"]):
+        trial, at, devices = event["trial"], float(event["time"]), list(event["devices"])
+        last = max(last, at)
+        since, held = holding.pop(trial, (at, []))
+        # Every event closes the trial's bars (one kept through a resize goes on as the next bar, same colour).
+        bars += [Bar(trial, device, since, at, event["reason"]) for device in held]
+        if devices:
+            holding[trial] = (at, devices)
+    for trial, (since, held) in holding.items():  # still running when the log was read
+        bars += [Bar(trial, device, since, max(last, now or last), "running") for device in held]
+    return bars
+
+
+def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = sorted({b.device for b in bars})
+    trials = list(dict.fromkeys(b.trial for b in sorted(bars, key=lambda b: b.start)))
+    colors = {t: plt.get_cmap("tab20")(i % 20) for i, t in enumerate(trials)}
+    origin = min((b.start for b in bars), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * max(1, len(devices))))
+    for b in bars:
+        row = devices.index(b.device)
+        ax.broken_barh([(b.start - origin, max(b.end - b.start, 1e-3))], (row - 0.4, 0.8), facecolors=colors[b.trial], edgecolor="black", linewidth=0.3)
+        if b.ended_by in ("preempted", "failed", "lease lost"):
+            ax.plot(b.end - origin, row, marker="x", color="black")
+    ax.set_yticks(range(len(devices)), devices)
+    ax.set_xlabel("seconds since the first start")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[t]) for t in trials]
+    if trials:
+        ax.legend(handles, trials, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", title="trial")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    svg = io.StringIO()
+    fig.savefig(svg, format="svg")
+    plt.close(fig)
+    html.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head><body>"
+                    f"<h1>{escape(title)}</h1>{svg.getvalue()[svg.getvalue().index('<svg'):]}</body></html>")
+
+
+def write_timeline(campaign_dir: Path, title: str) -> tuple[Path, Path] | None:
+    """timeline.png and timeline.html in the campaign's folder, from its allocation log; None if nothing ran."""
+    log = campaign_dir / "allocations.jsonl"
+    if not log.exists():
+        return None
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    bars = intervals(events)
+    if not bars:
+        return None
+    png, html = campaign_dir / "timeline.png", campaign_dir / "timeline.html"
+    draw(bars, title, png, html)
+    return png, html
