@@ -34,6 +34,7 @@ from tasks.records import add_trial_entry, campaign_dir, completed_result, trial
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
 from tasks.timeline import write_timeline
+from tasks.curves import campaign_curves
 from tasks.tracking import close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
@@ -411,11 +412,14 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
                              description=f"campaign {name}: its trials, states, metrics and MLflow runs")
-    try:  # a picture must not fail a campaign that trained
+    try:  # pictures must not fail a campaign that trained
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
+        labels = {t.id: t.label for t in known}
+        if curves := campaign_curves(uri, run.run_ids, labels, f"campaign {name}", run.root / "curves.png"):
+            log_files(uri, parent_run_id, [curves], "curves")
     except Exception as e:
-        logger.warning(f"the device timeline could not be drawn ({e.__class__.__name__}: {e})")
+        logger.warning(f"the campaign's pictures could not be drawn ({e.__class__.__name__}: {e})")
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")

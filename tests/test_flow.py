@@ -65,6 +65,7 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     timeline = {a.path for a in client.list_artifacts(parents[0].info.run_id, "timeline")}
     assert timeline == {"timeline/timeline.png", "timeline/timeline.html"}  # who held which device when
+    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "curves")] == ["curves/curves.png"]  # every trial's curves
     assert len(children) == 4
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id

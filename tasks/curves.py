@@ -1,0 +1,52 @@
+"""All trials' metric curves in one figure (loss and accuracy against step), from MLflow.
+
+Written next to the campaign record and logged to the campaign's MLflow run, so a campaign
+is compared at a glance without opening each trial.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CURVES = ("train_loss", "val_loss", "val_accuracy")
+
+
+def draw_curves(histories: dict[str, dict[str, list[tuple[int, float]]]], title: str, png: Path) -> Path | None:
+    """histories: trial label -> metric -> [(step, value)]; one panel per metric that any trial has."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in CURVES if any(h.get(m) for h in histories.values())]
+    if not metrics:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, history in histories.items():
+            points = sorted(history.get(metric, []))
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], label=label, linewidth=1)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        if metric.endswith("loss"):
+            ax.set_yscale("log")
+    axes[0][-1].legend(fontsize="x-small", loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def campaign_curves(uri: str, run_ids: dict[str, str], labels: dict[str, str], title: str, png: Path) -> Path | None:
+    """Read each trial's history from its MLflow run and draw them together."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    histories = {
+        f"{labels.get(trial, trial)}": {m: [(p.step, p.value) for p in client.get_metric_history(run_id, m)] for m in CURVES}
+        for trial, run_id in run_ids.items()
+    }
+    return draw_curves(histories, title, png)
