@@ -100,6 +100,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for r in client.search_runs([client.get_experiment_by_name("live").experiment_id]) if r.data.tags.get("campaign.kind") == "trial"]
     assert {"resize.1", "resize.2"} <= set(run.data.tags)
+    assert run.data.tags["resize.1"].startswith("1 -> 2 devices at step ") and "paused" in run.data.tags["resize.1"]  # readable
     sizes = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step)]
     assert sizes == [1, 2, 1]  # the trial's history of sizes, read back
     assert run.info.status == "FINISHED" and LeaseStore().leases() == []

@@ -135,8 +135,15 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
     with open(os.path.join(trainer.cfg.trial_dir, "resizes.jsonl"), "a") as f:
         f.write(json.dumps(event) + "\n")
     trainer.metrics.log(trainer.step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
-    trainer.metrics.tag(f"resize.{request['seq']}", json.dumps(
-        {k: event[k] for k in ("time", "step", "from", "to", "pause_s", "mode")}))
+    # Readable on the run's page; every figure is in resizes.jsonl and the metrics above.
+    trainer.metrics.tag(f"resize.{request['seq']}", resize_line(event))
+    print(f"trial {trainer.cfg.trial_id}: {resize_line(event)}", flush=True)
+
+
+def resize_line(event: dict) -> str:
+    """'2 -> 1 devices at step 276 (resize, paused 53 ms; 1.2 s from the request)'"""
+    return (f"{len(event['from'])} -> {len(event['to'])} devices at step {event['step']} "
+            f"({event['mode']}, paused {event['pause_s'] * 1000:.0f} ms; {event['latency_s']:.1f} s from the request)")
 
 
 def main(argv: list[str] | None = None) -> None:
