@@ -6,21 +6,45 @@ continues the same parent and child runs instead of creating duplicates.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from prefect import task
 
 from tasks.grid import Trial
+
+log = logging.getLogger(__name__)
 
 CAMPAIGN_TAG = "campaign.name"
 KIND_TAG = "campaign.kind"
 TRIAL_TAG = "campaign.trial_id"
 PARENT_TAG = "mlflow.parentRunId"
+
+
+T = TypeVar("T")
+ATTEMPTS, RETRY_DELAY_S = 3, 1.0
+
+
+def retrying(fn: Callable[..., T]) -> Callable[..., T]:
+    """Bookkeeping, not a Prefect task (a task run each would bury the trials' own in the UI):
+    a tracking store that hiccups (a locked SQLite file, a server restarting) gets two more tries."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs) -> T:
+        for attempt in range(ATTEMPTS):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if attempt == ATTEMPTS - 1:
+                    raise
+                log.warning("%s failed (%s: %s); trying again", fn.__name__, e.__class__.__name__, e)
+                time.sleep(RETRY_DELAY_S)
+        raise AssertionError("unreachable")
+    return call
 
 
 def _client(uri: str) -> MlflowClient:
@@ -51,7 +75,7 @@ def flatten(prefix: str, obj: Any) -> dict[str, Any]:
     return {prefix: obj}
 
 
-@task(name="open campaign run", retries=2, retry_delay_seconds=1)
+@retrying
 def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, list], n_trials: int) -> str:
     client = _client(uri)
     exp_id = experiment_id(client, experiment)
@@ -65,7 +89,7 @@ def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, 
     return run.info.run_id
 
 
-@task(name="open trial run", retries=2, retry_delay_seconds=1)
+@retrying
 def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) -> str:
     client = _client(uri)
     exp_id = client.get_run(parent_run_id).info.experiment_id
@@ -80,7 +104,7 @@ def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) ->
     return run.info.run_id
 
 
-@task(name="close trial run", retries=2, retry_delay_seconds=1)
+@retrying
 def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None,
                     log_path: str | None = None) -> None:
     client = _client(uri)
@@ -99,7 +123,7 @@ def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, device
     client.set_terminated(run_id, status="FINISHED" if error is None else "FAILED")
 
 
-@task(name="close campaign run", retries=2, retry_delay_seconds=1)
+@retrying
 def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
     client = _client(uri)
     now = int(time.time() * 1000)
@@ -123,7 +147,7 @@ def find_trial_run(uri: str, parent_run_id: str, trial_id: str):
     return _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'")
 
 
-@task(name="settle finished trial", retries=2, retry_delay_seconds=1)
+@retrying
 def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dict[str, Any]) -> bool:
     """A trial whose result is on disk but whose run is not FINISHED (its campaign was killed
     between the two): finish the run now. True if it had to."""
@@ -131,7 +155,7 @@ def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dic
     if run is None or run.info.status == "FINISHED":
         return False
     devices = run.data.tags.get("devices", "")
-    close_trial_run.fn(uri, run.info.run_id, result, devices.split(",") if devices else [])
+    close_trial_run(uri, run.info.run_id, result, devices.split(",") if devices else [])
     return True
 
 

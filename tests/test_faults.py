@@ -316,13 +316,13 @@ def test_a_finished_trial_left_running_in_mlflow_is_settled_on_resume(tmp_path):
     spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 20, "batch_size": 8, "lr": 0.1}})
     (trial,) = expand_grid(spec)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    parent = open_campaign_run.fn(uri, "exp", "c", {}, 1)
-    run_id = open_trial_run.fn(uri, parent, "c", trial)
+    parent = open_campaign_run(uri, "exp", "c", {}, 1)
+    run_id = open_trial_run(uri, parent, "c", trial)
     result = {"checkpoint": "ckpt", "steps": 20, "metrics": {"val_loss": 0.25}}
-    assert settle_finished_run.fn(uri, parent, trial.id, result)
+    assert settle_finished_run(uri, parent, trial.id, result)
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["final_val_loss"] == 0.25
-    assert not settle_finished_run.fn(uri, parent, trial.id, result)  # nothing left to do
+    assert not settle_finished_run(uri, parent, trial.id, result)  # nothing left to do
 
 
 @pytest.mark.slow

@@ -62,8 +62,8 @@ def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(
     uri = spec.tracking.mlflow_uri
     client = MlflowClient(uri)
     # The campaign ran before: its parent and child runs exist and are finished.
-    parent_id = open_campaign_run.fn(uri, "prof", "prof", spec.grid, 2)
-    run_id = open_trial_run.fn(uri, parent_id, "prof", trial)
+    parent_id = open_campaign_run(uri, "prof", "prof", spec.grid, 2)
+    run_id = open_trial_run(uri, parent_id, "prof", trial)
     for rid in (parent_id, run_id):
         client.set_terminated(rid, "FINISHED")
     ended = {rid: client.get_run(rid).info.end_time for rid in (parent_id, run_id)}
