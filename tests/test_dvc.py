@@ -57,3 +57,11 @@ def test_dvc_repro_twice_metrics_and_push(tmp_path):
     assert pushed, "dvc push wrote nothing to the remote"
     lock = yaml.safe_load((work / "dvc.lock").read_text())
     assert "checkpoints" in {o["path"] for o in lock["stages"]["campaign"]["outs"]}  # versioned by DVC
+
+
+def test_what_dvc_writes_is_not_git_ignored():
+    """DVC refuses to write a git-ignored dvc.lock (and its metrics): `make campaign` would fail."""
+    for path in ("dvc.lock", "metrics/campaign.json", "data/digits.npz"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
+        expected = path == "data/digits.npz"  # DVC's own data/.gitignore, once `dvc repro` wrote it; not ours
+        assert ignored.returncode != 0 or expected, f"{path} is git-ignored: dvc repro would refuse it"
