@@ -58,6 +58,7 @@ class Search:
             direction="maximize" if self.mode == "max" else "minimize", pruner=build_pruner(**self.pruning_rule),
         )
         self.study.sampler = self._sampler(len(self.study.trials))
+        self._draws = self._count_drawn()  # kept in memory: the flow asks every loop, the study changes only by ask
         if self.strategy == "grid":
             self._enqueue_grid()
             self.total = len(grid_points(spec)) * self.seeds
@@ -117,6 +118,9 @@ class Search:
 
     def drawn(self) -> int:
         """Trials drawn so far (told or not), what counts toward `trials`."""
+        return self._draws
+
+    def _count_drawn(self) -> int:
         from optuna.trial import TrialState
 
         return len(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
@@ -127,6 +131,7 @@ class Search:
     def ask(self) -> Drawn:
         distributions = {} if self.strategy == "grid" else self._distributions()
         trial = self.study.ask(distributions)
+        self._draws += 1
         point = trial.user_attrs.get(POINT, trial.params)
         if SEED_INDEX not in trial.user_attrs:  # a fresh draw: its repeats come next
             trial.set_user_attr(SEED_INDEX, 0)

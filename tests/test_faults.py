@@ -407,10 +407,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def process_alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    from cluster.leases import process_alive as alive
+
+    return alive(pid, None)
 
 
 def listening_addresses(pids: list[int]) -> list[str]:
