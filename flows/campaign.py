@@ -37,6 +37,7 @@ from tasks.timeline import write_timeline
 from tasks.curves import campaign_curves
 from tasks.tracking import close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
+from flows.live_view import CampaignLog, format_metrics
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials
 from training.config import TrialConfig
@@ -321,9 +322,9 @@ class CampaignRun:
         if result.get("pruned"):  # early stopping: its devices are free for the others now
             self.pruned.add(job.trial.id)
             update_record(job.trial_dir, state="pruned")
-            self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {result['metrics']}")
+            self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {format_metrics(result['metrics'])}")
             return
-        self.logger.info(f"trial {job.trial.id} finished: {result['metrics']}")
+        self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
 
     def run(self) -> None:
         ended = False
@@ -385,7 +386,7 @@ class CampaignRun:
 
 @flow(name="campaign", log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None) -> dict[str, Any]:
-    logger = get_run_logger()
+    logger = CampaignLog(get_run_logger())
     spec = load_spec(params_path)
     check_data(spec)
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)

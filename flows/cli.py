@@ -55,7 +55,7 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
-def _launch(params: Path) -> None:
+def _launch(params: Path, live: bool | None = None) -> None:
     spec, trials = _validated(params)
     from flows.campaign import campaign_flow
     from flows.spec import tracking_uri
@@ -70,7 +70,10 @@ def _launch(params: Path) -> None:
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary = campaign_flow(str(params))
+        if live if live is not None else console.is_terminal:
+            summary = _launch_live(spec, params)
+        else:
+            summary = campaign_flow(str(params))
     except Terminated:
         _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
               "resumes from their checkpoints", code=143)
@@ -84,16 +87,32 @@ def _launch(params: Path) -> None:
     console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
 
 
+def _launch_live(spec, params: Path):
+    """The flow under a live table; Prefect's and the libraries' logs go to campaign.log."""
+    from flows.campaign import campaign_flow
+    from flows.live_view import LiveView, chatter_to_file
+    from tasks.records import campaign_dir
+
+    log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
+    chatter_to_file(log_path)
+    with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path):
+        return campaign_flow(str(params))
+
+
+LIVE = typer.Option(None, "--live/--no-live", help="a table of trials redrawn in place, Prefect's logs to <campaign>/campaign.log "
+                    "(default: on in a terminal)")
+
+
 @app.command()
-def launch(params: Path = PARAMS) -> None:
+def launch(params: Path = PARAMS, live: Optional[bool] = LIVE) -> None:
     """Run the campaign: completed trials are skipped, partial ones resume from their checkpoint."""
-    _launch(params)
+    _launch(params, live)
 
 
 @app.command()
-def resume(params: Path = PARAMS) -> None:
+def resume(params: Path = PARAMS, live: Optional[bool] = LIVE) -> None:
     """Resume a campaign (the same as launching its spec again)."""
-    _launch(params)
+    _launch(params, live)
 
 
 @app.command()
@@ -167,7 +186,7 @@ def profile(
     console.print(f"profile in {result.directory}/ ({', '.join(result.files)}); MLflow run {summary.mlflow_run_id}; Prefect artifact {summary.artifact_key}")
 
 
-TERMINAL = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
+from flows.live_view import ENDED as TERMINAL  # noqa: E402  (states nothing changes but a launch)
 
 
 def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
@@ -181,21 +200,13 @@ def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
 
 def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool]:
     """The campaign's trials as a table, and whether every one has ended."""
+    from flows.live_view import trials_table
     from tasks.records import campaign_status
 
     rows = campaign_status(runs_dir, name)
     if not rows:
         _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
-    table = Table(title=f"campaign {name}")
-    table.add_column("trial", no_wrap=True)
-    for col in ("state", "steps", "devices", "val acc", "loss", "ckpt"):
-        table.add_column(col)
-    for r in rows:
-        fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
-        checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
-        table.add_row(r.trial_id, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-",
-                      fmt("val_accuracy"), fmt("train_loss"), checkpoint)
-    return table, all(r.state in TERMINAL for r in rows)
+    return trials_table(name, rows), all(r.state in TERMINAL for r in rows)
 
 
 @app.command()

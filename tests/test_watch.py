@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import campaign_cli
 from training.files import write_json_atomic
 
@@ -70,3 +72,48 @@ def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
     png, html = write_timeline(tmp_path, "campaign t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<svg" in html.read_text() and "campaign t" in html.read_text()
+
+
+# --- the live view of `campaign launch` -------------------------------------------------------
+
+def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a_restart():
+    from flows.live_view import Eta, format_seconds
+
+    eta = Eta()
+    assert eta.observe("t", 100, 1000, now=0.0) is None  # one reading: no rate yet
+    assert eta.observe("t", 100, 1000, now=5.0) is None  # no step made yet
+    assert eta.observe("t", 200, 1000, now=10.0) == 80.0  # 100 steps in 10 s, 800 left
+    assert eta.observe("t", 50, 1000, now=11.0) is None  # resumed from an earlier checkpoint: a new stretch
+    assert eta.observe("t", 150, 1000, now=21.0) == 85.0
+    assert [format_seconds(s) for s in (None, 42, 85, 3725)] == ["-", "42s", "1m25s", "1h02m"]
+
+
+def test_the_flow_reports_metrics_as_words_not_dicts():
+    from flows.live_view import format_metrics
+
+    assert format_metrics({"lr": 0.0, "train_loss": 0.08123, "val_accuracy": 0.97222, "step_time_s": 0.01}) == \
+        "train_loss 0.0812, val_accuracy 0.9722"
+
+
+@pytest.mark.slow
+def test_launch_shows_trials_live_and_sends_prefect_chatter_to_a_file(tmp_path, digits_npz):
+    import yaml
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "live"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 20, "batch_size": 32, "lr": 0.1, "eval_every": 10, "checkpoint_every": 10}, "grid": {"training.lr": [0.05, 0.1]},
+        "cluster": {"cpu_slots": 2}, "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "runs_dir": "runs"},
+    }))
+    done = campaign_cli("launch", "params.yaml", "--live", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    ids = [t["id"] for t in json.loads((tmp_path / "runs" / "live" / "campaign.json").read_text())["trials"]]
+    for trial in ids:  # an event line when each starts and ends, its row in the final table
+        assert f"trial {trial} (lr=" in out and f"trial {trial} finished: " in out, out
+        assert any(line.startswith(f"│ {trial}") and "finished" in line and "20/20" in line for line in out.splitlines()), out
+    assert "val_accuracy 0." in out and "{'" not in out  # metrics in words
+    assert "2/2 trials ended" in out and "finished 2/2 trials" in out
+    chatter = ("Beginning flow run", "Finished in state", "temporary server", "Created task run")
+    assert not any(c in out or c in done.stderr for c in chatter), (out, done.stderr)
+    log = (tmp_path / "runs" / "live" / "campaign.log").read_text()
+    assert "Beginning flow run" in log and "Finished in state" in log  # Prefect's own lines: kept, in the file

@@ -1,0 +1,183 @@
+"""What `campaign launch` shows while it runs: a table of trials redrawn in place, the
+campaign's own events above it, and everything else (Prefect's and the libraries' logs) in a
+file next to the campaign record.
+
+The table is the one `campaign status` prints (built from the trial records, so it shows the
+same thing whoever reads it); the events are what the flow says about trials (started,
+resized, finished, pruned, failed), sent to the `campaign.events` logger as well as to the
+flow run's Prefect log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from tasks.records import TrialStatus, campaign_status
+
+EVENTS = logging.getLogger("campaign.events")
+EVENTS.propagate = False  # without a live view the flow's Prefect log already says it: said once
+EVENTS.setLevel(logging.INFO)
+
+ENDED = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
+
+
+class CampaignLog:
+    """The flow's logger: each line goes to the flow run's Prefect log and to `campaign.events`."""
+
+    def __init__(self, run_logger):
+        self.run_logger = run_logger
+
+    def info(self, message: str) -> None:
+        self._say(logging.INFO, message)
+
+    def warning(self, message: str) -> None:
+        self._say(logging.WARNING, message)
+
+    def error(self, message: str) -> None:
+        self._say(logging.ERROR, message)
+
+    def _say(self, level: int, message: str) -> None:
+        self.run_logger.log(level, message)
+        EVENTS.log(level, message)
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """{'val_accuracy': 0.97222, 'train_loss': 0.0812} -> 'val_accuracy 0.9722, train_loss 0.0812'."""
+    return ", ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and k != "lr" and not k.endswith("_s"))
+
+
+@dataclass
+class Eta:
+    """Time left per trial, from the steps it made since this view first saw it running.
+
+    Pure: fed (step, time) readings; a trial that restarted (its step went back) starts over.
+    """
+
+    seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # trial -> first (step, time) of this stretch
+
+    def observe(self, trial_id: str, step: int, steps: int, now: float) -> float | None:
+        first = self.seen.get(trial_id)
+        if first is None or step < first[0]:
+            self.seen[trial_id] = (step, now)
+            return None
+        made, elapsed = step - first[0], now - first[1]
+        if made <= 0 or elapsed <= 0:
+            return None
+        return max(0, steps - step) * elapsed / made
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None) -> Table:
+    """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when given)."""
+    table = Table(title=f"campaign {name}")
+    table.add_column("trial", no_wrap=True)
+    for col in ("state", "steps", "devices", "val acc", "loss", "ckpt"):
+        table.add_column(col)
+    if etas is not None:
+        table.add_column("eta", justify="right")
+    for r in rows:
+        fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
+        checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
+        cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-", fmt("val_accuracy"), fmt("train_loss"), checkpoint]
+        if etas is not None:
+            cells.append(format_seconds(etas.get(r.trial_id)) if r.state == "running" else "-")
+        table.add_row(*cells)
+    return table
+
+
+class _EventLines(logging.Handler):
+    """Prints the campaign's events above the live table."""
+
+    def __init__(self, console: Console):
+        super().__init__(logging.INFO)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "")
+        line = Text(time.strftime("%H:%M:%S ", time.localtime(record.created)), style="dim")
+        line.append(record.getMessage(), style=style)
+        self.console.print(line, highlight=False)
+
+
+def chatter_to_file(path: Path) -> None:
+    """From now on, every console handler's output (Prefect's, uvicorn's, the libraries') and
+    Python's warnings go to `path`, not the terminal. For the rest of the process: Prefect
+    still logs as its temporary server stops, at exit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+    for logger in [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]:
+        streams = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+        for handler in streams:
+            logger.removeHandler(handler)
+        if streams:
+            logger.addHandler(file_handler)
+    if file_handler not in logging.getLogger().handlers:
+        logging.getLogger().addHandler(file_handler)
+    logging.captureWarnings(True)  # to the root logger's handlers: the file
+
+
+class LiveView:
+    """The table redrawn in place (every `interval` s) with the events printed above it."""
+
+    def __init__(self, console: Console, runs_dir: Path, name: str, log_path: Path, interval: float = 1.0):
+        self.console, self.runs_dir, self.name, self.log_path, self.interval = console, runs_dir, name, log_path, interval
+        self.eta = Eta()
+        self._stop = threading.Event()
+        self._live = Live(self.render(), console=console, refresh_per_second=4, transient=False)
+        self._events = _EventLines(console)
+        self._thread = threading.Thread(target=self._run, name="live-view", daemon=True)
+
+    def render(self):
+        rows = campaign_status(self.runs_dir, self.name)
+        now = time.time()
+        etas = {r.trial_id: self.eta.observe(r.trial_id, r.step, r.steps, now) for r in rows if r.state == "running"}
+        ended = sum(r.state in ENDED for r in rows)
+        footer = Text(f"{ended}/{len(rows)} trials ended · Prefect and library logs: {self.log_path}", style="dim")
+        if not rows:
+            return Group(Text(f"campaign {self.name}: starting (Prefect's API, the checks, the first trials)…"), footer)
+        return Group(trials_table(self.name, rows, etas), footer)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._live.update(self.render())
+            except Exception:  # a record half-replaced between reads: the next redraw shows it
+                continue
+
+    def __enter__(self) -> "LiveView":
+        EVENTS.addHandler(self._events)
+        self._live.__enter__()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._live.update(self.render())
+        finally:
+            self._live.__exit__(*exc)
+            EVENTS.removeHandler(self._events)
+            if not self.console.is_terminal:  # the last frame, printed once, ends without a newline
+                self.console.line()
