@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 
 from cluster.inventory import DeclaredNode, declared_inventory, discover
@@ -33,7 +33,8 @@ from tasks.workload import check_trials, trial_workload
 from tasks.records import add_trial_entry, campaign_dir, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
-from tasks.timeline import write_timeline
+from tasks.system_metrics import SystemSampler
+from tasks.timeline import intervals, read_events, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from tasks.tracking import close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
@@ -123,6 +124,8 @@ class CampaignRun:
         self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished()} if search else {}
         self.pruned: set[str] = set()
         self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
+        every = spec.tracking.system_metrics_every_s
+        self.sampler = SystemSampler(self.uri, every) if every > 0 else None
         accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -160,6 +163,8 @@ class CampaignRun:
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
         self.run_ids[trial.id] = run_id
+        if self.sampler is not None:
+            self.sampler.watch(run_id, devices)
         drawn = self.drawn.get(trial.id)
         config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
                               self.search.pruning(drawn) if drawn is not None else None)
@@ -268,6 +273,8 @@ class CampaignRun:
                 self.logger.info(line)
             if job.device_ids != before:
                 log_allocation(self.root, job.trial.id, job.device_ids, "resize")
+                if self.sampler is not None:
+                    self.sampler.watch(job.run_id, job.devices)
 
     def lease_lost(self, holder: str) -> None:
         """The heartbeat found a trial's leases reclaimed: its processes stop now (the devices
@@ -279,6 +286,8 @@ class CampaignRun:
     def collect(self, future: PrefectFuture) -> None:
         job = self.running.pop(future)
         self.heartbeat.release(job.holder)
+        if self.sampler is not None:
+            self.sampler.forget(job.run_id)
         if self.scheduler is not None:
             self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
         lease_lost = readmit(job.trial.id)
@@ -357,6 +366,8 @@ class CampaignRun:
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             close_warm_workers()
             self.heartbeat.close()
+            if self.sampler is not None:
+                self.sampler.close()
             if self.waiting_since is not None:
                 self.store.stop_waiting(self.name)
             if not ended:
@@ -414,6 +425,9 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
                              description=f"campaign {name}: its trials, states, metrics and MLflow runs")
     try:  # pictures must not fail a campaign that trained
+        if rows := timeline_rows(intervals(read_events(run.root))):
+            create_table_artifact(rows, key=f"{summary_key(name)}-timeline",
+                                  description=f"campaign {name}: who held which device when (seconds since the first start)")
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
         labels = {t.id: t.label for t in known}

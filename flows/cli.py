@@ -55,7 +55,20 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _report_to_ui() -> None:
+    """While `campaign ui` runs for this folder, flows report to its Prefect server (set
+    before Prefect is imported: it reads its settings then)."""
+    from flows.ui import running_ui
+
+    if os.environ.get("PREFECT_API_URL"):
+        return  # the user's own Prefect server
+    if (ui := running_ui(Path.cwd())) is not None:
+        os.environ["PREFECT_API_URL"] = ui["prefect_api"]
+        console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
+
+
 def _launch(params: Path, live: bool | None = None) -> None:
+    _report_to_ui()
     spec, trials = _validated(params)
     from flows.campaign import campaign_flow
     from flows.spec import tracking_uri
@@ -157,6 +170,7 @@ def profile(
     from training.errors import CampaignError
     from training.profiler import to_rich_table
 
+    _report_to_ui()
     try:
         spec = load_spec(params)
         chosen = select_trial(expand_grid(spec), trial)
@@ -307,6 +321,43 @@ def resize(
     if result["status"] != "applied":
         _fail(result["detail"])
     console.print(f"trial {trial}: {result['detail']}")
+
+
+@app.command()
+def ui(
+    params: Path = PARAMS,
+    prefect_port: int = typer.Option(0, help="the Prefect server's port (0: a free one)"),
+    mlflow_port: int = typer.Option(0, help="the MLflow UI's port (0: a free one)"),
+) -> None:
+    """Start a Prefect server and the MLflow UI on 127.0.0.1 until Ctrl-C; launches from this folder report to it."""
+    from flows.spec import load_spec, tracking_uri
+    from flows.ui import clear_state, describe, main_loop, running_ui, start_servers, stop_servers, write_state
+    from training.errors import CampaignError
+
+    try:
+        spec = load_spec(params)
+    except CampaignError as e:
+        _fail(str(e))
+    folder = Path.cwd()
+    if (other := running_ui(folder)) is not None:
+        _fail(f"`campaign ui` already runs for this folder (pid {other['pid']}): {other['prefect_url']}, {other['mlflow_url']}")
+    uri = tracking_uri(spec.tracking)
+    try:
+        servers = start_servers(uri, folder / ".campaign", prefect_port, mlflow_port)
+    except RuntimeError as e:
+        _fail(str(e), code=1)
+    write_state(folder, servers)
+    try:
+        for line in describe(servers, uri):
+            console.print(line, highlight=False)
+        console.print("launches from this folder report to this Prefect server; Ctrl-C stops both", highlight=False)
+        code = main_loop(servers)
+    finally:
+        clear_state(folder)
+        stop_servers(servers)
+    if code is not None:
+        _fail(f"a server exited with code {code}; see {folder / '.campaign'}/*-server.log", code=1)
+    console.print("stopped the Prefect server and the MLflow UI")
 
 
 @app.command()

@@ -298,6 +298,7 @@ class TrackingSection(Strict):
     runs_dir: Path = Path("checkpoints")
     summary: Path = Field(default=Path("metrics/campaign.json"), description="campaign summary, DVC metrics")
     keep_checkpoints: int = Field(default=2, ge=1)
+    system_metrics_every_s: float = Field(default=10.0, ge=0, description="per-trial device metrics period; 0: none")
 
 
 def tracking_uri(tracking: TrackingSection) -> str:

@@ -75,13 +75,24 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
                     f"<h1>{escape(title)}</h1>{svg.getvalue()[svg.getvalue().index('<svg'):]}</body></html>")
 
 
-def write_timeline(campaign_dir: Path, title: str) -> tuple[Path, Path] | None:
-    """timeline.png and timeline.html in the campaign's folder, from its allocation log; None if nothing ran."""
+def read_events(campaign_dir: Path) -> list[dict[str, Any]]:
     log = campaign_dir / "allocations.jsonl"
     if not log.exists():
-        return None
-    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    bars = intervals(events)
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def timeline_rows(bars: list[Bar]) -> list[dict[str, Any]]:
+    """The bars as table rows (the Prefect artifact): seconds since the first start, in start order."""
+    origin = min((b.start for b in bars), default=0.0)
+    return [{"trial": b.trial, "device": b.device, "from_s": round(b.start - origin, 1), "to_s": round(b.end - origin, 1),
+             "held_s": round(b.end - b.start, 1), "ended_by": b.ended_by}
+            for b in sorted(bars, key=lambda b: (b.start, b.device))]
+
+
+def write_timeline(campaign_dir: Path, title: str) -> tuple[Path, Path] | None:
+    """timeline.png and timeline.html in the campaign's folder, from its allocation log; None if nothing ran."""
+    bars = intervals(read_events(campaign_dir))
     if not bars:
         return None
     png, html = campaign_dir / "timeline.png", campaign_dir / "timeline.html"

@@ -51,14 +51,21 @@ def _client(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
+# MLflow's UI opens an experiment on its GenAI pages unless told it holds training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(client: MlflowClient, name: str) -> str:
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException:  # another campaign created it a moment ago
-        return client.get_experiment_by_name(name).experiment_id
+    if found is None:
+        try:
+            client.create_experiment(name, tags=dict([EXPERIMENT_KIND]))
+        except MlflowException:  # another campaign created it a moment ago
+            pass
+        found = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND[0] not in found.tags:  # made before this tag, or by hand: a kind the user set stays
+        client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
+    return found.experiment_id
 
 
 def _find_run(client: MlflowClient, exp_id: str, filter_string: str):

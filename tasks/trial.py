@@ -23,6 +23,7 @@ from prefect import task
 from cluster.inventory import visible_devices_env
 from cluster.types import Device
 from tasks.records import completed_result, update_record
+from tasks.trial_log import LogForwarder
 from training.config import TrialConfig
 from training.elastic import write_command
 from training.errors import CampaignError
@@ -322,7 +323,8 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     update_record(trial_dir, attempts=int(record.get("attempts", 0)) + 1, intervals=intervals)
     plan = plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm)
     try:
-        code = apply_launch(plan, config)
+        with LogForwarder(plan.log_path):
+            code = apply_launch(plan, config)
     finally:
         intervals[-1]["end"] = time.time()
         update_record(trial_dir, intervals=intervals)

@@ -33,7 +33,8 @@ def write_params(root: Path, data: Path) -> Path:
         "resources": {"devices": 1},
         "cluster": {"cpu_slots": 2},
         "tracking": {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "flow-test",
-                     "runs_dir": str(root / "runs"), "summary": str(root / "metrics.json")},
+                     "runs_dir": str(root / "runs"), "summary": str(root / "metrics.json"),
+                     "system_metrics_every_s": 0.2},
     }
     path = root / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -52,10 +53,25 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId, TaskRunFilter, TaskRunFilterFlowRunId
+
+    flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as prefect:
-        (artifact,) = prefect.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-    assert artifact.key == "campaign-flow-test" and artifact.data.count("| finished |") == 4
+        artifacts = {a.key: a for a in prefect.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
+        task_runs = prefect.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
+        logs = {t.name: [log.message for log in prefect.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[t.id])))]
+                for t in task_runs}
+    assert set(artifacts) == {"campaign-flow-test", "campaign-flow-test-timeline"}
+    artifact = artifacts["campaign-flow-test"]
+    assert artifact.data.count("| finished |") == 4
     assert f"best **{summary['best']['trial']}**" in artifact.data
+    timeline = json.loads(artifacts["campaign-flow-test-timeline"].data)  # who held which device when, as a table
+    assert len(timeline) == 4 and {row["ended_by"] for row in timeline} == {"end"}
+    # One task run per trial, and the trial's own log on it (train.log, line by line).
+    assert len(task_runs) == 4
+    for name, messages in logs.items():
+        assert any(": world size 1, fresh start" in m for m in messages), (name, messages)
+        assert any(": finished 30 steps: " in m for m in messages), (name, messages)
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("flow-test")
@@ -63,6 +79,7 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     parents = [r for r in runs if r.data.tags.get("campaign.kind") == "campaign"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens it on its training runs
     timeline = {a.path for a in client.list_artifacts(parents[0].info.run_id, "timeline")}
     assert timeline == {"timeline/timeline.png", "timeline/timeline.html"}  # who held which device when
     assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "curves")] == ["curves/curves.png"]  # every trial's curves
@@ -77,6 +94,10 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
         # Metrics arrived from rank 0, batched: one point every log_every (5) steps.
         history = client.get_metric_history(child.info.run_id, "train_loss")
         assert sorted(m.step for m in history) == list(range(5, 31, 5))
+        assert {m.value for m in client.get_metric_history(child.info.run_id, "world_size")} == {1.0}
+        # System metrics of exactly its own CPU slot, under MLflow's names.
+        system = {k for k in child.data.metrics if k.startswith("system/")}
+        assert system == {"system/cpu_utilization_percentage", "system/cpu_0_utilization_percentage"}, system
 
     rows = campaign_status(tmp_path / "runs", "flow-test")
     assert len(rows) == 4

@@ -90,3 +90,41 @@ def test_a_shared_sink_serves_trials_one_after_another(tmp_path, monkeypatch):
         assert [m.value for m in client.get_metric_history(run_id, "loss")] == [trial * 10 + 1.0, trial * 10 + 2.0, trial * 10 + 3.0]
     assert pids[0] == pids[1]  # one sink process for both
     metrics._shared.close(10)
+
+
+# --- system metrics: each trial's own devices, under its MLflow run ---------------------------
+
+def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
+    import mlflow
+
+    from cluster.types import Device
+    from tests.fakes.fake_nvml import FakeGpu, FakeNvml, gpu_uuid
+    from tasks.system_metrics import SystemSampler
+
+    GiB = 1 << 30
+    nvml = FakeNvml([FakeGpu(gpu_uuid(0, i), used_bytes=(10 + 10 * i) * GiB, utilization_pct=30 + 30 * i, power_mw=(100 + 100 * i) * 1000)
+                     for i in range(3)])
+    gpu = lambda i: Device(gpu_uuid(0, i), "n", i, "gpu", "H100", 80 * GiB)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("s")
+    a, b, c = (client.create_run(exp).info.run_id for _ in range(3))
+    sampler = SystemSampler(client.tracking_uri, period_s=3600, nvml=nvml, cpu_percent=lambda: [10.0, 70.0, 40.0])
+    try:
+        sampler.watch(a, [gpu(2)])  # one GPU: logged as its gpu_0
+        sampler.watch(b, [gpu(1), gpu(0)])  # two, in rank order
+        sampler.watch(c, [Device("n/cpu1", "n", 1, "cpu", "CPU core 1", GiB), Device("n/cpu2", "n", 2, "cpu", "CPU core 2", GiB)])
+        sampler.log(sampler.sample(), now=1000.0)
+        sampler.forget(a)
+        sampler.log(sampler.sample(), now=1010.0)
+    finally:
+        sampler.close()
+    assert nvml.active_sessions == 0  # the sampler's NVML session is closed with it
+    metrics = lambda run: client.get_run(run).data.metrics
+    assert metrics(a) == {"system/gpu_0_utilization_percentage": 90.0, "system/gpu_0_memory_usage_megabytes": 30 * 1024.0,
+                          "system/gpu_0_memory_usage_percentage": 37.5, "system/gpu_0_power_usage_watts": 300.0}
+    assert metrics(b)["system/gpu_0_utilization_percentage"] == 60.0 and metrics(b)["system/gpu_1_utilization_percentage"] == 30.0
+    assert metrics(c) == {"system/cpu_0_utilization_percentage": 70.0, "system/cpu_1_utilization_percentage": 40.0,
+                          "system/cpu_utilization_percentage": 55.0}
+    # Forgotten after the first sample (its trial ended); the others sampled twice, steps 0 and 1.
+    assert [m.step for m in client.get_metric_history(a, "system/gpu_0_utilization_percentage")] == [0]
+    assert sorted(m.step for m in client.get_metric_history(b, "system/gpu_1_power_usage_watts")) == [0, 1]

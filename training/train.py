@@ -56,7 +56,9 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
             print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed}" if resumed is not None else "fresh start"), flush=True)
         result = trainer.train()
         if env.rank == 0:
-            print(f"trial {cfg.trial_id}: finished {result['steps']} steps, {result['metrics']}", flush=True)
+            metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items() if k not in ("lr", "step_time_s"))
+            print(f"trial {cfg.trial_id}: {'pruned at step' if result.get('pruned') else 'finished'} {result['steps']}"
+                  f"{'' if result.get('pruned') else ' steps'}: {metrics}", flush=True)
         trainer.detach()
     finally:
         if trainer is not None:

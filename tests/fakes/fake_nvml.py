@@ -30,6 +30,7 @@ class FakeGpu:
     socket: int = 0
     pcie_switch: int | None = None  # GPUs with the same id sit behind one PCIe switch
     lost: bool = False  # every query on it fails with "GPU is lost"
+    power_mw: int | None = 300_000  # None: NVML answers "not supported"
     nvlinks: dict[int, str] = field(default_factory=dict)  # link number -> remote busId
 
 
@@ -87,6 +88,20 @@ class FakeNvml:
         if not 0 <= index < len(self.gpus):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return _Handle(index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _Handle:
+        self._require_init()
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for index, gpu in enumerate(self.gpus):
+            if gpu.uuid == uuid:
+                return _Handle(index)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+        gpu = self._gpu(handle)
+        if gpu.power_mw is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.power_mw  # milliwatts, as NVML reports
 
     def nvmlDeviceGetUUID(self, handle: _Handle) -> bytes:
         return self._gpu(handle).uuid.encode()  # real pynvml returns bytes here

@@ -1,0 +1,146 @@
+"""`campaign ui`: a Prefect server and the MLflow UI on 127.0.0.1, for as long as it runs.
+
+Both are the projects' own servers, started as they document (`prefect server start`,
+`mlflow server`), on free loopback ports. The Prefect UI is pointed at its own API
+(PREFECT_UI_API_URL). While it runs, `.campaign/ui.json` in the project folder names the
+Prefect API, and `campaign launch` from that folder reports there instead of starting
+Prefect's temporary server, so the runs show up live. The Prefect server keeps its database
+where the temporary one does (PREFECT_HOME), so campaigns launched before show up too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.files import read_json, write_json_atomic
+from training.process import die_with_parent
+
+STATE = Path(".campaign") / "ui.json"  # relative to the project folder (where `campaign` runs)
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Servers:
+    prefect_url: str  # the UI; its API is prefect_url + "/api"
+    mlflow_url: str | None  # None: the spec tracks to an MLflow server of its own (printed instead)
+    processes: tuple[subprocess.Popen, ...]
+
+    @property
+    def prefect_api(self) -> str:
+        return self.prefect_url + "/api"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        # A session of its own (stopped as a group), and gone if `campaign ui` is killed outright.
+        return subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+
+def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_port: int = 0) -> Servers:
+    """Start both servers and wait until they answer; raises RuntimeError (naming the log) if one does not."""
+    prefect_port = prefect_port or free_port()
+    prefect_url = f"http://127.0.0.1:{prefect_port}"
+    env = {"PREFECT_UI_API_URL": prefect_url + "/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(prefect_port)}
+    processes = [_start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port),
+                         "--analytics-off"], env, logs / "prefect-server.log")]
+    checks = [(prefect_url + "/api/health", logs / "prefect-server.log")]
+    mlflow_url = None
+    if not tracking_uri.startswith(("http://", "https://")):
+        mlflow_port = mlflow_port or free_port()
+        mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+        processes.append(_start([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                                 "--backend-store-uri", tracking_uri, "--workers", "1"], {}, logs / "mlflow-server.log"))
+        checks.append((mlflow_url + "/health", logs / "mlflow-server.log"))
+    servers = Servers(prefect_url, mlflow_url, tuple(processes))
+    deadline = time.time() + START_TIMEOUT_S
+    for (url, log), process in zip(checks, processes):
+        while not healthy(url):
+            if process.poll() is not None or time.time() > deadline:
+                stop_servers(servers)
+                raise RuntimeError(f"{url} did not come up (exit code {process.poll()}); see {log}")
+            time.sleep(0.5)
+    return servers
+
+
+def stop_servers(servers: Servers, grace_s: float = 20.0) -> None:
+    for process in servers.processes:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace_s
+    for process in servers.processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+
+def write_state(folder: Path, servers: Servers) -> Path:
+    path = folder / STATE
+    write_json_atomic(path, {"prefect_api": servers.prefect_api, "prefect_url": servers.prefect_url,
+                             "mlflow_url": servers.mlflow_url, "pid": os.getpid()})
+    return path
+
+
+def clear_state(folder: Path) -> None:
+    (folder / STATE).unlink(missing_ok=True)
+
+
+def running_ui(folder: Path) -> dict | None:
+    """The `campaign ui` of this project folder, if one runs and its Prefect API answers."""
+    state = read_json(folder / STATE)
+    if not state or not healthy(state["prefect_api"] + "/health"):
+        return None
+    return state
+
+
+def describe(servers: Servers, tracking_uri: str) -> list[str]:
+    return [f"Prefect UI  {servers.prefect_url}   (API {servers.prefect_api})",
+            f"MLflow UI   {servers.mlflow_url or tracking_uri}" + ("" if servers.mlflow_url else "   (the spec's own server)")]
+
+
+def main_loop(servers: Servers) -> int | None:
+    """Wait until a server exits (returns its code) or a signal arrives (returns None)."""
+    stop = []
+    previous = {s: signal.signal(s, lambda *_: stop.append(s)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop:
+            for process in servers.processes:
+                if process.poll() is not None:
+                    return process.returncode
+            time.sleep(0.5)
+        return None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+

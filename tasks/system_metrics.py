@@ -1,0 +1,151 @@
+"""System metrics per trial: the trial's own devices, sampled while it runs, logged under
+its MLflow run.
+
+MLflow's own system-metrics monitor samples every GPU of the host (mlflow#13398), which on a
+shared node mixes trials. Here each trial's run gets exactly the devices it leases: GPUs by
+UUID through NVML (utilization, memory, power), CPU slots by their cores. The names are
+MLflow's (`system/gpu_0_utilization_percentage`...), so they show on the run's System
+metrics tab; `gpu_<i>` is the trial's i-th device (its rank order), as in MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from cluster.types import Device
+
+log = logging.getLogger(__name__)
+
+
+def gpu_readings(nvml: Any, device: Device, index: int) -> dict[str, float]:
+    """One GPU's readings under MLflow's names; a reading NVML refuses (MIG, some vGPUs) is left out."""
+    handle = nvml.nvmlDeviceGetHandleByUUID(device.id)
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    out = {f"gpu_{index}_memory_usage_megabytes": memory.used / 2**20,
+           f"gpu_{index}_memory_usage_percentage": 100.0 * memory.used / memory.total}
+    for name, read in ((f"gpu_{index}_utilization_percentage", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                       (f"gpu_{index}_power_usage_watts", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)):
+        try:
+            out[name] = float(read())
+        except nvml.NVMLError:
+            pass
+    return out
+
+
+def cpu_readings(devices: Sequence[Device], per_core: Sequence[float]) -> dict[str, float]:
+    """CPU slots: the utilization of the trial's cores (their mean, and each)."""
+    cores = [d.index for d in devices if 0 <= d.index < len(per_core)]
+    if not cores:
+        return {}
+    out = {f"cpu_{i}_utilization_percentage": float(per_core[core]) for i, core in enumerate(cores)}
+    out["cpu_utilization_percentage"] = sum(per_core[c] for c in cores) / len(cores)
+    return out
+
+
+def trial_readings(devices: Sequence[Device], nvml: Any | None, per_core: Sequence[float]) -> dict[str, float]:
+    """Everything sampled for one trial, `system/`-prefixed as MLflow names system metrics."""
+    readings: dict[str, float] = {}
+    gpus = [d for d in devices if d.kind == "gpu"]
+    if gpus and nvml is not None:
+        for i, device in enumerate(gpus):
+            try:
+                readings.update(gpu_readings(nvml, device, i))
+            except nvml.NVMLError as e:  # a lost GPU: the other devices are still worth logging
+                log.warning("system metrics: NVML cannot read %s (%s)", device.id, e)
+    readings.update(cpu_readings([d for d in devices if d.kind == "cpu"], per_core))
+    return {f"system/{k}": v for k, v in readings.items()}
+
+
+class SystemSampler:
+    """Samples every watched trial each `period_s` and logs to its MLflow run, in a thread.
+
+    `nvml` is pynvml (or a fake); `cpu_percent` is psutil.cpu_percent(percpu=True)'s shape,
+    the utilization of each core since the previous call.
+    """
+
+    def __init__(self, uri: str, period_s: float, nvml: Any | None = None,
+                 cpu_percent: Callable[[], Sequence[float]] | None = None, log_batch: Callable | None = None):
+        import psutil
+
+        self.uri, self.period_s = uri, period_s
+        self.cpu_percent = cpu_percent or (lambda: psutil.cpu_percent(percpu=True))
+        self.cpu_percent()  # the first call only starts psutil's interval
+        self.nvml = _open_nvml(nvml)
+        self._log_batch = log_batch
+        self.watched: dict[str, tuple[Device, ...]] = {}  # MLflow run id -> the trial's devices now
+        self.samples: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
+        self._thread.start()
+
+    def watch(self, run_id: str, devices: Sequence[Device]) -> None:
+        """Sample these devices for this run from now on (again after a resize: the new set)."""
+        with self._lock:
+            self.watched[run_id] = tuple(devices)
+
+    def forget(self, run_id: str) -> None:
+        with self._lock:
+            self.watched.pop(run_id, None)
+
+    def sample(self) -> dict[str, dict[str, float]]:
+        per_core = self.cpu_percent()
+        with self._lock:
+            watched = dict(self.watched)
+        return {run_id: trial_readings(devices, self.nvml, per_core) for run_id, devices in watched.items()}
+
+    def log(self, readings: dict[str, dict[str, float]], now: float) -> None:
+        from mlflow.entities import Metric
+
+        for run_id, values in readings.items():
+            if not values:
+                continue
+            step = self.samples.get(run_id, 0)
+            self.samples[run_id] = step + 1
+            metrics = [Metric(k, v, int(now * 1000), step) for k, v in sorted(values.items())]
+            if self._log_batch is None:
+                self._log_batch = _client_log_batch(self.uri)
+            self._log_batch(run_id, metrics=metrics)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.period_s):
+            try:
+                self.log(self.sample(), time.time())
+                failures = 0
+            except Exception as e:  # a locked store: the next sample tries again; never the campaign's end
+                failures += 1
+                if failures in (1, 10, 100):
+                    log.warning("system metrics could not be logged (%d in a row): %s: %s", failures, e.__class__.__name__, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.nvml is not None:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+
+def _open_nvml(nvml: Any | None) -> Any | None:
+    """An initialised NVML for the sampler's life, or None where there is none (CPU slots)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    return nvml
+
+
+def _client_log_batch(uri: str) -> Callable:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).log_batch
