@@ -7,6 +7,7 @@ import logging
 import threading
 from pathlib import Path
 
+from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.logging.handlers import APILogHandler
 
@@ -26,7 +27,10 @@ class LogForwarder:
     def __init__(self, path: Path):
         self.path = path
         self.position = path.stat().st_size if path.exists() else 0  # earlier attempts' lines were sent then
-        self.logger = logging.LoggerAdapter(_to_api, get_run_logger().extra)
+        try:
+            self.logger = logging.LoggerAdapter(_to_api, get_run_logger().extra)
+        except MissingContextError:  # called outside a task run (a test calling the function itself): nowhere to send
+            self.logger = None
         self._partial = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"log {path.parent.name}", daemon=True)
@@ -45,6 +49,8 @@ class LogForwarder:
             self.forward()
 
     def forward(self, final: bool = False) -> None:
+        if self.logger is None:
+            return
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.position)

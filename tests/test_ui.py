@@ -1,0 +1,128 @@
+"""`campaign ui` in a real browser: headless Chromium (Debian's `chromium`, driven by
+Playwright) loads the Prefect UI and the MLflow UI that `campaign ui` started, after a small
+campaign reported to them. Screenshots are kept in test-artifacts/."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import campaign_cli
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+# The flags Chromium needs in a sandboxed, offline container (no background calls home).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def start_ui(folder: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "params.yaml"], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    urls, deadline = {}, time.time() + 180
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"`campaign ui` exited {proc.wait()}: {proc.stderr.read()}")
+        if m := re.match(r"(Prefect|MLflow) UI\s+(http://\S+)", line):
+            urls[m.group(1)] = m.group(2)
+        if "Ctrl-C" in line:
+            return proc, urls
+    proc.kill()
+    raise AssertionError("`campaign ui` did not come up in 180 s")
+
+
+def post(url: str, body: dict) -> object:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def listening(root_pid: int) -> set[tuple[str, int]]:
+    root = psutil.Process(root_pid)
+    pids = {root.pid} | {p.pid for p in root.children(recursive=True)}
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids}
+
+
+@pytest.fixture
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no Chromium on this machine: `apt-get install chromium` (as .ci/run does) to run the browser tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium.new_page(viewport={"width": 1400, "height": 1000})
+        chromium.close()
+
+
+def see(page, url: str, *texts: str, shot: str) -> str:
+    """Open `url`, wait until every text is on the page, keep a screenshot; the page's text."""
+    page.goto(url)
+    try:
+        for text in texts:
+            page.get_by_text(text).first.wait_for(timeout=60_000)
+    finally:
+        SHOTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(SHOTS / shot), full_page=True)
+    return page.inner_text("body")
+
+
+def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_npz, browser, monkeypatch):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # a fresh Prefect database: only this campaign
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "ui-test"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 20, "batch_size": 32, "lr": 0.1, "eval_every": 10, "checkpoint_every": 10},
+        "grid": {"training.lr": [0.05, 0.1]}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "ui-test", "runs_dir": "runs"},
+    }))
+    ui, urls = start_ui(tmp_path)
+    try:
+        assert set(urls) == {"Prefect", "MLflow"}
+        assert {ip for ip, _ in listening(ui.pid)} == {"127.0.0.1"}  # both servers, loopback only
+        done = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert f"reporting to the Prefect server of `campaign ui`: {urls['Prefect']}" in done.stdout
+
+        (flow_run,) = post(urls["Prefect"] + "/api/flow_runs/filter", {})  # the launch reported to the UI's server
+        assert flow_run["state_type"] == "COMPLETED"
+        trials = [t["id"] for t in json.loads((tmp_path / "runs" / "ui-test" / "campaign.json").read_text())["trials"]]
+        text = see(browser, f"{urls['Prefect']}/runs/flow-run/{flow_run['id']}", flow_run["name"], *(f"{t} finished" for t in trials),
+                   shot="prefect-flow-run.png")
+        assert "Completed" in text and "2 Task runs" in text
+        (summary,) = post(urls["Prefect"] + "/api/artifacts/filter", {"artifacts": {"key": {"any_": ["campaign-ui-test"]}}})
+        text = see(browser, f"{urls['Prefect']}/artifacts/artifact/{summary['id']}", "best", *trials, shot="prefect-summary.png")
+        assert text.count("finished") >= 2
+
+        with urllib.request.urlopen(f"{urls['MLflow']}/ajax-api/2.0/mlflow/experiments/get-by-name?experiment_name=ui-test") as r:
+            experiment = json.load(r)["experiment"]["experiment_id"]
+        runs = post(urls["MLflow"] + "/ajax-api/2.0/mlflow/runs/search", {"experiment_ids": [experiment]})["runs"]
+        parent = next(r for r in runs if r["info"]["run_name"] == "ui-test")
+        child = next(r for r in runs if r["info"]["run_name"] == "lr=0.1")
+        see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs", "ui-test", shot="mlflow-runs.png")
+        see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs/{child['info']['run_id']}", "lr=0.1", "final_val_accuracy",
+            shot="mlflow-trial-run.png")
+        assert parent["info"]["status"] == "FINISHED"
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        out, err = ui.communicate(timeout=60)
+    assert ui.returncode == 0 and "stopped the Prefect server and the MLflow UI" in out, err
+    assert not (tmp_path / ".campaign" / "ui.json").exists()
+    for url in urls.values():  # both servers are gone with it
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url, timeout=5)
