@@ -202,6 +202,53 @@ class LasPolicy:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class TiresiasPolicy:
+    """Tiresias' discretized least attained service (Gu et al., NSDI'19) as the Pollux
+    artifact runs it, the published baseline of the elastic-scheduling papers.
+
+    Two queues split at 16 GPU-hours of attained service; first come first served within a
+    queue; a pass in queue order marks jobs running while their requested GPUs last (one
+    that does not fit is skipped, and preempted if it ran); new jobs take GPUs from the
+    node with the most free first, without consolidating. No starvation rule (the artifact
+    runs with it off). The artifact orders its second queue by demotion time; this one,
+    stateless, by arrival.
+    """
+
+    thresholds: tuple[float, ...] = (16 * 3600.0,)
+    name: str = "tiresias"
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+        order = sorted(jobs, key=lambda j: (bisect.bisect_right(self.thresholds, j.attained), j.arrival, j.id))
+        capacity = cluster.total
+        chosen: list[Job] = []
+        for job in order:
+            size = job.devices if job.running else _fixed_size(job)
+            if size <= capacity:
+                chosen.append(job)
+                capacity -= size
+        free = {n.name: n.size for n in cluster.nodes}
+        out: dict[str, dict[str, int]] = {}
+        for job in chosen:
+            if job.running:
+                out[job.id] = dict(job.placement)
+                for node, count in job.placement.items():
+                    free[node] -= count
+        for job in chosen:
+            if job.running:
+                continue
+            placed: dict[str, int] = {}
+            need = _fixed_size(job)
+            while need:
+                node = max(free, key=lambda n: (free[n], n))
+                take = min(free[node], need)
+                placed[node] = placed.get(node, 0) + take
+                free[node] -= take
+                need -= take
+            out[job.id] = placed
+        return out
+
+
 def _fixed_size(job: Job) -> int:
     return min(max(job.requested, job.min_devices), job.max_devices)
 
@@ -242,6 +289,10 @@ class ElasticPolicy:
     min_horizon_s: float = 600.0
     starvation_s: float = 6 * 3600.0
     explore_after_s: float = 1800.0
+    las_cap_s: float = 16 * 3600.0
+    preemption_budget: int = 3
+    grow_after_s: float = 0.0
+    repack: bool = True
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -255,7 +306,7 @@ class ElasticPolicy:
         frozen: set[int] = set()
         for _ in range(3):
             sizes = _greedy(plans, cluster.total, frozen)
-            newly = {i for i, p in enumerate(plans) if i not in frozen and not self._worth_resizing(cluster, p, sizes[i])}
+            newly = {i for i, p in enumerate(plans) if i not in frozen and not self._worth_resizing(cluster, p, sizes[i], now)}
             if not newly:
                 break
             frozen |= newly
@@ -267,8 +318,10 @@ class ElasticPolicy:
     # -- sizing -------------------------------------------------------------------
 
     def _plan(self, job: Job, now: float) -> _JobPlan:
-        weight = (1.0 + job.attained / self.las_scale_s) ** -self.las_power
-        protected = job.running and job.unchanged_for(now) < self.min_run_s
+        # Past las_cap_s of service, long jobs rank alike: the held devices' hysteresis then
+        # keeps the running ones running instead of taking turns (each turn a restart).
+        weight = (1.0 + min(job.attained, self.las_cap_s) / self.las_scale_s) ** -self.las_power
+        protected = job.running and (job.unchanged_for(now) < self.min_run_s or job.preemptions >= self.preemption_budget)
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
         return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
 
@@ -314,12 +367,16 @@ class ElasticPolicy:
         plan.points = points
         return _upper_hull(points)
 
-    def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int) -> bool:
-        """Growing a running job must pay for its pause over its expected remaining run."""
+    def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int, now: float) -> bool:
+        """Growing a running job must pay for its pause over its expected remaining run, and
+        wait `grow_after_s` since its last change (a job shrunk for a newcomer does not bounce
+        back at once: each bounce is a restart)."""
         job = plan.job
         current = job.devices
         if not current or size <= current:
             return True
+        if job.unchanged_for(now) < self.grow_after_s:
+            return False
         horizon = max(self.min_horizon_s, job.attained / current)
         if horizon <= self.pause_s:
             return False
@@ -364,6 +421,8 @@ class ElasticPolicy:
             else:
                 pool.take(plan.job.placement)
                 growing.append(i)
+        if self.repack:
+            self._repack(cluster, pool, plans, sizes, out)
         starting = [i for i, (p, s) in enumerate(zip(plans, sizes)) if s and not p.job.devices]
         for i in sorted(growing + starting, key=lambda i: (-sizes[i], i)):
             job = plans[i].job
@@ -374,6 +433,30 @@ class ElasticPolicy:
             out[job.id] = dict(placed)
         self._backfill(pool, plans, sizes, out)
         return out
+
+    def _repack(self, cluster: Cluster, pool: NodePool, plans: list[_JobPlan], sizes: list[int], out: dict[str, dict[str, int]]) -> None:
+        """A job that keeps its size but spans more nodes than it needs moves to fewer, when
+        the speed-up pays for the move's pause over its expected remaining run. The widest
+        first: they lose most to the network."""
+        spread = [i for i, (plan, size) in enumerate(zip(plans, sizes))
+                  if size and size == plan.job.devices and nodes_of(out[plan.job.id]) > cluster.min_nodes(size)]
+        for i in sorted(spread, key=lambda i: (-nodes_of(out[plans[i].job.id]), i)):
+            job, held = plans[i].job, out[plans[i].job.id]
+            pool.give_back(held)
+            moved = pool.plan(sizes[i], pool.prefer(held))
+            if moved is not None and nodes_of(moved) < nodes_of(held) and self._pays(job, sizes[i], nodes_of(held), nodes_of(moved)):
+                pool.take(moved)
+                out[job.id] = moved
+            else:
+                pool.take(held)
+
+    def _pays(self, job: Job, size: int, nodes_before: int, nodes_after: int) -> bool:
+        """Running at `size` on nodes_after instead of nodes_before beats a pause over the horizon."""
+        horizon = max(self.min_horizon_s, job.attained / max(1, job.devices))
+        if horizon <= self.pause_s:
+            return False
+        before, after = speedup(job.model, size, nodes_before), speedup(job.model, size, nodes_after)
+        return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
 
     def _grow(self, pool: NodePool, job: Job, size: int, exploring: bool = False) -> Placement:
         """Extend in place or move whole, whichever spans fewer nodes; keep it if no better

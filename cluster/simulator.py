@@ -60,6 +60,12 @@ class JobRecord:
     resizes: int  # placement changes while running (size or nodes)
     preemptions: int  # taken off all its devices before finishing
     device_seconds: float
+    spread_device_seconds: float = 0.0  # held on more nodes than its size needs
+
+    @property
+    def restarts(self) -> int:
+        """Every resize and preemption stops the job's processes (and costs a pause)."""
+        return self.resizes + self.preemptions
 
     @property
     def completion_time(self) -> float:
@@ -96,6 +102,9 @@ class SimResult:
             "utilization": self.utilization,
             "resizes": float(sum(j.resizes for j in self.jobs)),
             "preemptions": float(sum(j.preemptions for j in self.jobs)),
+            "restarts_per_job": float(np.mean([j.restarts for j in self.jobs])) if self.jobs else 0.0,
+            "max_restarts": float(max((j.restarts for j in self.jobs), default=0)),
+            "spread_fraction": sum(j.spread_device_seconds for j in self.jobs) / max(1e-9, sum(j.device_seconds for j in self.jobs)),
             "decisions": float(len(self.decision_s)),
             "decision_mean_ms": float(decisions.mean() * 1e3),
             "decision_p99_ms": float(np.percentile(decisions, 99) * 1e3),
@@ -118,6 +127,7 @@ class _Live:
     start: float = math.nan
     resizes: int = 0
     preemptions: int = 0
+    spread: float = 0.0  # device-seconds on more nodes than needed
     last_report: float = -math.inf
 
     def finish_at(self, now: float) -> float:
@@ -125,12 +135,15 @@ class _Live:
             return math.inf
         return max(now, self.paused_until) + (self.work - self.done) * self.step_s
 
-    def advance(self, start: float, end: float) -> float:
-        """Progress from `start` to `end`; returns the paused device-seconds in between."""
+    def advance(self, start: float, end: float, min_nodes: int) -> float:
+        """Progress from `start` to `end` (`min_nodes`: the fewest that hold its devices);
+        returns the paused device-seconds in between."""
         n = devices_of(self.placement)
         if not n:
             return 0.0
         self.attained += n * (end - start)
+        if nodes_of(self.placement) > min_nodes:
+            self.spread += n * (end - start)
         running_from = max(start, self.paused_until)
         if end > running_from:
             self.done = min(self.work, self.done + (end - running_from) / self.step_s)
@@ -198,7 +211,7 @@ class _Simulation:
 
     def _advance(self, t: float) -> None:
         for live in self.active.values():
-            self.paused += live.advance(self.now, t)
+            self.paused += live.advance(self.now, t, self.cluster.min_nodes(devices_of(live.placement)) if live.placement else 0)
         self.now = t
 
     def _arrive(self, spec: WorkloadJob) -> None:
@@ -221,6 +234,7 @@ class _Simulation:
                 live.resizes,
                 live.preemptions,
                 live.attained,
+                live.spread,
             )
         )
 
@@ -248,6 +262,8 @@ class _Simulation:
                 placement=live.placement,
                 since=live.since,
                 explored_nodes=self._explored_nodes(live),
+                restarts=live.resizes + live.preemptions,
+                preemptions=live.preemptions,
             )
             for live in self.active.values()
         ]

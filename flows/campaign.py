@@ -27,6 +27,7 @@ from cluster.sizing import SizedRequest, start_size
 from cluster.types import Inventory, Placement
 from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
+from tasks.profile import load_prior, profile_dir
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_workload
@@ -150,7 +151,10 @@ class CampaignRun:
         self.pending.append(trial)
         if self.scheduler is not None:
             r = self.requests[trial.id]
-            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time())
+            prior = load_prior(profile_dir(self.spec.tracking.runs_dir, self.name, trial.id))  # `campaign profile` ran on it
+            if prior is not None:
+                self.logger.info(f"trial {trial.id}: the scheduler starts from its profile's step-time prior")
+            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior)
 
     # --- starting trials -------------------------------------------------------------
     def start(self, trial: Trial, placement: Placement) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cluster.jobs import Cluster, Job, Node, validate_allocation
 from cluster.policy import ElasticPolicy, Policy
 from cluster.throughput import OnlineStepTime, prior_from_size
-from cluster.types import Inventory
+from cluster.types import Inventory, StepTimeModel
 
 
 @dataclass
@@ -30,6 +30,8 @@ class Tracked:
     attained: float = 0.0  # device-seconds held
     last_update: float | None = None
     pinned: int | None = None  # a person resized it by hand: the policy keeps it at that size
+    restarts: int = 0  # resizes and preemptions so far (the policy bounds how often it is pushed off)
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class LiveScheduler:
         self.devices_per_node = devices_per_node
         self.tracked: dict[str, Tracked] = {}
 
-    def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float) -> None:
+    def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None) -> None:
+        """A trial to schedule; `prior`: its step-time model from a profile, if it has one
+        (else a guess from its size). Either way, its own step times refine it."""
         if trial_id not in self.tracked:
-            prior = prior_from_size(max_devices, self.devices_per_node)
+            prior = prior or prior_from_size(max_devices, self.devices_per_node)
             model = OnlineStepTime(prior, max_devices=max_devices, devices_per_node=self.devices_per_node)
             self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model)
 
@@ -56,6 +60,9 @@ class LiveScheduler:
         self._accrue(t, now)
         if devices != t.devices:
             t.since = now
+            if t.devices:  # it ran: stopping it (to resize or preempt) is a restart
+                t.restarts += 1
+                t.preemptions += devices == 0
         t.node, t.devices = (node if devices else None), devices
 
     def pin(self, trial_id: str, devices: int) -> None:
@@ -108,7 +115,8 @@ class LiveScheduler:
                 continue  # it cannot run on what is usable now: it waits
             placement = {t.node: t.devices} if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.model,
-                            attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival))
+                            attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
+                            restarts=t.restarts, preemptions=t.preemptions))
         if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now)

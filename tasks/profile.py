@@ -95,6 +95,18 @@ def profile_dir(runs_dir: Path, campaign: str, trial_id: str) -> Path:
     return Path(runs_dir) / campaign / trial_id / PROFILE_DIR
 
 
+def load_prior(directory: Path) -> ProfileStepTimeModel | None:
+    """The step-time prior of a trial profiled before (`campaign profile`), or None if it
+    was not (or its files do not read: a prior is advice, never a reason to fail)."""
+    try:
+        profile = ModelProfile.from_json((directory / "profile.json").read_text())
+        ddp = DdpProfile.from_json((directory / "ddp.json").read_text()) if (directory / "ddp.json").exists() else None
+        peaks = json.loads((directory / "peaks.json").read_text()) if (directory / "peaks.json").exists() else {}
+        return ProfileStepTimeModel.from_profile(profile, ddp, memory_bytes_per_s=peaks.get("peak_bytes_per_s"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def profile_job(trial: Trial, devices: Sequence[Device], out_dir: Path, predict_up_to: int, **options: Any) -> ProfileJob:
     t = trial.spec.training
     return ProfileJob(

@@ -94,7 +94,6 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
         # Metrics arrived from rank 0, batched: one point every log_every (5) steps.
         history = client.get_metric_history(child.info.run_id, "train_loss")
         assert sorted(m.step for m in history) == list(range(5, 31, 5))
-        assert {m.value for m in client.get_metric_history(child.info.run_id, "world_size")} == {1.0}
         # System metrics of exactly its own CPU slot, under MLflow's names.
         system = {k for k in child.data.metrics if k.startswith("system/")}
         assert system == {"system/cpu_utilization_percentage", "system/cpu_0_utilization_percentage"}, system

@@ -66,3 +66,15 @@ def test_trials_larger_than_what_is_usable_are_clamped_or_wait():
     s.arrive("elastic", 1, 4, now=0.0)
     s.arrive("needs-two", 2, 2, now=0.0)
     assert s.decide(usable, now=0.0).start == {"elastic": 1}
+
+
+def test_a_profiled_trial_starts_from_its_profile_prior_not_a_guess_from_its_size():
+    from cluster.throughput import AnalyticStepTime
+
+    scheduler = LiveScheduler(live_policy(resize_pause_s=1.0, min_run_s=10.0), devices_per_node=4)
+    profiled = AnalyticStepTime(fixed=0.0, compute=1.0, intra=2.0, inter=4.0, per_node=0.0)  # communication-bound: 2 devices are slower
+    scheduler.arrive("profiled", 1, 4, now=0.0, prior=profiled)
+    scheduler.arrive("guessed", 1, 4, now=0.0)
+    assert scheduler.tracked["profiled"].model.prior is profiled
+    assert scheduler.tracked["profiled"].model.step_time(2, 1) > scheduler.tracked["profiled"].model.step_time(1, 1)
+    assert scheduler.tracked["guessed"].model.step_time(2, 1) < scheduler.tracked["guessed"].model.step_time(1, 1)

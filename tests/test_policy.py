@@ -20,10 +20,11 @@ from cluster.jobs import (
     nodes_of,
     validate_allocation,
 )
-from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, NodePool
+from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, NodePool, TiresiasPolicy
 from cluster.throughput import AnalyticStepTime, OnlineStepTime, mean_relative_error, prior_from_size
 
-POLICIES = [ElasticPolicy(), FifoPolicy(), LasPolicy()]
+PACKING_POLICIES = [ElasticPolicy(), FifoPolicy(), LasPolicy(), ElasticPolicy(repack=False)]
+POLICIES = PACKING_POLICIES + [TiresiasPolicy()]  # Tiresias, as published, takes the emptiest nodes
 elastic_policies = st.builds(
     ElasticPolicy,
     hysteresis=st.floats(0.0, 2.0),
@@ -143,7 +144,7 @@ def test_packing_fills_the_tightest_node_first():
     cluster = Cluster(tuple(Node(n, tuple(f"{n}/g{i}" for i in range(4))) for n in ("a", "b")))
     busy = Job("busy", 0.0, 3, 3, 3, GOOD_SCALING, placement={"a": 3}, since=0.0)
     new = Job("new", 1.0, 1, 1, 1, GOOD_SCALING)
-    for policy in POLICIES:
+    for policy in PACKING_POLICIES:
         assert policy.decide(cluster, [busy, new], 10.0)["new"] == {"a": 1}, policy.name
 
 
@@ -203,7 +204,44 @@ def test_elastic_gives_a_new_job_devices_from_a_long_running_one():
     assert devices_of(allocation.get("old")) + devices_of(allocation["new"]) == 4  # none idle
 
 
+def test_elastic_repacks_a_spread_job_onto_one_node_when_it_pays():
+    cluster = Cluster.uniform(3, 4)
+    spread = Job("spread", 0.0, 4, 4, 4, POOR_SCALING, attained=4 * 7200.0, placement={"node0": 2, "node1": 2}, since=0.0)
+    other = Job("other", 0.0, 2, 2, 2, POOR_SCALING, attained=2 * 7200.0, placement={"node0": 2}, since=0.0)
+    allocation = ElasticPolicy().decide(cluster, [spread, other], 7200.0)
+    assert nodes_of(allocation["spread"]) == 1 and devices_of(allocation["spread"]) == 4  # moved whole to a free node
+    assert allocation["other"] == {"node0": 2}  # untouched
+    assert ElasticPolicy(repack=False).decide(cluster, [spread, other], 7200.0)["spread"] == {"node0": 2, "node1": 2}
+    # A job near its end (a short horizon) would not earn back the pause: it stays.
+    young = replace(spread, attained=4 * 30.0, since=0.0)
+    assert ElasticPolicy(min_horizon_s=30.0, min_run_s=0.0).decide(cluster, [young, other], 7200.0)["spread"] == {"node0": 2, "node1": 2}
+
+
+def test_elastic_stops_pushing_off_a_job_preempted_its_budget_of_times():
+    cluster = Cluster.uniform(1, 1)
+    old = Job("old", 0.0, 1, 1, 1, GOOD_SCALING, attained=20 * 3600.0, placement={"node0": 1}, since=0.0)
+    new = Job("new", 72_000.0, 1, 1, 1, GOOD_SCALING)
+    policy = ElasticPolicy(preemption_budget=3)
+    assert policy.decide(cluster, [replace(old, preemptions=2), new], 72_000.0) == {"new": {"node0": 1}}  # LAS: the young job first
+    assert policy.decide(cluster, [replace(old, preemptions=3), new], 72_000.0) == {"old": {"node0": 1}}  # budget spent: it keeps on
+
+
 # ---------------------------------------------------------------- baselines
+
+
+def test_tiresias_runs_two_queues_first_come_first_served_and_takes_the_emptiest_nodes():
+    cluster = Cluster.uniform(2, 4)
+    long = Job("long", 0.0, 4, 4, 4, GOOD_SCALING, attained=17 * 3600.0, placement={"node0": 4}, since=0.0)
+    a = Job("a", 10.0, 4, 4, 4, GOOD_SCALING, attained=3600.0, placement={"node1": 4}, since=10.0)
+    b = Job("b", 20.0, 2, 2, 2, GOOD_SCALING)
+    # Past 16 GPU-hours `long` is in the second queue: the new job takes its place; `a`, in the
+    # first queue since it arrived, is not preempted for the younger `b` (first come first served).
+    assert TiresiasPolicy().decide(cluster, [long, a, b], 30.0) == {"a": {"node1": 4}, "b": {"node0": 2}}
+    # New jobs take devices from the node with the most free, spreading rather than consolidating.
+    c = Job("c", 0.0, 3, 3, 3, GOOD_SCALING)
+    d = Job("d", 1.0, 1, 1, 1, GOOD_SCALING, attained=1.0, placement={"node0": 1}, since=1.0)
+    assert TiresiasPolicy().decide(Cluster.uniform(2, 2), [c, d], 2.0) == {"d": {"node0": 1}, "c": {"node1": 2, "node0": 1}}
+
 
 
 def test_fifo_keeps_order_and_never_preempts():

@@ -100,6 +100,12 @@ def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(
     assert [(p["devices"], p["per_device_batch"]) for p in predictions] == [(1, 16), (2, 8)]
     assert predictions[0]["allreduce_s"] == 0 < predictions[1]["allreduce_s"]
     assert sorted(p.name for p in profile_dir.parent.iterdir()) == ["profile"]  # no staging left behind
+    # The live scheduler starts an elastic trial from this prior: the same predictions, read back.
+    from tasks.profile import load_prior
+
+    prior = load_prior(profile_dir)
+    assert [round(prior.step_time(n), 9) for n in (1, 2)] == [round(p["step_s"], 9) for p in predictions]
+    assert load_prior(tmp_path / "nowhere") is None
 
     # The flow run carries the table as a markdown artifact.
     artifacts = markdown_artifacts(state.state_details.flow_run_id)

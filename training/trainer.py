@@ -371,8 +371,7 @@ class Trainer(Stateful):
                     if evaluate:
                         self.latest.update(self.evaluate())
                         stop_here = self.pruning is not None and self.step < cfg.steps and self.pruning.should_stop(self.step, self.latest)
-                    # world_size: how many processes ran these steps (a resize shows as a step in the curve).
-                    self.metrics.log(self.step, **self.latest, world_size=self.env.world_size)
+                    self.metrics.log(self.step, **self.latest)
                     window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and self.step < cfg.steps and self._agree(stop_here):
                 self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
