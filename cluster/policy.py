@@ -9,8 +9,10 @@ the live campaign run the same code (DESIGN invariant 5).
 - `ElasticPolicy` (ours): resizes jobs within [min, max] devices, weighing speed-up per
   device, least attained service, resize pauses, locality and starvation.
 - `FifoPolicy`: first in, first out, each job at its requested size, never preempted.
-- `LasPolicy`: Tiresias-like discretized least-attained-service at requested sizes,
-  preemptive.
+- `LasPolicy`: discretized least-attained-service (5 queues) at requested sizes,
+  preemptive, packed on the fewest nodes.
+- `TiresiasPolicy`: Tiresias as the Pollux artifact runs it (2 queues, emptiest nodes
+  first): the published baseline.
 """
 
 from __future__ import annotations
@@ -166,14 +168,15 @@ class FifoPolicy:
 
 @dataclass(frozen=True, slots=True)
 class LasPolicy:
-    """Tiresias-like least attained service at the requested size, preemptive.
+    """Discretized least attained service at the requested size, preemptive, packed.
 
     Jobs fall into queues by attained device-time (`thresholds`, device-seconds); lower
     queues go first, FIFO within a queue. Jobs run in that order while devices last (a job
-    that does not fit is skipped); a running job keeps its devices unless preempted. The
-    Pollux artifact's Tiresias has one threshold (16 GPU-hours); on our Philly samples
-    these five queues cut its average completion time by 0-20%, so the baseline here is
-    the stronger one.
+    that does not fit is skipped); a running job keeps its devices unless preempted; new
+    jobs go on the fewest nodes. Against `TiresiasPolicy` (the Pollux artifact's: one
+    threshold, emptiest nodes first) in bench/scheduler_bench.py, these five queues and the
+    packing cut the average completion time by 0-28% (2026-11-23, six Philly samples); a
+    replay in another simulator found it 4% behind that Tiresias, so the bench shows both.
     """
 
     thresholds: tuple[float, ...] = (600.0, 3600.0, 4 * 3600.0, 16 * 3600.0)
@@ -268,13 +271,20 @@ class ElasticPolicy:
     growing another. Then:
 
     - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
-      more to it, and a job stays untouched for `min_run_s` after a change (it may grow);
+      more to it, and a job stays untouched for `min_run_s` after a change (it may grow,
+      and it may drop a node it measured to slow it);
+    - restarts: past `las_cap_s` of service long jobs rank alike (FIFO among them, not
+      turns), a job preempted `preemption_budget` times is not pushed off again, and a job
+      grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
+      not bounce back at once: each bounce is a stop and a restart);
     - resize cost: a running job grows only if the gain, over a horizon of its run time so
       far, pays for a `pause_s` pause by at least `min_gain`;
     - starvation: a job waiting `starvation_s` runs at its minimum before anything else;
       while it cannot, no job starts or grows, so it runs once protections expire;
     - locality: jobs go on the fewest nodes (best fit), growing jobs extend in place where
-      that is better, and a spread job sheds devices if fewer nodes would be faster;
+      that is better, a spread job sheds devices if fewer nodes would be faster, and a job
+      that keeps its size but spans more nodes than it needs is repacked onto fewer when the
+      speed-up pays for the move's pause over its expected remaining run;
     - exploration: devices no job wants under its model let a long-running job (run for
       `explore_after_s`) that fills its nodes try one node more, once, so that a model
       whose prior says spreading does not pay learns whether it really does not.
@@ -284,20 +294,20 @@ class ElasticPolicy:
     hysteresis: float = 0.3
     las_scale_s: float = 1800.0
     las_power: float = 1.0
-    min_run_s: float = 600.0
+    min_run_s: float = 3600.0
     min_gain: float = 0.05
     min_horizon_s: float = 600.0
     starvation_s: float = 6 * 3600.0
     explore_after_s: float = 1800.0
     las_cap_s: float = 16 * 3600.0
     preemption_budget: int = 3
-    grow_after_s: float = 0.0
+    grow_after_s: float = 3600.0
     repack: bool = True
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
         jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
-        plans = [self._plan(job, now) for job in jobs]
+        plans = [self._plan(cluster, job, now) for job in jobs]
         self._admit_starving(cluster, plans)
         for plan in plans:
             plan.hull = self._hull(cluster, plan)
@@ -317,11 +327,13 @@ class ElasticPolicy:
 
     # -- sizing -------------------------------------------------------------------
 
-    def _plan(self, job: Job, now: float) -> _JobPlan:
+    def _plan(self, cluster: Cluster, job: Job, now: float) -> _JobPlan:
         # Past las_cap_s of service, long jobs rank alike: the held devices' hysteresis then
         # keeps the running ones running instead of taking turns (each turn a restart).
         weight = (1.0 + min(job.attained, self.las_cap_s) / self.las_scale_s) ** -self.las_power
         protected = job.running and (job.unchanged_for(now) < self.min_run_s or job.preemptions >= self.preemption_budget)
+        if protected and _last_node_lost(cluster, job):
+            protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
         return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
 
@@ -397,7 +409,10 @@ class ElasticPolicy:
                 continue
             nodes = cluster.min_nodes(size)
             target = min(job.max_devices, node * (nodes + 1))
-            if job.explored_nodes <= nodes and size == node * nodes and cluster.min_nodes(target) == nodes + 1:
+            # The node it last added must have paid off (per what it measured there): a job held
+            # on a spread that did not pay (protected from a shrink for now) explores no further.
+            paid = nodes < 2 or speedup(job.model, size, nodes) > speedup(job.model, node * (nodes - 1), nodes - 1)
+            if paid and job.explored_nodes <= nodes and size == node * nodes and cluster.min_nodes(target) == nodes + 1:
                 candidates.append((-job.attained / size, i, target))
         for _, i, target in sorted(candidates):  # the longest-running first
             if target - sizes[i] <= idle:
@@ -529,6 +544,14 @@ class _JobPlan:
     exploring: bool = False  # given idle devices to measure one more node
     points: list[tuple[int, float]] | None = None  # (devices, value) from the floor up
     hull: list[tuple[int, float]] | None = None  # their upper concave hull
+
+
+def _last_node_lost(cluster: Cluster, job: Job) -> bool:
+    """Its model says the job would be at least as fast on one node fewer (whole nodes)."""
+    nodes, node = nodes_of(job.placement), cluster.largest_node
+    if nodes < 2 or job.explored_nodes < nodes:
+        return False  # not measured there yet: the prior alone does not undo a placement
+    return speedup(job.model, node * (nodes - 1), nodes - 1) >= speedup(job.model, job.devices, nodes)
 
 
 def _speedup_packed(cluster: Cluster, job: Job, n: int) -> float:

@@ -60,12 +60,15 @@ def format_metrics(metrics: dict[str, float]) -> str:
 class Eta:
     """Time left per trial, from the steps it made since this view first saw it running.
 
-    Pure: fed (step, time) readings; a trial that restarted (its step went back) starts over.
+    Pure: fed (step, time) readings; a trial that restarted (its step went back) starts over,
+    and the stretch starts at its first step, not at its start-up.
     """
 
     seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # trial -> first (step, time) of this stretch
 
     def observe(self, trial_id: str, step: int, steps: int, now: float) -> float | None:
+        if step == 0:
+            return None  # still starting (imports, data, process group): no pace to read yet
         first = self.seen.get(trial_id)
         if first is None or step < first[0]:
             self.seen[trial_id] = (step, now)

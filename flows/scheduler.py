@@ -135,7 +135,7 @@ class LiveScheduler:
 
 def live_policy(resize_pause_s: float, min_run_s: float) -> ElasticPolicy:
     """The elastic policy with time constants for trials of minutes, not of hours."""
-    return ElasticPolicy(pause_s=resize_pause_s, min_run_s=min_run_s, min_horizon_s=min_run_s,
+    return ElasticPolicy(pause_s=resize_pause_s, min_run_s=min_run_s, min_horizon_s=min_run_s, grow_after_s=min_run_s,
                          las_scale_s=60 * min_run_s, explore_after_s=6 * min_run_s, starvation_s=30 * min_run_s)
 
 

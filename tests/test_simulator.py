@@ -100,7 +100,7 @@ def test_starvation_guard_runs_an_old_job_while_new_ones_keep_coming():
     stream_end = stream[-1].arrival
 
     def finish_of_old(starvation_s: float) -> float:
-        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s), FAST)
+        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0), FAST)
         return next(r.finish for r in result.jobs if r.id == "old")
 
     assert finish_of_old(3600.0) < stream_end

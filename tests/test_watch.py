@@ -80,6 +80,7 @@ def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a
     from flows.live_view import Eta, format_seconds
 
     eta = Eta()
+    assert eta.observe("t", 0, 1000, now=-30.0) is None  # starting up: not part of its pace
     assert eta.observe("t", 100, 1000, now=0.0) is None  # one reading: no rate yet
     assert eta.observe("t", 100, 1000, now=5.0) is None  # no step made yet
     assert eta.observe("t", 200, 1000, now=10.0) == 80.0  # 100 steps in 10 s, 800 left
