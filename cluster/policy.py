@@ -183,14 +183,7 @@ class LasPolicy:
     name: str = "las"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
-        order = sorted(jobs, key=lambda j: (bisect.bisect_right(self.thresholds, j.attained), j.arrival, j.id))
-        capacity = cluster.total
-        chosen: list[Job] = []
-        for job in order:
-            size = job.devices if job.running else _fixed_size(job)
-            if size <= capacity:
-                chosen.append(job)
-                capacity -= size
+        chosen = _by_queue(cluster, jobs, self.thresholds)
         pool = NodePool(cluster)
         out: dict[str, dict[str, int]] = {}
         for job in chosen:
@@ -222,14 +215,7 @@ class TiresiasPolicy:
     name: str = "tiresias"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
-        order = sorted(jobs, key=lambda j: (bisect.bisect_right(self.thresholds, j.attained), j.arrival, j.id))
-        capacity = cluster.total
-        chosen: list[Job] = []
-        for job in order:
-            size = job.devices if job.running else _fixed_size(job)
-            if size <= capacity:
-                chosen.append(job)
-                capacity -= size
+        chosen = _by_queue(cluster, jobs, self.thresholds)
         free = {n.name: n.size for n in cluster.nodes}
         out: dict[str, dict[str, int]] = {}
         for job in chosen:
@@ -250,6 +236,20 @@ class TiresiasPolicy:
                 need -= take
             out[job.id] = placed
         return out
+
+
+def _by_queue(cluster: Cluster, jobs: Sequence[Job], thresholds: Sequence[float]) -> list[Job]:
+    """Discretized LAS's pass: queues by attained service (lowest first), first come first
+    served within one; each job runs at its size while devices last (one that does not fit
+    is skipped)."""
+    capacity = cluster.total
+    chosen: list[Job] = []
+    for job in sorted(jobs, key=lambda j: (bisect.bisect_right(thresholds, j.attained), j.arrival, j.id)):
+        size = job.devices if job.running else _fixed_size(job)
+        if size <= capacity:
+            chosen.append(job)
+            capacity -= size
+    return chosen
 
 
 def _fixed_size(job: Job) -> int:

@@ -417,6 +417,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
         **(read_json(campaign_dir(spec.tracking.runs_dir, name) / "campaign.json") or {}),  # a search's trials so far
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
         "owner": process_identity(), "state": "running", "started": time.time(),
+        "prefect_api": os.environ.get("PREFECT_API_URL") or None,  # a `campaign ui` waits for campaigns reporting to it
         **({} if search else {"trials": [trial_entry(t, requests[t.id]) for t in trials]}),
     })
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
@@ -425,13 +426,17 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     known = run.known_trials()
     summary = write_summary(spec, known, run.results, run.failed, run.pruned)
     close_campaign_run(uri, parent_run_id, summary)
+    update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
-    create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
-                             description=f"campaign {name}: its trials, states, metrics and MLflow runs")
-    try:  # pictures must not fail a campaign that trained
+    try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
+        create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
+                                 description=f"campaign {name}: its trials, states, metrics and MLflow runs")
         if rows := timeline_rows(intervals(read_events(run.root))):
             create_table_artifact(rows, key=f"{summary_key(name)}-timeline",
                                   description=f"campaign {name}: who held which device when (seconds since the first start)")
+    except Exception as e:
+        logger.warning(f"the campaign's Prefect artifacts could not be saved ({e.__class__.__name__}: {e})")
+    try:  # pictures must not fail a campaign that trained
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
         labels = {t.id: t.label for t in known}
@@ -439,7 +444,6 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
             log_files(uri, parent_run_id, [curves], "curves")
     except Exception as e:
         logger.warning(f"the campaign's pictures could not be drawn ({e.__class__.__name__}: {e})")
-    update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")
     return summary

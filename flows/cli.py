@@ -91,6 +91,9 @@ def _launch(params: Path, live: bool | None = None) -> None:
         _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
               "resumes from their checkpoints", code=143)
     except Exception as e:  # the flow has logged the details; say it plainly and exit non-zero
+        if os.environ.get("PREFECT_API_URL") and "connect" in f"{e.__class__.__name__} {e}".lower():
+            _fail(f"the Prefect server at {os.environ['PREFECT_API_URL']} stopped answering ({e}); what the trials did is "
+                  f"recorded on disk (`campaign status`) and in MLflow, and `campaign launch` again resumes", code=1)
         _fail(str(e), code=1)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -331,7 +334,7 @@ def ui(
 ) -> None:
     """Start a Prefect server and the MLflow UI on 127.0.0.1 until Ctrl-C; launches from this folder report to it."""
     from flows.spec import load_spec, tracking_uri
-    from flows.ui import clear_state, describe, main_loop, running_ui, start_servers, stop_servers, write_state
+    from flows.ui import clear_state, describe, main_loop, reporting_campaigns, running_ui, start_servers, stop_servers, write_state
     from training.errors import CampaignError
 
     try:
@@ -351,7 +354,8 @@ def ui(
         for line in describe(servers, uri):
             console.print(line, highlight=False)
         console.print("launches from this folder report to this Prefect server; Ctrl-C stops both", highlight=False)
-        code = main_loop(servers)
+        code = main_loop(servers, busy=lambda: reporting_campaigns(spec.tracking.runs_dir, servers.prefect_api),
+                         say=lambda line: console.print(line, highlight=False))
     finally:
         clear_state(folder)
         stop_servers(servers)

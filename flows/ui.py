@@ -129,17 +129,41 @@ def describe(servers: Servers, tracking_uri: str) -> list[str]:
             f"MLflow UI   {servers.mlflow_url or tracking_uri}" + ("" if servers.mlflow_url else "   (the spec's own server)")]
 
 
-def main_loop(servers: Servers) -> int | None:
-    """Wait until a server exits (returns its code) or a signal arrives (returns None)."""
+def reporting_campaigns(runs_dir: Path, prefect_api: str) -> list[str]:
+    """Campaigns whose live process reports to this Prefect API: stopping the server now
+    would leave their end unreported (and their flow run failed)."""
+    from tasks.records import owner_alive
+
+    names = []
+    for record_path in sorted(Path(runs_dir).glob("*/campaign.json")):
+        record = read_json(record_path) or {}
+        if record.get("prefect_api") == prefect_api and record.get("state") == "running" and owner_alive(record.get("owner")):
+            names.append(record.get("name", record_path.parent.name))
+    return names
+
+
+def main_loop(servers: Servers, busy=lambda: [], say=print) -> int | None:
+    """Wait until a server exits (returns its code) or a signal arrives (returns None).
+
+    On a signal while `busy()` names campaigns that report here, keep serving until they
+    end; a second signal stops at once."""
     stop = []
     previous = {s: signal.signal(s, lambda *_: stop.append(s)) for s in (signal.SIGINT, signal.SIGTERM)}
+    told = False
     try:
-        while not stop:
+        while True:
             for process in servers.processes:
                 if process.poll() is not None:
                     return process.returncode
+            if stop:
+                waiting = busy() if len(stop) == 1 else []
+                if not waiting:
+                    return None
+                if not told:
+                    say(f"campaign(s) {', '.join(waiting)} still report to this Prefect server: serving until they end "
+                        f"(Ctrl-C again to stop now)")
+                    told = True
             time.sleep(0.5)
-        return None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import campaign_cli
+from tasks.records import process_identity, update_campaign, write_campaign
 
 pytestmark = pytest.mark.slow
 
@@ -118,9 +119,21 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs/{child['info']['run_id']}", "lr=0.1", "final_val_accuracy",
             shot="mlflow-trial-run.png")
         assert parent["info"]["status"] == "FINISHED"
-    finally:
+
+        # Stopping while a campaign still reports here would fail its end: the UI serves on until it ends.
+        write_campaign(tmp_path / "runs", "busy", {"name": "busy", "state": "running", "owner": process_identity(),
+                                                   "prefect_api": urls["Prefect"] + "/api", "trials": []})
         os.killpg(ui.pid, signal.SIGTERM)
+        time.sleep(3)
+        assert ui.poll() is None and urllib.request.urlopen(urls["Prefect"] + "/api/health", timeout=5).status == 200
+        update_campaign(tmp_path / "runs", "busy", state="ended")
+    finally:
+        if (tmp_path / "runs" / "busy").exists():  # signalled already: it stops once `busy` has ended
+            update_campaign(tmp_path / "runs", "busy", state="ended")
+        else:
+            os.killpg(ui.pid, signal.SIGTERM)
         out, err = ui.communicate(timeout=60)
+    assert "campaign(s) busy still report to this Prefect server" in out, out
     assert ui.returncode == 0 and "stopped the Prefect server and the MLflow UI" in out, err
     assert not (tmp_path / ".campaign" / "ui.json").exists()
     for url in urls.values():  # both servers are gone with it
