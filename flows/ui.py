@@ -130,14 +130,15 @@ def describe(servers: Servers, tracking_uri: str) -> list[str]:
 
 
 def reporting_campaigns(runs_dir: Path, prefect_api: str) -> list[str]:
-    """Campaigns whose live process reports to this Prefect API: stopping the server now
-    would leave their end unreported (and their flow run failed)."""
+    """Campaigns whose process still runs and reports to this Prefect API, whatever their
+    record says (a campaign records its end before its flow run reports it): stopping the
+    server now would leave that unreported and fail the launch."""
     from tasks.records import owner_alive
 
     names = []
     for record_path in sorted(Path(runs_dir).glob("*/campaign.json")):
         record = read_json(record_path) or {}
-        if record.get("prefect_api") == prefect_api and record.get("state") == "running" and owner_alive(record.get("owner")):
+        if record.get("prefect_api") == prefect_api and record.get("owner") and owner_alive(record.get("owner")):
             names.append(record.get("name", record_path.parent.name))
     return names
 

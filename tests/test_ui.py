@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import campaign_cli
-from tasks.records import process_identity, update_campaign, write_campaign
+from tasks.records import process_identity, write_campaign
 
 pytestmark = pytest.mark.slow
 
@@ -120,16 +120,17 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
             shot="mlflow-trial-run.png")
         assert parent["info"]["status"] == "FINISHED"
 
-        # Stopping while a campaign still reports here would fail its end: the UI serves on until it ends.
-        write_campaign(tmp_path / "runs", "busy", {"name": "busy", "state": "running", "owner": process_identity(),
+        # Stopping while a campaign's process still reports here would fail its end: the UI serves on until it exits.
+        campaign_process = subprocess.Popen(["sleep", "600"])
+        write_campaign(tmp_path / "runs", "busy", {"name": "busy", "state": "ended", "owner": process_identity(campaign_process.pid),
                                                    "prefect_api": urls["Prefect"] + "/api", "trials": []})
         os.killpg(ui.pid, signal.SIGTERM)
         time.sleep(3)
         assert ui.poll() is None and urllib.request.urlopen(urls["Prefect"] + "/api/health", timeout=5).status == 200
-        update_campaign(tmp_path / "runs", "busy", state="ended")
     finally:
-        if (tmp_path / "runs" / "busy").exists():  # signalled already: it stops once `busy` has ended
-            update_campaign(tmp_path / "runs", "busy", state="ended")
+        if "campaign_process" in locals():  # signalled already: it stops once that process has exited
+            campaign_process.kill()
+            campaign_process.wait()
         else:
             os.killpg(ui.pid, signal.SIGTERM)
         out, err = ui.communicate(timeout=60)
