@@ -28,6 +28,7 @@ from training.config import TrialConfig
 from training.elastic import write_command
 from training.errors import CampaignError
 from training.files import write_atomic
+from training.loopback import BIND_ENV
 from training.process import die_with_parent
 
 LOG_TAIL_CHARS = 3000
@@ -156,6 +157,40 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
         python, "-m", "training.launch",  # torchrun, its stores on loopback only
         "--standalone",  # a single-node rendezvous on a free port: trials never collide
         f"--nproc-per-node={len(devices)}",
+        "-m", "training.train", "--config", str(trial_dir / "trial.json"),
+    ]
+    return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """One node's part in a trial that spans nodes (torchrun's c10d rendezvous)."""
+
+    nnodes: int
+    host: bool  # this node hosts the rendezvous store (at `endpoint`)
+    endpoint: str  # "address:port" of the rendezvous store, on the host node
+    address: str  # this node's own address: its stores and its workers listen there only
+    interface: str  # the network interface with that address (gloo's transport)
+
+
+def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, role: NodeRole,
+                     python: str = sys.executable) -> LaunchPlan:
+    """This node's torchrun for a fixed-size trial over `role.nnodes` nodes, `devices` of them here.
+
+    Every node runs the same command with its own address: the c10d rendezvous gathers them
+    (ranks by arrival; a trial's result does not depend on which rank is where, see
+    training/trainer.py), the store is on the host node, and nothing listens on any other
+    address than the node's own (or its loopback).
+    """
+    trial_dir = Path(config.trial_dir)
+    env = {**visible_devices_env(devices), **_launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
+           BIND_ENV: role.address}
+    command = [
+        python, "-m", "training.launch",
+        f"--nnodes={role.nnodes}", f"--nproc-per-node={len(devices)}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={role.endpoint}", f"--rdzv-id={config.trial_id}",
+        # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
+        f"--rdzv-conf=is_host={int(role.host)}", f"--local-addr={role.address}",
         "-m", "training.train", "--config", str(trial_dir / "trial.json"),
     ]
     return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")

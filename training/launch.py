@@ -1,4 +1,5 @@
-"""torchrun for one machine, with its rendezvous stores listening on 127.0.0.1 only.
+"""torchrun with its rendezvous stores listening on 127.0.0.1 only (on one machine), or on
+the node's own address ($CAMPAIGN_BIND_ADDR, for a trial that spans nodes).
 
     python -m training.launch --standalone --nproc-per-node=2 -m training.train --config ...
 
