@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from tasks.records import ENDED as TERMINAL  # states nothing changes but a launch
+
 # Prefect phones home unless told not to, and these machines have no network for it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -201,9 +203,6 @@ def profile(
         table.add_row(*row)
     console.print(table)
     console.print(f"profile in {result.directory}/ ({', '.join(result.files)}); MLflow run {summary.mlflow_run_id}; Prefect artifact {summary.artifact_key}")
-
-
-from flows.live_view import ENDED as TERMINAL  # noqa: E402  (states nothing changes but a launch)
 
 
 def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:

@@ -21,13 +21,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tasks.records import TrialStatus, campaign_status
+from tasks.records import ENDED, TrialStatus, campaign_status
 
 EVENTS = logging.getLogger("campaign.events")
 EVENTS.propagate = False  # without a live view the flow's Prefect log already says it: said once
 EVENTS.setLevel(logging.INFO)
-
-ENDED = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
 
 
 class CampaignLog:

@@ -56,6 +56,7 @@ def latest_campaign(runs_dir: Path) -> str | None:
 
 
 ACTIVE = ("starting", "running")  # states only true while the campaign process that wrote them lives
+ENDED = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
 
 
 def process_identity(pid: int | None = None) -> str | None:
