@@ -78,3 +78,18 @@ def test_a_profiled_trial_starts_from_its_profile_prior_not_a_guess_from_its_siz
     assert scheduler.tracked["profiled"].model.prior is profiled
     assert scheduler.tracked["profiled"].model.step_time(2, 1) > scheduler.tracked["profiled"].model.step_time(1, 1)
     assert scheduler.tracked["guessed"].model.step_time(2, 1) < scheduler.tracked["guessed"].model.step_time(1, 1)
+
+
+def test_a_trial_preempted_its_budget_of_times_is_not_pushed_off_again():
+    one = {"n": ["n/gpu0"]}
+    s = scheduler()
+    s.arrive("old", 1, 1, now=0.0)
+    now = 0.0
+    for _ in range(3):  # started, then preempted: three times
+        s.running("old", "n", 1, now=now)
+        now += 1000.0
+        s.running("old", "n", 0, now=now)
+    assert (s.tracked["old"].restarts, s.tracked["old"].preemptions) == (3, 3)
+    s.running("old", "n", 1, now=now)
+    s.arrive("new", 1, 1, now=now + 1000.0)  # least attained service would put the new one first
+    assert s.decide(one, now=now + 1000.0).resize == {}  # the budget is spent: old keeps its device
