@@ -41,7 +41,7 @@ from tasks.tracking import close_campaign_run, close_trial_run, log_files, mark_
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog, format_metrics
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
-from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials
+from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.files import read_json
@@ -126,7 +126,7 @@ class CampaignRun:
         self.pruned: set[str] = set()
         self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
         every = spec.tracking.system_metrics_every_s
-        self.sampler = SystemSampler(self.uri, every) if every > 0 else None
+        self.sampler = SystemSampler(self.uri, every, processes_of=trial_process_groups) if every > 0 else None
         accept_launches()
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -168,7 +168,7 @@ class CampaignRun:
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
         self.run_ids[trial.id] = run_id
         if self.sampler is not None:
-            self.sampler.watch(run_id, devices)
+            self.sampler.watch(run_id, devices, trial.id)
         drawn = self.drawn.get(trial.id)
         config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
                               self.search.pruning(drawn) if drawn is not None else None)

@@ -3,9 +3,11 @@ its MLflow run.
 
 MLflow's own system-metrics monitor samples every GPU of the host (mlflow#13398), which on a
 shared node mixes trials. Here each trial's run gets exactly the devices it leases: GPUs by
-UUID through NVML (utilization, memory, power), CPU slots by their cores. The names are
-MLflow's (`system/gpu_0_utilization_percentage`...), so they show on the run's System
-metrics tab; `gpu_<i>` is the trial's i-th device (its rank order), as in MLflow.
+UUID through NVML (utilization, memory, power), CPU slots by their cores, and the host
+memory its processes hold (`system/trial_memory_rss_megabytes`: the launcher and every
+process under it). The device names are MLflow's (`system/gpu_0_utilization_percentage`...),
+so they show on the run's System metrics tab; `gpu_<i>` is the trial's i-th device (its
+rank order), as in MLflow.
 """
 
 from __future__ import annotations
@@ -45,6 +47,25 @@ def cpu_readings(devices: Sequence[Device], per_core: Sequence[float]) -> dict[s
     return out
 
 
+def tree_rss_bytes(roots: Sequence[int]) -> int:
+    """Resident memory of these processes and all their descendants (gone ones count 0)."""
+    import psutil
+
+    seen: dict[int, int] = {}
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            family = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for proc in family:
+            try:
+                seen[proc.pid] = proc.memory_info().rss
+            except psutil.Error:
+                pass
+    return sum(seen.values())
+
+
 def trial_readings(devices: Sequence[Device], nvml: Any | None, per_core: Sequence[float]) -> dict[str, float]:
     """Everything sampled for one trial, `system/`-prefixed as MLflow names system metrics."""
     readings: dict[str, float] = {}
@@ -67,7 +88,9 @@ class SystemSampler:
     """
 
     def __init__(self, uri: str, period_s: float, nvml: Any | None = None,
-                 cpu_percent: Callable[[], Sequence[float]] | None = None, log_batch: Callable | None = None):
+                 cpu_percent: Callable[[], Sequence[float]] | None = None, log_batch: Callable | None = None,
+                 processes_of: Callable[[str], Sequence[int]] | None = None):
+        """processes_of(trial_id): the pids its processes hang from (tasks.trial.trial_process_groups)."""
         import psutil
 
         self.uri, self.period_s = uri, period_s
@@ -75,27 +98,38 @@ class SystemSampler:
         self.cpu_percent()  # the first call only starts psutil's interval
         self.nvml = _open_nvml(nvml)
         self._log_batch = log_batch
+        self.processes_of = processes_of
         self.watched: dict[str, tuple[Device, ...]] = {}  # MLflow run id -> the trial's devices now
+        self.trials: dict[str, str] = {}  # MLflow run id -> trial id
         self.samples: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
         self._thread.start()
 
-    def watch(self, run_id: str, devices: Sequence[Device]) -> None:
-        """Sample these devices for this run from now on (again after a resize: the new set)."""
+    def watch(self, run_id: str, devices: Sequence[Device], trial_id: str | None = None) -> None:
+        """Sample these devices (and the trial's processes) for this run from now on (again
+        after a resize: the new set)."""
         with self._lock:
             self.watched[run_id] = tuple(devices)
+            if trial_id is not None:
+                self.trials[run_id] = trial_id
 
     def forget(self, run_id: str) -> None:
         with self._lock:
             self.watched.pop(run_id, None)
+            self.trials.pop(run_id, None)
 
     def sample(self) -> dict[str, dict[str, float]]:
         per_core = self.cpu_percent()
         with self._lock:
-            watched = dict(self.watched)
-        return {run_id: trial_readings(devices, self.nvml, per_core) for run_id, devices in watched.items()}
+            watched, trials = dict(self.watched), dict(self.trials)
+        out = {run_id: trial_readings(devices, self.nvml, per_core) for run_id, devices in watched.items()}
+        if self.processes_of is not None:
+            for run_id, trial_id in trials.items():
+                if run_id in out and (rss := tree_rss_bytes(self.processes_of(trial_id))):
+                    out[run_id]["system/trial_memory_rss_megabytes"] = rss / 2**20
+        return out
 
     def log(self, readings: dict[str, dict[str, float]], now: float) -> None:
         from mlflow.entities import Metric

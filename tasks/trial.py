@@ -78,6 +78,12 @@ def revoke(trial_id: str, grace_s: float = STOP_GRACE_S) -> bool:
     return bool(groups)
 
 
+def trial_process_groups(trial_id: str) -> list[int]:
+    """The process groups (their leaders' pids) this process runs the trial in now."""
+    with _live_lock:
+        return [pgid for pgid, owner in _live_groups.items() if owner == trial_id]
+
+
 def readmit(trial_id: str) -> bool:
     """The campaign has taken note of the revocation (it queues the trial again); True if it was revoked."""
     with _live_lock:

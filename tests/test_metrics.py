@@ -128,3 +128,34 @@ def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
     # Forgotten after the first sample (its trial ended); the others sampled twice, steps 0 and 1.
     assert [m.step for m in client.get_metric_history(a, "system/gpu_0_utilization_percentage")] == [0]
     assert sorted(m.step for m in client.get_metric_history(b, "system/gpu_1_power_usage_watts")) == [0, 1]
+
+
+def test_system_metrics_count_the_memory_of_a_trials_whole_process_tree(tmp_path):
+    import mlflow
+
+    from tasks.system_metrics import SystemSampler
+
+    # A launcher whose child holds 64 MiB: the trial's processes, as torchrun and its worker.
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(60)"])
+        child.wait()
+    """)])
+    try:
+        client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        run = client.create_run(client.create_experiment("m")).info.run_id
+        sampler = SystemSampler(client.tracking_uri, period_s=3600, cpu_percent=lambda: [0.0],
+                                processes_of=lambda trial: [launcher.pid] if trial == "t" else [])
+        try:
+            sampler.watch(run, [], "t")
+            deadline = time.time() + 30
+            while (rss := sampler.sample()[run].get("system/trial_memory_rss_megabytes", 0.0)) < 64 and time.time() < deadline:
+                time.sleep(0.2)
+            assert 64 <= rss < 1024  # the child's 64 MiB, counted through its launcher
+            sampler.log(sampler.sample(), now=time.time())
+        finally:
+            sampler.close()
+        assert client.get_run(run).data.metrics["system/trial_memory_rss_megabytes"] >= 64
+    finally:
+        launcher.kill()
+        launcher.wait()
