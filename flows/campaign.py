@@ -37,7 +37,8 @@ from tasks.summary import summary_markdown, write_summary
 from tasks.system_metrics import SystemSampler
 from tasks.timeline import intervals, read_events, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
-from tasks.tracking import close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
+from flows.ui import mlflow_ui
+from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog, format_metrics
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
@@ -429,7 +430,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None)
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
-        create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids), key=summary_key(name),
+        ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
+        create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids, ui, experiment), key=summary_key(name),
                                  description=f"campaign {name}: its trials, states, metrics and MLflow runs")
         if rows := timeline_rows(intervals(read_events(run.root))):
             create_table_artifact(rows, key=f"{summary_key(name)}-timeline",

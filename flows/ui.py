@@ -124,6 +124,15 @@ def running_ui(folder: Path) -> dict | None:
     return state
 
 
+def mlflow_ui(tracking_uri: str, folder: Path | None = None) -> str | None:
+    """Where people open the MLflow UI for this store: the tracking server itself, or the
+    `campaign ui` of this folder; None if neither (links are then left out)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri
+    state = read_json((folder or Path.cwd()) / STATE)
+    return state.get("mlflow_url") if state else None
+
+
 def describe(servers: Servers, tracking_uri: str) -> list[str]:
     return [f"Prefect UI  {servers.prefect_url}   (API {servers.prefect_api})",
             f"MLflow UI   {servers.mlflow_url or tracking_uri}" + ("" if servers.mlflow_url else "   (the spec's own server)")]

@@ -35,9 +35,18 @@ def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, di
     return summary
 
 
-def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], states: dict[str, str], run_ids: dict[str, str]) -> str:
+def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], states: dict[str, str], run_ids: dict[str, str],
+                     mlflow_ui: str | None = None, experiment_id: str | None = None) -> str:
     """The campaign as a markdown table (the flow run's Prefect artifact): every trial, its
-    state and metrics, its MLflow run; the best trial first in words."""
+    state and metrics, its MLflow run (a link when an MLflow UI is known); the best trial
+    first in words."""
+    def run_cell(run_id: str | None) -> str:
+        if run_id is None:
+            return "-"
+        if mlflow_ui and experiment_id:
+            return f"[{run_id}]({mlflow_ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id})"
+        return run_id
+
     lines = [f"# campaign {name}", ""]
     counts = f"{summary['finished']} finished, {summary.get('pruned', 0)} pruned, {summary['failed']} failed of {summary['trials']}"
     best = summary.get("best")
@@ -51,5 +60,5 @@ def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], st
     for t in trials:
         metrics = summary["per_trial"].get(t.id, {})
         cells = [f"{metrics[k]:.4f}" if k in metrics else "-" for k in REPORTED]
-        lines.append(f"| {t.id} | {t.label} | {states.get(t.id, '-')} | " + " | ".join(cells) + f" | {run_ids.get(t.id, '-')} |")
+        lines.append(f"| {t.id} | {t.label} | {states.get(t.id, '-')} | " + " | ".join(cells) + f" | {run_cell(run_ids.get(t.id))} |")
     return "\n".join(lines) + "\n"

@@ -97,6 +97,11 @@ def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, 
 
 
 @retrying
+def run_experiment(uri: str, run_id: str) -> str:
+    return _client(uri).get_run(run_id).info.experiment_id
+
+
+@retrying
 def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) -> str:
     client = _client(uri)
     exp_id = client.get_run(parent_run_id).info.experiment_id

@@ -109,6 +109,8 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         (summary,) = post(urls["Prefect"] + "/api/artifacts/filter", {"artifacts": {"key": {"any_": ["campaign-ui-test"]}}})
         text = see(browser, f"{urls['Prefect']}/artifacts/artifact/{summary['id']}", "best", *trials, shot="prefect-summary.png")
         assert text.count("finished") >= 2
+        # Each trial's MLflow run is a link into the MLflow UI of `campaign ui`.
+        assert browser.locator(f'a[href^="{urls["MLflow"]}/#/experiments/"]').count() == 2
 
         with urllib.request.urlopen(f"{urls['MLflow']}/ajax-api/2.0/mlflow/experiments/get-by-name?experiment_name=ui-test") as r:
             experiment = json.load(r)["experiment"]["experiment_id"]

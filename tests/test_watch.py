@@ -118,3 +118,19 @@ def test_launch_shows_trials_live_and_sends_prefect_chatter_to_a_file(tmp_path, 
     assert not any(c in out or c in done.stderr for c in chatter), (out, done.stderr)
     log = (tmp_path / "runs" / "live" / "campaign.log").read_text()
     assert "Beginning flow run" in log and "Finished in state" in log  # Prefect's own lines: kept, in the file
+
+
+def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_path):
+    from flows.ui import STATE, mlflow_ui
+    from tasks.summary import summary_markdown
+    from training.files import write_json_atomic
+
+    assert mlflow_ui("sqlite:///mlflow.db", tmp_path) is None  # no UI known: plain run ids
+    write_json_atomic(tmp_path / STATE, {"mlflow_url": "http://127.0.0.1:5001"})
+    assert mlflow_ui("sqlite:///mlflow.db", tmp_path) == "http://127.0.0.1:5001"
+    assert mlflow_ui("http://tracking:5000", tmp_path) == "http://tracking:5000"  # a tracking server is its own UI
+    summary = {"trials": 1, "finished": 1, "failed": 0, "per_trial": {}}
+    trial = type("T", (), {"id": "t1", "label": "lr=0.1"})()
+    plain = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"})
+    linked = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"}, "http://127.0.0.1:5001", "7")
+    assert "| abc |" in plain and "| [abc](http://127.0.0.1:5001/#/experiments/7/runs/abc) |" in linked
