@@ -116,6 +116,13 @@ class SystemSampler:
                 self.trials[run_id] = trial_id
 
     def forget(self, run_id: str) -> None:
+        """The trial has stopped: no more samples. A trial shorter than a period gets one
+        now, so that every run has its devices' readings."""
+        if run_id in self.watched and not self.samples.get(run_id):
+            try:
+                self.log({run_id: self.sample().get(run_id, {})}, time.time())
+            except Exception as e:  # a locked store: the run goes without, the campaign goes on
+                log.warning("system metrics of run %s could not be logged: %s: %s", run_id, e.__class__.__name__, e)
         with self._lock:
             self.watched.pop(run_id, None)
             self.trials.pop(run_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,12 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     with get_client(sync_client=True) as prefect:
         artifacts = {a.key: a for a in prefect.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
         task_runs = prefect.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
-        logs = {t.name: [log.message for log in prefect.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[t.id])))]
-                for t in task_runs}
+        read = lambda: {t.name: [log.message for log in prefect.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[t.id])))]
+                        for t in task_runs}
+        logs, deadline = read(), time.time() + 30
+        while not all(any(": finished 30 steps: " in m for m in ms) for ms in logs.values()) and time.time() < deadline:
+            time.sleep(0.5)  # Prefect ships logs to its API in batches, after the fact
+            logs = read()
     assert set(artifacts) == {"campaign-flow-test", "campaign-flow-test-timeline"}
     artifact = artifacts["campaign-flow-test"]
     assert artifact.data.count("| finished |") == 4

@@ -125,6 +125,15 @@ def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
     assert metrics(b)["system/gpu_0_utilization_percentage"] == 60.0 and metrics(b)["system/gpu_1_utilization_percentage"] == 30.0
     assert metrics(c) == {"system/cpu_0_utilization_percentage": 70.0, "system/cpu_1_utilization_percentage": 40.0,
                           "system/cpu_utilization_percentage": 55.0}
+    # A trial that ends before the first period still gets one sample, when it is forgotten.
+    short = client.create_run(exp).info.run_id
+    quick = SystemSampler(client.tracking_uri, period_s=3600, nvml=nvml, cpu_percent=lambda: [10.0, 70.0, 40.0])
+    try:
+        quick.watch(short, [gpu(0)])
+        quick.forget(short)
+    finally:
+        quick.close()
+    assert metrics(short)["system/gpu_0_utilization_percentage"] == 30.0
     # Forgotten after the first sample (its trial ended); the others sampled twice, steps 0 and 1.
     assert [m.step for m in client.get_metric_history(a, "system/gpu_0_utilization_percentage")] == [0]
     assert sorted(m.step for m in client.get_metric_history(b, "system/gpu_1_power_usage_watts")) == [0, 1]
