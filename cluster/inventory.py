@@ -72,7 +72,7 @@ def discover(
 ) -> Inventory:
     """This node's GPUs from NVML, or `cpu_slots` CPU slots where NVML has none to give."""
     node = node or socket.gethostname()
-    with _nvml_session(nvml) as lib:
+    with nvml_session(nvml) as lib:
         if lib is not None:
             inventory = _gpu_inventory(lib, node)
             if inventory.devices:
@@ -84,7 +84,7 @@ def discover(
 def device_usage(nvml: ModuleType | Any | None = None) -> dict[str, DeviceUsage]:
     """Live free memory and utilization of every GPU, by device id; empty without NVML."""
     usage: dict[str, DeviceUsage] = {}
-    with _nvml_session(nvml) as lib:
+    with nvml_session(nvml) as lib:
         if lib is None:
             return usage
         for index in range(lib.nvmlDeviceGetCount()):
@@ -138,7 +138,7 @@ def visible_devices_env(devices: Sequence[Device]) -> dict[str, str]:
 
 
 @contextmanager
-def _nvml_session(nvml: ModuleType | Any | None) -> Iterator[Any | None]:
+def nvml_session(nvml: ModuleType | Any | None) -> Iterator[Any | None]:
     """Yields an initialised NVML module, or None where there is no NVML to talk to."""
     if nvml is None:
         try:

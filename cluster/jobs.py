@@ -104,8 +104,8 @@ class Job:
     least-attained-service priority; `since` is when its placement last changed (its
     arrival if it never ran): a waiting job has waited `now - since`, a running one has run
     that long at its current placement. `explored_nodes` is the most nodes it has run on
-    long enough to report a step time: its model has seen no wider spread. `restarts`
-    counts the times its processes were stopped before finishing: resizes and preemptions.
+    long enough to report a step time: its model has seen no wider spread. `preemptions`
+    counts the times it was taken off all its devices before finishing.
     """
 
     id: str
@@ -118,8 +118,7 @@ class Job:
     placement: Placement = field(default_factory=dict)
     since: float | None = None
     explored_nodes: int = 0
-    restarts: int = 0
-    preemptions: int = 0  # of the restarts, those that took all its devices
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_devices <= self.max_devices:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from cluster.jobs import Cluster, Job, Placement, devices_of, nodes_of, speedup
+from cluster.types import StepTimeModel
 
 
 class Policy(Protocol):
@@ -389,12 +390,7 @@ class ElasticPolicy:
             return True
         if job.unchanged_for(now) < self.grow_after_s:
             return False
-        horizon = max(self.min_horizon_s, job.attained / current)
-        if horizon <= self.pause_s:
-            return False
-        before = speedup(job.model, current, nodes_of(job.placement))
-        after = _speedup_packed(cluster, job, size)
-        return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
+        return self._pays(job, speedup(job.model, current, nodes_of(job.placement)), _speedup_packed(cluster, job, size))
 
     def _explore(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> None:
         """Give idle devices to long jobs to run on one more node than they ever did."""
@@ -411,7 +407,7 @@ class ElasticPolicy:
             target = min(job.max_devices, node * (nodes + 1))
             # The node it last added must have paid off (per what it measured there): a job held
             # on a spread that did not pay (protected from a shrink for now) explores no further.
-            paid = nodes < 2 or speedup(job.model, size, nodes) > speedup(job.model, node * (nodes - 1), nodes - 1)
+            paid = nodes < 2 or _last_node_pays(job.model, size, nodes, node)
             if paid and job.explored_nodes <= nodes and size == node * nodes and cluster.min_nodes(target) == nodes + 1:
                 candidates.append((-job.attained / size, i, target))
         for _, i, target in sorted(candidates):  # the longest-running first
@@ -459,18 +455,19 @@ class ElasticPolicy:
             job, held = plans[i].job, out[plans[i].job.id]
             pool.give_back(held)
             moved = pool.plan(sizes[i], pool.prefer(held))
-            if moved is not None and nodes_of(moved) < nodes_of(held) and self._pays(job, sizes[i], nodes_of(held), nodes_of(moved)):
+            if moved is not None and nodes_of(moved) < nodes_of(held) and self._pays(
+                    job, speedup(job.model, sizes[i], nodes_of(held)), speedup(job.model, sizes[i], nodes_of(moved))):
                 pool.take(moved)
                 out[job.id] = moved
             else:
                 pool.take(held)
 
-    def _pays(self, job: Job, size: int, nodes_before: int, nodes_after: int) -> bool:
-        """Running at `size` on nodes_after instead of nodes_before beats a pause over the horizon."""
-        horizon = max(self.min_horizon_s, job.attained / max(1, job.devices))
+    def _pays(self, job: Job, before: float, after: float) -> bool:
+        """Going from speed-up `before` to `after` pays for a pause, over a horizon of the
+        running job's run so far (its expected remaining run), by at least `min_gain`."""
+        horizon = max(self.min_horizon_s, job.attained / job.devices)
         if horizon <= self.pause_s:
             return False
-        before, after = speedup(job.model, size, nodes_before), speedup(job.model, size, nodes_after)
         return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
 
     def _grow(self, pool: NodePool, job: Job, size: int, exploring: bool = False) -> Placement:
@@ -546,12 +543,17 @@ class _JobPlan:
     hull: list[tuple[int, float]] | None = None  # their upper concave hull
 
 
+def _last_node_pays(model: StepTimeModel, size: int, nodes: int, node: int) -> bool:
+    """`size` devices on `nodes` nodes beat the nodes - 1 whole nodes of `node` devices before it."""
+    return speedup(model, size, nodes) > speedup(model, node * (nodes - 1), nodes - 1)
+
+
 def _last_node_lost(cluster: Cluster, job: Job) -> bool:
-    """Its model says the job would be at least as fast on one node fewer (whole nodes)."""
-    nodes, node = nodes_of(job.placement), cluster.largest_node
+    """Its model says the running job would be at least as fast on one node fewer (whole nodes)."""
+    nodes = nodes_of(job.placement)
     if nodes < 2 or job.explored_nodes < nodes:
         return False  # not measured there yet: the prior alone does not undo a placement
-    return speedup(job.model, node * (nodes - 1), nodes - 1) >= speedup(job.model, job.devices, nodes)
+    return not _last_node_pays(job.model, job.devices, nodes, cluster.largest_node)
 
 
 def _speedup_packed(cluster: Cluster, job: Job, n: int) -> float:

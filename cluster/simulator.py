@@ -262,7 +262,6 @@ class _Simulation:
                 placement=live.placement,
                 since=live.since,
                 explored_nodes=self._explored_nodes(live),
-                restarts=live.resizes + live.preemptions,
                 preemptions=live.preemptions,
             )
             for live in self.active.values()

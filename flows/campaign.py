@@ -40,12 +40,13 @@ from tasks.curves import campaign_curves
 from flows.ui import mlflow_ui
 from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
-from flows.live_view import CampaignLog, format_metrics
+from flows.live_view import CampaignLog
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.files import read_json
+from training.metrics import format_metrics
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests

@@ -214,6 +214,15 @@ def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
     return name
 
 
+def _trial_entry(record: dict, name: str, trial: str) -> dict:
+    """The trial as the campaign record lists it; exits 2 naming the trials there are."""
+    trials = record.get("trials", [])
+    entry = next((t for t in trials if t["id"] == trial), None)
+    if entry is None:
+        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in trials) or 'none'}")
+    return entry
+
+
 def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool]:
     """The campaign's trials as a table, and whether every one has ended."""
     from flows.live_view import trials_table
@@ -265,9 +274,7 @@ def logs(
 
     name = _campaign_name(campaign, runs_dir)
     record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
-    entry = next((t for t in record.get("trials", []) if t["id"] == trial), None)
-    if entry is None:
-        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in record.get('trials', [])) or 'none'}")
+    entry = _trial_entry(record, name, trial)
     trial_dir = campaign_dir(runs_dir, name) / trial
     log = trial_dir / "train.log"
     position = 0
@@ -304,9 +311,7 @@ def resize(
     if record is None:
         _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
               else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
-    entry = next((t for t in record["trials"] if t["id"] == trial), None)
-    if entry is None:
-        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in record['trials'])}")
+    entry = _trial_entry(record, name, trial)
     low, high = entry.get("devices", [None, None])
     if low == high:
         _fail(f"trial {trial} has a fixed size of {low} device(s): declare resources.devices as [min, max] to make it elastic")

@@ -48,12 +48,6 @@ class CampaignLog:
         EVENTS.log(level, message)
 
 
-def format_metrics(metrics: dict[str, float]) -> str:
-    """{'val_accuracy': 0.97222, 'train_loss': 0.0812} -> 'val_accuracy 0.9722, train_loss 0.0812'."""
-    return ", ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and k != "lr" and not k.endswith("_s"))
-
-
 @dataclass
 class Eta:
     """Time left per trial, from the steps it made since this view first saw it running.

@@ -30,8 +30,7 @@ class Tracked:
     attained: float = 0.0  # device-seconds held
     last_update: float | None = None
     pinned: int | None = None  # a person resized it by hand: the policy keeps it at that size
-    restarts: int = 0  # resizes and preemptions so far (the policy bounds how often it is pushed off)
-    preemptions: int = 0
+    preemptions: int = 0  # times it was stopped on all its devices (the policy bounds how often)
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,8 @@ class LiveScheduler:
         self._accrue(t, now)
         if devices != t.devices:
             t.since = now
-            if t.devices:  # it ran: stopping it (to resize or preempt) is a restart
-                t.restarts += 1
-                t.preemptions += devices == 0
+            if t.devices and not devices:  # it ran and was stopped on all its devices
+                t.preemptions += 1
         t.node, t.devices = (node if devices else None), devices
 
     def pin(self, trial_id: str, devices: int) -> None:
@@ -116,7 +114,7 @@ class LiveScheduler:
             placement = {t.node: t.devices} if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.model,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
-                            restarts=t.restarts, preemptions=t.preemptions))
+                            preemptions=t.preemptions))
         if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now)

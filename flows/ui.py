@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.files import read_json, write_json_atomic
-from training.process import die_with_parent
+from training.process import die_with_parent, stop_process_groups
 
 STATE = Path(".campaign") / "ui.json"  # relative to the project folder (where `campaign` runs)
 START_TIMEOUT_S = 120.0
@@ -88,21 +88,9 @@ def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_p
 
 
 def stop_servers(servers: Servers, grace_s: float = 20.0) -> None:
+    stop_process_groups([process.pid for process in servers.processes], grace_s)  # each in a session of its own
     for process in servers.processes:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + grace_s
-    for process in servers.processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        process.wait()
 
 
 def write_state(folder: Path, servers: Servers) -> Path:

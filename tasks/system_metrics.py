@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
+from cluster.inventory import nvml_session
 from cluster.types import Device
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ class SystemSampler:
         self.uri, self.period_s = uri, period_s
         self.cpu_percent = cpu_percent or (lambda: psutil.cpu_percent(percpu=True))
         self.cpu_percent()  # the first call only starts psutil's interval
-        self.nvml = _open_nvml(nvml)
+        self._nvml = ExitStack()  # NVML stays initialised for the sampler's life (None: no NVML, CPU slots)
+        self.nvml = self._nvml.enter_context(nvml_session(nvml))
         self._log_batch = log_batch
         self.processes_of = processes_of
         self.watched: dict[str, tuple[Device, ...]] = {}  # MLflow run id -> the trial's devices now
@@ -120,17 +123,19 @@ class SystemSampler:
         now, so that every run has its devices' readings."""
         if run_id in self.watched and not self.samples.get(run_id):
             try:
-                self.log({run_id: self.sample().get(run_id, {})}, time.time())
+                self.log(self.sample(only=run_id), time.time())
             except Exception as e:  # a locked store: the run goes without, the campaign goes on
                 log.warning("system metrics of run %s could not be logged: %s: %s", run_id, e.__class__.__name__, e)
         with self._lock:
             self.watched.pop(run_id, None)
             self.trials.pop(run_id, None)
 
-    def sample(self) -> dict[str, dict[str, float]]:
+    def sample(self, only: str | None = None) -> dict[str, dict[str, float]]:
+        """Readings of every watched run (or of run `only`)."""
         per_core = self.cpu_percent()
         with self._lock:
-            watched, trials = dict(self.watched), dict(self.trials)
+            watched = {r: d for r, d in self.watched.items() if only in (None, r)}
+            trials = {r: t for r, t in self.trials.items() if r in watched}
         out = {run_id: trial_readings(devices, self.nvml, per_core) for run_id, devices in watched.items()}
         if self.processes_of is not None:
             for run_id, trial_id in trials.items():
@@ -165,25 +170,7 @@ class SystemSampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        if self.nvml is not None:
-            try:
-                self.nvml.nvmlShutdown()
-            except Exception:
-                pass
-
-
-def _open_nvml(nvml: Any | None) -> Any | None:
-    """An initialised NVML for the sampler's life, or None where there is none (CPU slots)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None
-    try:
-        nvml.nvmlInit()
-    except Exception:
-        return None
-    return nvml
+        self._nvml.close()
 
 
 def _client_log_batch(uri: str) -> Callable:

@@ -29,7 +29,7 @@ from training.elastic import write_command
 from training.errors import CampaignError
 from training.files import write_atomic
 from training.loopback import BIND_ENV
-from training.process import die_with_parent
+from training.process import die_with_parent, stop_process_groups
 
 LOG_TAIL_CHARS = 3000
 
@@ -64,7 +64,7 @@ def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
     with _live_lock:
         _stopped.set()
         groups = dict(_live_groups)
-    _stop_groups(list(groups), grace_s)
+    stop_process_groups(list(groups), grace_s)
     return list(groups.values())
 
 
@@ -74,7 +74,7 @@ def revoke(trial_id: str, grace_s: float = STOP_GRACE_S) -> bool:
     with _live_lock:
         _revoked.add(trial_id)
         groups = [pgid for pgid, owner in _live_groups.items() if owner == trial_id]
-    _stop_groups(groups, grace_s)
+    stop_process_groups(groups, grace_s)
     return bool(groups)
 
 
@@ -90,40 +90,6 @@ def readmit(trial_id: str) -> bool:
         was = trial_id in _revoked
         _revoked.discard(trial_id)
     return was
-
-
-def _stop_groups(groups, grace_s: float) -> None:
-    for pgid in groups:
-        _signal_group(pgid, signal.SIGTERM)
-    deadline = time.time() + grace_s
-    for pgid in groups:
-        while _group_alive(pgid) and time.time() < deadline:
-            time.sleep(0.05)
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)
-            while _group_alive(pgid) and time.time() < deadline + 10:
-                time.sleep(0.05)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any process of the group still running (zombies, already dead, do not count)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from flows.spec import SpecError, load_spec
 from training.checkpoint import Checkpointer
 from training.files import write_json_atomic
 from training.manifest import MANIFEST, latest_valid_checkpoint, list_checkpoints, verify
+from training.process import group_alive
 from training.workload import WorkloadError, check_workload
 
 
@@ -206,7 +207,7 @@ def test_a_stopping_campaign_ends_its_trials_before_anything_else(tmp_path):
         time.sleep(0.01)
     (pgid,) = trial_module._live_groups
     assert stop_launched_trials(grace_s=0.5) == ["sleeper"]
-    assert not trial_module._group_alive(pgid)  # gone before the caller may release the leases
+    assert not group_alive(pgid)  # gone before the caller may release the leases
     runner.join(timeout=10)
     assert codes == [-9]
     with pytest.raises(TrialFailed, match="the campaign is stopping"):  # a task's retry cannot start it again

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from training.process import group_alive
 import torch
 
 from tasks import trial as trial_module
@@ -92,7 +94,7 @@ def test_a_stopping_campaign_ends_a_busy_warm_worker(tmp_path, digits_npz):
         time.sleep(0.05)
     (pgid,) = trial_module._live_groups
     assert stop_launched_trials(grace_s=5) == ["held"]
-    assert not trial_module._group_alive(pgid)
+    assert not group_alive(pgid)
     runner.join(timeout=30)
     assert codes and codes[0] != 0 and not trial_module._idle_workers.get(trial_module.warm_key(plan_launch(held, [_slot()], tmp_path, warm=True)))
     accept_launches()

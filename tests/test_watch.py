@@ -90,7 +90,7 @@ def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a
 
 
 def test_the_flow_reports_metrics_as_words_not_dicts():
-    from flows.live_view import format_metrics
+    from training.metrics import format_metrics
 
     assert format_metrics({"lr": 0.0, "train_loss": 0.08123, "val_accuracy": 0.97222, "step_time_s": 0.01}) == \
         "train_loss 0.0812, val_accuracy 0.9722"

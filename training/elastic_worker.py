@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
+from training.metrics import result_line
 from training.process import die_with_parent
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
@@ -184,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             result = trainer.train(should_stop, after_first_step=report)
             if result is not None:  # finished: the result is written, nothing more to do
                 if rank == 0:
-                    print(f"trial {cfg.trial_id}: {'pruned at' if result.get('pruned') else 'finished'} {result['steps']} steps, "
-                          f"{result['metrics']}", flush=True)
+                    print(result_line(cfg.trial_id, result), flush=True)
                 trainer.detach()
                 dist.destroy_process_group()
                 return

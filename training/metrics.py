@@ -28,6 +28,19 @@ import time
 import warnings
 from typing import Any
 
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """{'val_accuracy': 0.97222, 'train_loss': 0.0812} -> 'val_accuracy 0.9722, train_loss 0.0812'
+    (the learning rate and timings left out: they are in MLflow)."""
+    return ", ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and k != "lr" and not k.endswith("_s"))
+
+
+def result_line(trial_id: str, result: dict[str, Any]) -> str:
+    """A trial's last line in its log: 'trial t: finished 300 steps: val_accuracy 0.9833, ...'."""
+    ended = f"pruned at step {result['steps']}" if result.get("pruned") else f"finished {result['steps']} steps"
+    return f"trial {trial_id}: {ended}: {format_metrics(result['metrics'])}"
+
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 

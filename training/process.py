@@ -1,4 +1,4 @@
-"""Tie a process's life to its parent's.
+"""Tie a process's life to its parent's, and stop whole process groups.
 
 torchrun starts each worker in a session of its own, so killing torchrun (or the campaign
 that launched it) leaves the workers running on a device whose lease is then reclaimed and
@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,3 +27,39 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
+
+
+def stop_process_groups(groups, grace_s: float) -> None:
+    """SIGTERM each process group, SIGKILL what is left after `grace_s`; returns once they
+    are gone (or ten seconds after the kill)."""
+    for pgid in groups:
+        signal_group(pgid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for pgid in groups:
+        while group_alive(pgid) and time.time() < deadline:
+            time.sleep(0.05)
+        if group_alive(pgid):
+            signal_group(pgid, signal.SIGKILL)
+            while group_alive(pgid) and time.time() < deadline + 10:
+                time.sleep(0.05)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Any process of the group still running (zombies, already dead, do not count)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

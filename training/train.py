@@ -16,6 +16,7 @@ import torch.distributed as dist
 from training.manifest import verify
 from training.config import TrialConfig
 from training.files import read_json
+from training.metrics import result_line
 from training.process import die_with_parent
 from training.trainer import DistEnv, Trainer
 
@@ -56,9 +57,7 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
             print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed}" if resumed is not None else "fresh start"), flush=True)
         result = trainer.train()
         if env.rank == 0:
-            metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items() if k not in ("lr", "step_time_s"))
-            print(f"trial {cfg.trial_id}: {'pruned at step' if result.get('pruned') else 'finished'} {result['steps']}"
-                  f"{'' if result.get('pruned') else ' steps'}: {metrics}", flush=True)
+            print(result_line(cfg.trial_id, result), flush=True)
         trainer.detach()
     finally:
         if trainer is not None:
