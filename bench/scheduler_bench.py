@@ -12,6 +12,7 @@ the policy's own decision time is wall-clock). Then the decision time alone is m
 
     .venv/bin/python bench/scheduler_bench.py            # about 1-2 minutes
     .venv/bin/python bench/scheduler_bench.py --jobs 160,320,480,640 --seeds 1,2,3 --oracle
+    .venv/bin/python bench/scheduler_bench.py --goodput --growth 4   # jobs whose batch follows their size
 
 Prints tables; never passes or fails on the figures.
 """
@@ -61,6 +62,8 @@ def main() -> None:
         policies.append(("elastic, true curves", ElasticPolicy(pause_s=args.pause), oracle))
 
     ratios: dict[str, list[float]] = {name: [] for name, _, _ in policies}
+    if args.goodput:
+        ratios[GOODPUT] = []
     goals: list[tuple[str, float, float, float, float, float]] = []
     for jobs in args.jobs:
         for seed in args.seeds:
@@ -70,6 +73,11 @@ def main() -> None:
             for name, policy, cfg in policies:
                 started = time.perf_counter()
                 results[name] = (simulate(cluster, workload, policy, cfg, seed=seed), time.perf_counter() - started)
+            if args.goodput:  # the same jobs with `scaling: goodput` (the baselines never resize: no change there)
+                started = time.perf_counter()
+                trials = [replace(j, goodput=True) for j in workload]
+                results[GOODPUT] = (simulate(cluster, trials, ElasticPolicy(pause_s=args.pause), config, seed=seed),
+                                    time.perf_counter() - started)
             title = (
                 f"Philly sample: {jobs} jobs in 8 h (seed {seed}), {gpu_hours:,.0f} GPU-hours of work, "
                 f"{cluster.total} GPUs ({args.nodes} x {args.per_node})"
@@ -97,6 +105,7 @@ def main() -> None:
 
 
 LAS = "las (5 queues)"
+GOODPUT = "elastic (ours), goodput trials"
 
 
 def _goal_table(goals: list[tuple[str, float, float, float, float, float]], growth: int) -> Table:
@@ -204,6 +213,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between periodic decisions")
     parser.add_argument("--growth", type=int, default=1, help="an elastic job may take up to this many times its request "
                         "(1: never past it, the setting of issue 14's goals)")
+    parser.add_argument("--goodput", action="store_true", help="also run ours with every job in `scaling: goodput` (its batch "
+                        "follows its size; statistical efficiency from Pollux's model at noise scale = the batch)")
     parser.add_argument("--oracle", action="store_true", help="also run ours with the true speed-up curves")
     parser.add_argument("--big-nodes", type=int, default=1024)
     parser.add_argument("--big-jobs", type=int, default=2000)

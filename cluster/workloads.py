@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Iterable, Mapping, NoReturn, Sequence
 
 from cluster.jobs import Cluster
-from cluster.throughput import AnalyticStepTime
+from cluster.throughput import AnalyticStepTime, GoodputStepTime
+from cluster.types import StepTimeModel
 from training.errors import CampaignError
 
 # True step-time curves by size class (seconds). On one 4-device node they speed up
@@ -55,9 +56,13 @@ class WorkloadJob:
     min_devices: int
     max_devices: int
     scaling: str  # a key of SCALING: the job's true step-time curve
+    goodput: bool = False  # its batch follows its size (training.scaling: goodput)
 
     @property
-    def true_model(self) -> AnalyticStepTime:
+    def true_model(self) -> StepTimeModel:
+        """Its time per step of its requested size's batch, at any size."""
+        if self.goodput:
+            return GoodputStepTime(SCALING[self.scaling], self.requested)
         return SCALING[self.scaling]
 
 

@@ -96,7 +96,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     return TrialConfig(pruning=pruning, hold_at_step=int(hold) if hold else None,
         trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
         precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
-        logical_ranks=t.logical_ranks or request.max_devices, reduction=t.reduction, max_device_batch=t.max_device_batch,
+        logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, reduction=t.reduction, max_device_batch=t.max_device_batch,
         schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
         log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
@@ -254,7 +254,11 @@ class CampaignRun:
         for job in self.running.values():
             progress = read_json(job.trial_dir / "progress.json") or {}
             if progress.get("world_size") == len(job.devices) and "step_time_s" in progress.get("metrics", {}):
-                self.scheduler.observe(job.trial.id, len(job.devices), progress["metrics"]["step_time_s"])
+                # The policy compares sizes by time per reference step (the trial's batch_size
+                # samples): a goodput trial's step at another size trains another batch.
+                batch = progress.get("batch_size") or job.trial.spec.training.batch_size
+                per_reference_step = progress["metrics"]["step_time_s"] * job.trial.spec.training.batch_size / batch
+                self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step)
             self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)
             if job.pinned_by_person:
                 self.scheduler.pin(job.trial.id, len(job.devices))

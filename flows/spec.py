@@ -150,6 +150,12 @@ class TrainingSection(Strict):
     logical_ranks: int | None = Field(
         default=None, ge=1, le=4096,
         description="data-parallel width the result is defined for (default: the most devices a trial may use)")
+    scaling: Literal["reproducible", "goodput"] = Field(
+        default="reproducible",
+        description="reproducible: the batch is fixed, results do not depend on the schedule; goodput: an elastic trial's "
+                    "batch follows its devices (batch_size is the batch at its most devices) and lr is scaled with it")
+    lr_scaling: Literal["linear", "sqrt"] = Field(
+        default="linear", description="goodput: how lr follows the batch (linear for SGD, sqrt for Adam-like optimizers)")
     reduction: Literal["fast", "exact"] = Field(
         default="fast", description="fast: DDP's all-reduce, equal to float rounding at any device count; "
                                     "exact: gradients summed in logical order, bit for bit at any device count")
@@ -403,6 +409,10 @@ class CampaignSpec(Strict):
         if most is not None and logical is not None and logical < most:
             raise ValueError(f"training.logical_ranks ({logical}) is smaller than the {most} devices of resources.devices: "
                              "every process holds at least one logical rank; raise logical_ranks or lower the devices")
+        goodput = self.training.scaling == "goodput" or "goodput" in self.varies.get("training.scaling", [])
+        if goodput and not (isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]):
+            raise ValueError(f"training.scaling: goodput changes the batch when a trial is resized, and resources.devices "
+                             f"({self.resources.devices!r}) is one size: give a range [min, max] or use scaling: reproducible")
         width = logical or most
         if width is not None and self.training.batch_size < width:
             raise ValueError(
@@ -425,7 +435,8 @@ def _format_errors(source: str, error: ValidationError, prefix: str = "") -> lis
         if len(loc) > 3 and loc[:2] == ["search", "space"] and loc[3] in DIMENSION_KINDS and loc[4:5] == [loc[3]]:
             del loc[3]  # search.space.<key>.<tag>.<field>: the tag repeats the field
         path = prefix + ".".join(str(p) for p in loc)
-        got = "" if e["type"] in ("missing",) else f" (got {e.get('input')!r})"
+        # A whole-spec check names its fields in its message: the whole input would bury it.
+        got = "" if e["type"] in ("missing",) or not loc else f" (got {e.get('input')!r})"
         lines.append(f"  {path or '<root>'}: {e['msg']}{got}")
     return lines
 

@@ -78,6 +78,10 @@ BAD = [
     ("resources/devices", 32, ["batch_size (16) is smaller than the 32 devices"]),
     ("resources/devices", [4, 2], ["resources.devices", "min <= max"]),
     ("resources/devices", "many", ["resources.devices", "auto"]),
+    ("training/scaling", "fastest", ["training.scaling", "reproducible", "goodput"]),
+    ("training/lr_scaling", "log", ["training.lr_scaling", "linear", "sqrt"]),
+    ("training/scaling", "goodput", ["training.scaling: goodput", "resources.devices (1) is one size", "range [min, max]"]),
+    ("grid", {"training.scaling": ["reproducible", "goodput"]}, ["training.scaling: goodput", "range [min, max]"]),
     ("resources/memory_gb", -1, ["resources.memory_gb"]),
     ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
     ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),
@@ -168,3 +172,16 @@ def test_cli_rejects_before_anything_runs(tmp_path, digits_npz, change, value, w
     for word in words:
         assert word in output, output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing half-written
+
+
+def test_goodput_trials_carry_their_scaling_into_the_trainer(tmp_path):
+    from flows.campaign import trial_config
+    from cluster.sizing import SizedRequest
+
+    raw = with_change("training/lr_scaling", "sqrt", with_change("training/scaling", "goodput", with_change("resources/devices", [1, 4])))
+    (trial, *_) = expand_grid(parse_spec(raw))
+    cfg = trial_config(parse_spec(raw), trial, tmp_path, None, SizedRequest(trial.id, 1, 4, (0, 0, 0, 0)))
+    assert (cfg.scaling, cfg.lr_scaling, cfg.logical_ranks) == ("goodput", "sqrt", 4)
+    assert cfg.batch_at(2) == GOOD["training"]["batch_size"] // 2
+    reproducible = expand_grid(parse_spec(with_change("resources/devices", [1, 4])))[0]
+    assert reproducible.id != trial.id  # another way to train: another trial

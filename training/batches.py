@@ -7,6 +7,11 @@ rank's share may be split again into micro-batches of at most `max_device_batch`
 samples a logical rank sees, and in which micro-batches, never depend on how many
 processes there are.
 
+Where a step's global batch starts is a `Phase`: steps from `phase.step` on each take
+`phase.batch_size` samples from global position `phase.samples`. A reproducible trial has one
+phase for its whole life (position = step x batch); a `goodput` trial starts a new phase
+with a new batch whenever its size changes, so its data position is counted in samples.
+
 Two feeds deliver a process's micro-batches in order:
 - `DeviceFeed`: the whole dataset (a TensorDataset, or materialized when asked) lives on
   the device; a micro-batch is one gather there, with the epoch's permutation kept on the
@@ -29,6 +34,19 @@ from training.workload import WorkloadError, dataset_bytes, move, split_pair
 
 DEVICE_BYTES_AUTO = 2 * 2**30  # `on_device: auto` keeps a TensorDataset on a GPU up to this size...
 DEVICE_FRACTION_AUTO = 0.25  # ...and this share of the GPU's memory
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """Steps from `step` on train `batch_size` samples each, the first from global position `samples`."""
+
+    step: int
+    samples: int
+    batch_size: int
+
+    def position(self, step: int) -> int:
+        """The global position of `step`'s first sample."""
+        return self.samples + (step - self.step) * self.batch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +83,8 @@ class DeviceFeed:
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, order: SampleOrder, batch_size: int, device: torch.device):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
-        self.order, self.batch_size, self.device = order, batch_size, device
+        self.order, self.device = order, device
+        self.phase = Phase(0, 0, batch_size)
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -77,7 +96,7 @@ class DeviceFeed:
 
     def indices(self, step: int, span: Span) -> torch.Tensor:
         n = self.order.num_samples
-        epoch, offset = divmod(step * self.batch_size + span.start, n)
+        epoch, offset = divmod(self.phase.position(step) + span.start, n)
         if offset + span.size <= n:
             return self._perm(epoch)[offset:offset + span.size]
         parts, need = [], span.size
@@ -100,13 +119,13 @@ class DeviceFeed:
 class SpanSampler:
     """A DataLoader batch sampler: the index lists of a process's micro-batches, step after step."""
 
-    def __init__(self, order: SampleOrder, batch_size: int, spans: tuple[Span, ...], first_step: int, last_step: int):
-        self.order, self.batch_size, self.spans = order, batch_size, spans
+    def __init__(self, order: SampleOrder, phase: Phase, spans: tuple[Span, ...], first_step: int, last_step: int):
+        self.order, self.phase, self.spans = order, phase, spans
         self.first_step, self.last_step = first_step, last_step
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.first_step, self.last_step):
-            batch = self.order.global_batch(step, self.batch_size)
+            batch = self.order.batch_at(self.phase.position(step), self.phase.batch_size)
             for span in self.spans:
                 yield batch[span.start:span.stop].tolist()
 
@@ -118,12 +137,13 @@ class LoaderFeed:
     """Any map-style dataset through a DataLoader walking the global order."""
 
     def __init__(self, dataset: Dataset, order: SampleOrder, batch_size: int, device: torch.device, workers: int):
-        self.dataset, self.order, self.batch_size, self.device, self.workers = dataset, order, batch_size, device, workers
+        self.dataset, self.order, self.device, self.workers = dataset, order, device, workers
+        self.phase = Phase(0, 0, batch_size)
         self._iterator = None
 
     def batches(self, first_step: int, last_step: int, spans: tuple[Span, ...]) -> Iterator[tuple[Any, Any]]:
         loader = DataLoader(
-            self.dataset, batch_sampler=SpanSampler(self.order, self.batch_size, spans, first_step, last_step),
+            self.dataset, batch_sampler=SpanSampler(self.order, self.phase, spans, first_step, last_step),
             num_workers=self.workers, pin_memory=self.device.type == "cuda",
             prefetch_factor=4 if self.workers else None, persistent_workers=False,
         )

@@ -35,6 +35,14 @@ class TrialConfig:
     # The data-parallel width the result is defined for: each step's global batch is split
     # into this many logical ranks, whatever the number of processes (training.batches).
     logical_ranks: int = 1
+    # reproducible: the batch is fixed, results do not depend on the schedule. goodput: the
+    # batch follows the process count (batch_size is the batch at logical_ranks processes,
+    # so each process keeps its share), the learning rate is scaled with it (lr_scaling:
+    # linear or sqrt), and the trial's length is steps x batch_size samples (schedule and
+    # warm-up count samples too). A resize then costs no accumulation; the result depends on
+    # when the trial was resized, and each resize's batch and lr are in resizes.jsonl.
+    scaling: str = "reproducible"
+    lr_scaling: str = "linear"
     reduction: str = "fast"  # fast: DDP's all-reduce (equal to rounding); exact: summed in logical order (bit for bit)
     schedule: str = "cosine"  # "cosine" or "constant"
     warmup_steps: int = 0
@@ -52,6 +60,26 @@ class TrialConfig:
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging
     tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def goodput(self) -> bool:
+        return self.scaling == "goodput"
+
+    def batch_at(self, world_size: int) -> int:
+        """The global batch at `world_size` processes: fixed, or (goodput) each process's
+        share of batch_size at logical_ranks processes, times the processes."""
+        if not self.goodput:
+            return self.batch_size
+        return max(world_size, round(self.batch_size * world_size / self.logical_ranks))
+
+    def lr_scale(self, batch_size: int) -> float:
+        """The learning rate's multiplier at `batch_size` (goodput): linear or square-root scaling."""
+        ratio = batch_size / self.batch_size
+        return ratio if self.lr_scaling == "linear" else ratio ** 0.5
+
+    @property
+    def total_samples(self) -> int:
+        return self.steps * self.batch_size
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -69,7 +69,10 @@ class SampleOrder:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def global_batch(self, step: int, batch_size: int) -> np.ndarray:
-        start = step * batch_size
+        return self.batch_at(step * batch_size, batch_size)
+
+    def batch_at(self, start: int, batch_size: int) -> np.ndarray:
+        """The indices at global positions [start, start + batch_size)."""
         epoch, offset = divmod(start, self.num_samples)
         if offset + batch_size <= self.num_samples:  # the common case: within one epoch, a view
             return self.permutation(epoch)[offset:offset + batch_size]

@@ -116,7 +116,7 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
     request = assignment.get("request")
     now = time.time()
     world = len(assignment["members"])
-    trainer.metrics.log(trainer.step, world_size=world)
+    trainer.metrics.log(trainer.progress_step, world_size=world)
     if not request:
         return
     marks = {
@@ -132,19 +132,24 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
         # From the request to the first step at the new size (joiners start while training goes on).
         "latency_s": now - request["requested_at"],
         "pause_breakdown_s": pause_breakdown(marks),
+        # What the new size trains with: the same batch (reproducible), or its own (goodput).
+        "batch_size": trainer.phase.batch_size, "lr": trainer.start_lr, "samples_seen": trainer.phase.samples,
+        "goodput": trainer.cfg.goodput,
     }
     with open(os.path.join(trainer.cfg.trial_dir, "resizes.jsonl"), "a") as f:
         f.write(json.dumps(event) + "\n")
-    trainer.metrics.log(trainer.step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
+    trainer.metrics.log(trainer.progress_step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
     # Readable on the run's page; every figure is in resizes.jsonl and the metrics above.
     trainer.metrics.tag(f"resize.{request['seq']}", resize_line(event))
     print(f"trial {trainer.cfg.trial_id}: {resize_line(event)}", flush=True)
 
 
 def resize_line(event: dict) -> str:
-    """'2 -> 1 devices at step 276 (resize, paused 53 ms; 1.2 s from the request)'"""
+    """'2 -> 1 devices at step 276 (resize, paused 53 ms; 1.2 s from the request)', and for a
+    goodput trial the batch and learning rate it now trains with."""
+    batch = f", batch {event['batch_size']}, lr {event['lr']:.4g}" if event.get("goodput") else ""
     return (f"{len(event['from'])} -> {len(event['to'])} devices at step {event['step']} "
-            f"({event['mode']}, paused {event['pause_s'] * 1000:.0f} ms; {event['latency_s']:.1f} s from the request)")
+            f"({event['mode']}, paused {event['pause_s'] * 1000:.0f} ms; {event['latency_s']:.1f} s from the request{batch})")
 
 
 def main(argv: list[str] | None = None) -> None:

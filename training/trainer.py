@@ -13,6 +13,12 @@ restarts or on resizes, for any model.
 - The mean loss of a micro-batch is scaled by its size x world_size / global_batch, so
   DDP's gradient average equals the gradient of the mean loss over the global batch.
 
+In `scaling: goodput` (training.config) the batch instead follows the process count: each
+call of `train` starts a `Phase` at the current step and sample position with the batch
+of this world size (logical ranks = processes), the learning rate scaled to it, and the
+trial ends after steps x batch_size samples. Metrics are logged against reference steps
+(samples / batch_size), so curves compare across trials whatever their sizes were.
+
 A Trainer outlives process groups: `attach` binds it to the current default group (a
 torchrun job, or one generation of an elastic trial), `detach` lets it go, and
 `state_bytes`/`load_state_bytes` move its state through memory to a process that joins.
@@ -36,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from training.batches import Span, eval_batches, local_spans, make_feed
+from training.batches import Phase, Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
 from training.config import TrialConfig
 from training.data import SampleOrder
@@ -63,7 +69,8 @@ class DistEnv:
 
 
 def lr_factor(schedule: str, warmup: int, total: int, step: int) -> float:
-    """Multiplier of the base learning rate at `step` (linear warm-up, then the schedule)."""
+    """Multiplier of the base learning rate at `step` (linear warm-up, then the schedule);
+    goodput trials pass samples for steps."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -99,14 +106,17 @@ class Trainer(Stateful):
         self.model = build_model(cfg.model).to(device)
         self.loss_fn = build_loss(cfg.loss)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(cfg.schedule, cfg.warmup_steps, cfg.steps, s)
-        )
+        self.step = 0
+        self.start_lr = cfg.lr
+        self.samples_seen = 0  # the data position: global samples trained on
+        # This phase's batch and data-parallel width: the trial's own, unless goodput (attach).
+        self.batch_size, self.width = cfg.batch_size, cfg.logical_ranks
+        self.phase = Phase(0, 0, cfg.batch_size)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
         self.autocast_dtype = PRECISIONS[cfg.precision]
         # fp16 needs its loss scaled against underflow; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
         self.buffers = list(self.model.buffers())  # BatchNorm's running statistics and the like
-        self.step = 0
         self.last_step_at: float | None = None  # wall time the latest step completed
         self.latest: dict[str, float] = {}
         self.env: DistEnv | None = None
@@ -136,14 +146,16 @@ class Trainer(Stateful):
             trace_dir = Path(self.cfg.trial_dir) / "trace"
             trace_dir.mkdir(parents=True, exist_ok=True)
             self.trace = open(trace_dir / f"{trace_name or f'rank{env.rank}'}.jsonl", "a", buffering=1)
+        if self.cfg.goodput:  # the batch follows the size: one logical rank per process
+            self.batch_size, self.width = self.cfg.batch_at(env.world_size), env.world_size
         self.ddp = None  # one process: nothing to all-reduce, no wrapper on the step's path
         if self.cfg.reduction == "exact":  # summed in logical order by OrderedReduction, not all-reduced
-            self.ordered = OrderedReduction(self.model.parameters(), self.cfg.logical_ranks, env.world_size, env.rank, self.device)
+            self.ordered = OrderedReduction(self.model.parameters(), self.width, env.world_size, env.rank, self.device)
         elif env.world_size > 1:
             self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         module = self.ddp or self.model
         self.forward = torch.compile(module) if self.cfg.compile else module
-        self.spans = local_spans(self.cfg.batch_size, self.cfg.logical_ranks, env.world_size, env.rank, self.cfg.max_device_batch)
+        self.spans = local_spans(self.batch_size, self.width, env.world_size, env.rank, self.cfg.max_device_batch)
         # Where a logical rank's micro-batches end: exact reduction files its gradient there.
         self.ends_logical = tuple(i == len(self.spans) - 1 or self.spans[i + 1].logical_rank != s.logical_rank
                                   for i, s in enumerate(self.spans))
@@ -183,8 +195,8 @@ class Trainer(Stateful):
             # The data position and the RNG streams are functions of (seed, step): see the
             # module docstring. They are stored so a resume can check it continues the same run.
             "scaler": self.scaler.state_dict(),
-            "progress": {"step": self.step, "samples_seen": self.step * self.cfg.batch_size, "seed": self.cfg.seed,
-                         "logical_ranks": self.cfg.logical_ranks},
+            "progress": {"step": self.step, "samples_seen": self.samples_seen, "seed": self.cfg.seed,
+                         "logical_ranks": self.cfg.logical_ranks, "scaling": self.cfg.scaling},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,16 +207,21 @@ class Trainer(Stateful):
         progress = state["progress"]
         if progress["seed"] != self.cfg.seed:
             raise RuntimeError(f"checkpoint was written with seed {progress['seed']}, this trial has {self.cfg.seed}")
+        if progress.get("scaling", "reproducible") != self.cfg.scaling:
+            raise RuntimeError(f"checkpoint was written with scaling {progress.get('scaling', 'reproducible')}, this trial has "
+                               f"{self.cfg.scaling}: start the trial afresh")
         if progress.get("logical_ranks", self.cfg.logical_ranks) != self.cfg.logical_ranks:
             raise RuntimeError(f"checkpoint was written with {progress['logical_ranks']} logical ranks, this trial has "
                                f"{self.cfg.logical_ranks}: its results would differ; start the trial afresh")
         self.step = int(progress["step"])
+        self.samples_seen = int(progress.get("samples_seen", self.step * self.cfg.batch_size))
 
     def state_bytes(self) -> bytes:
         """The whole training state, for a process joining through memory (not disk)."""
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step}, buf)
+                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
+                    "samples_seen": self.samples_seen}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, payload: bytes) -> None:
@@ -215,6 +232,50 @@ class Trainer(Stateful):
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+
+    # --- the data position and the learning rate ------------------------------------------
+    @property
+    def done(self) -> bool:
+        if self.cfg.goodput:
+            return self.samples_seen >= self.cfg.total_samples
+        return self.step >= self.cfg.steps
+
+    @property
+    def total_steps(self) -> int:
+        """The step the trial ends at: its steps, or (goodput) as many as the samples left
+        take at this phase's batch."""
+        if not self.cfg.goodput:
+            return self.cfg.steps
+        return self.step + max(0, -(-(self.cfg.total_samples - self.samples_seen) // self.batch_size))
+
+    @property
+    def progress_step(self) -> int:
+        """The step metrics are logged at: the step, or (goodput) samples / batch_size, the
+        step a trial that was never resized would be at."""
+        return self.samples_seen // self.cfg.batch_size if self.cfg.goodput else self.step
+
+    def _lr_multiplier(self, step: int) -> float:
+        """LambdaLR's factor after `step` steps; goodput: at the data position, times this
+        batch's scale (LambdaLR calls it after train_step has counted the step's samples)."""
+        cfg = self.cfg
+        if not cfg.goodput:
+            return lr_factor(cfg.schedule, cfg.warmup_steps, cfg.steps, step)
+        factor = lr_factor(cfg.schedule, cfg.warmup_steps * cfg.batch_size, cfg.total_samples, self.samples_seen)
+        return cfg.lr_scale(self.batch_size) * factor
+
+    def _start_phase(self) -> None:
+        """From this step on, batches of this world size's batch; goodput: its learning rate now."""
+        self.phase = Phase(self.step, self.samples_seen, self.batch_size)
+        self.feed.phase = self.phase
+        if self.cfg.goodput:
+            multiplier = self._lr_multiplier(self.step)
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * multiplier
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     # --- the loop ----------------------------------------------------------------------
     def resume(self) -> int | None:
@@ -253,7 +314,7 @@ class Trainer(Stateful):
         cfg, spans = self.cfg, self.spans
         # One multiplication; DDP then averages over world_size, so each sample's gradient
         # ends up scaled by 1 / batch_size at every world size (exact: summed, not averaged).
-        scale = (1 if self.ordered is not None else self.env.world_size) / cfg.batch_size
+        scale = (1 if self.ordered is not None else self.env.world_size) / self.batch_size
         # Running statistics are logical rank 0's (what DDP's buffer broadcast keeps at L
         # processes): rank 0 runs every other logical rank from the step's starting buffers.
         keep_buffers = self.buffers and self.env.rank == 0 and spans[-1].logical_rank > 0
@@ -282,7 +343,7 @@ class Trainer(Stateful):
             if self.ordered is not None and self.ends_logical[i]:
                 self.ordered.take(span.logical_rank)
             if self.trace is not None:
-                samples = self.order.global_batch(step, cfg.batch_size)[span.start:span.stop]
+                samples = self.order.batch_at(self.phase.position(step), self.batch_size)[span.start:span.stop]
                 self.trace.write(json.dumps({"step": step, "offset": span.start, "samples": samples.tolist(),
                                              "loss_sum": loss.item() * span.size}) + "\n")
         if kept is not None:
@@ -295,6 +356,7 @@ class Trainer(Stateful):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.samples_seen += self.batch_size  # before the scheduler: a goodput schedule counts samples
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -327,8 +389,9 @@ class Trainer(Stateful):
     def write_progress(self, state: str) -> None:
         # A status for people and the scheduler, written often: no fsync on the training path.
         write_json_atomic(self.cfg.progress_path, {
-            "state": state, "step": self.step, "steps": self.cfg.steps, "world_size": self.env.world_size,
-            "metrics": self.latest, "updated": time.time(),
+            # In reference steps (goodput: samples / batch_size), as campaign.json counts them.
+            "state": state, "step": self.progress_step, "steps": self.cfg.steps, "world_size": self.env.world_size,
+            "batch_size": self.batch_size, "samples_seen": self.samples_seen, "metrics": self.latest, "updated": time.time(),
         }, durable=False)
 
     def train(self, should_stop: StopCheck | None = None, after_first_step: Callable[[], None] | None = None) -> dict[str, Any] | None:
@@ -342,10 +405,14 @@ class Trainer(Stateful):
         local_samples = sum(span.size for span in self.spans)
         window_loss, window_steps, window_start = None, 0, time.perf_counter()
         progress_at = 0.0
+        self._start_phase()  # at the position this call starts from: loaded, or where the last call stopped
+        self.start_lr = self.lr  # what this call's first step trains with: a resize's record says it
         batches = self._batches_at(self.step)
         if self.is_rank0:
+            if cfg.goodput:  # the batch and learning rate this size trains with, on the trial's record
+                self.metrics.log(self.progress_step, batch_size=self.batch_size)
             self.write_progress("running")
-        while self.step < cfg.steps:
+        while not self.done:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
                 self._batches_next = self.step  # a later call at this step goes on with the same feed
                 return None
@@ -356,7 +423,7 @@ class Trainer(Stateful):
             self.last_step_at = time.time()
             if after_first_step is not None and self.step == start_step + 1:
                 after_first_step()
-            evaluate = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+            evaluate = self.step % cfg.eval_every == 0 or self.done
             stop_here = False
             if self.is_rank0:
                 window_loss = loss if window_loss is None else window_loss + loss
@@ -366,18 +433,18 @@ class Trainer(Stateful):
                     # waits for the device, and a metric costs CPU on the training core.
                     now = time.perf_counter()
                     self.latest.update(train_loss=window_loss.item() / (window_steps * local_samples),
-                                       lr=self.scheduler.get_last_lr()[0], step_time_s=(now - window_start) / window_steps)
+                                       lr=self.lr, step_time_s=(now - window_start) / window_steps)
                     window_loss, window_steps = None, 0
                     if evaluate:
                         self.latest.update(self.evaluate())
-                        stop_here = self.pruning is not None and self.step < cfg.steps and self.pruning.should_stop(self.step, self.latest)
-                    self.metrics.log(self.step, **self.latest)
+                        stop_here = self.pruning is not None and not self.done and self.pruning.should_stop(self.progress_step, self.latest)
+                    self.metrics.log(self.progress_step, **self.latest)
                     window_start = time.perf_counter()  # an evaluation is not a training step
-            if self.pruning is not None and evaluate and self.step < cfg.steps and self._agree(stop_here):
+            if self.pruning is not None and evaluate and not self.done and self._agree(stop_here):
                 self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
-                self.metrics.tag("pruned_at_step", str(self.step))
+                self.metrics.tag("pruned_at_step", str(self.progress_step))
                 break
-            if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+            if self.step % cfg.checkpoint_every == 0 and not self.done:
                 self.save_checkpoint(blocking=False)
             if self.is_rank0 and self.step % cfg.log_every == 0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
                 self.write_progress("running")
@@ -386,7 +453,8 @@ class Trainer(Stateful):
         if self.is_rank0 and "val_accuracy" not in self.latest:
             self.latest.update(self.evaluate())  # resumed from the final checkpoint: no step ran
         result = {
-            "trial_id": cfg.trial_id, "steps": self.step, "world_size": self.env.world_size, "pruned": self.pruned,
+            "trial_id": cfg.trial_id, "steps": self.step, "samples_seen": self.samples_seen, "scaling": cfg.scaling,
+            "world_size": self.env.world_size, "pruned": self.pruned,
             "resumed_from_step": start_step, "wall_s": time.time() - started,
             "metrics": dict(self.latest),
             "checkpoint": str(self.checkpointer.root / f"step-{self.step:08d}"),
@@ -409,7 +477,7 @@ class Trainer(Stateful):
         DataLoader's workers and prefetched batches survive a pause), else a new one."""
         if self._batches is None or self._batches_next != step:
             self.feed.close()
-            self._batches = iter(self.feed.batches(step, self.cfg.steps, self.spans))
+            self._batches = iter(self.feed.batches(step, self.total_steps, self.spans))
         self._batches_next = None
         return self._batches
 

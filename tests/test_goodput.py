@@ -1,0 +1,89 @@
+"""`scaling: goodput`: an elastic trial's batch and learning rate follow its size.
+
+Real elastic trials (agent + workers, gloo on CPU slots). What must hold across a resize:
+every sample of the global order is trained exactly once, in order (the data position is
+counted in samples, not steps); each size trains its own batch (each process keeps its
+share) with the learning rate scaled to it; the trial ends after steps x batch_size
+samples; and the resize's batch and learning rate are on the trial's record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from elastic_helpers import finish, resize, resizes, start, trace, trial_config
+from training.config import TrialConfig
+from training.data import SampleOrder, load_digits_npz
+from training.trainer import lr_factor
+
+pytestmark = pytest.mark.slow  # real elastic trials
+
+
+def resized_at_hold(cfg: TrialConfig, mode: str) -> None:
+    """Start `cfg` on 2 processes, held at its hold step; ask for 1; let it go on to the end."""
+    hold = Path(cfg.trial_dir) / "hold"
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.touch()
+    proc = start(cfg, 2)
+    deadline = time.time() + 120
+    while (json.loads(cfg.progress_path.read_text()) if cfg.progress_path.exists() else {}).get("state") != "held":
+        assert proc.poll() is None and time.time() < deadline, (Path(cfg.trial_dir) / "agent.log").read_text()[-2000:]
+        time.sleep(0.02)
+    resize(cfg, 1, 1, mode)
+    hold.unlink()
+    finish(proc, cfg)
+
+
+def test_batch_and_learning_rate_at_each_size():
+    cfg = TrialConfig(trial_id="t", seed=0, model={}, data={}, steps=100, batch_size=64, lr=0.1, logical_ranks=4,
+                      scaling="goodput")
+    assert [cfg.batch_at(w) for w in (1, 2, 3, 4)] == [16, 32, 48, 64]  # each process keeps its 16
+    assert cfg.lr_scale(32) == 0.5 and cfg.total_samples == 6400
+    assert TrialConfig(**{**json.loads(cfg.to_json()), "lr_scaling": "sqrt"}).lr_scale(16) == 0.5
+    fixed = TrialConfig(**{**json.loads(cfg.to_json()), "scaling": "reproducible"})
+    assert [fixed.batch_at(w) for w in (1, 2, 4)] == [64, 64, 64]
+
+
+@pytest.mark.parametrize("mode", ["resize", "restart"])  # state through memory, or through the checkpoint on disk
+def test_resized_goodput_trial_trains_every_sample_once_at_each_sizes_batch(tmp_path, digits_npz, mode):
+    cfg = trial_config(tmp_path / mode, digits_npz, steps=240, scaling="goodput", warmup_steps=0, hold_at_step=60)  # batch 30 at 2
+    resized_at_hold(cfg, mode)
+
+    result = json.loads(Path(cfg.result_path).read_text())
+    assert result["scaling"] == "goodput" and result["samples_seen"] == cfg.total_samples == 240 * 30
+
+    # Each step's batch is its size's: 30 at 2 processes, then 15 at 1; together they are the
+    # global order's first steps x batch_size samples, each once.
+    steps = trace(cfg)
+    sizes = [len(steps[s][0]) for s in sorted(steps)]
+    switch = sizes.index(15)
+    assert set(sizes[:switch]) == {30} and set(sizes[switch:]) == {15} and switch >= 60
+    assert sorted(steps) == list(range(len(sizes))) and len(sizes) == result["steps"]
+    trained = np.concatenate([steps[s][0] for s in sorted(steps)])
+    order = SampleOrder(len(load_digits_npz(digits_npz).train_y), cfg.seed)
+    assert np.array_equal(trained, order.batch_at(0, cfg.total_samples))
+
+    # The resize is on the record: the new batch and its learning rate (linear scaling: half,
+    # times the cosine schedule at the samples trained so far).
+    (event,) = resizes(cfg)
+    assert event["batch_size"] == 15 and event["samples_seen"] == switch * 30
+    expected_lr = cfg.lr * 0.5 * lr_factor("cosine", 0, cfg.total_samples, event["samples_seen"])
+    assert math.isclose(event["lr"], expected_lr, rel_tol=1e-6)
+    log = (Path(cfg.trial_dir) / "agent.log").read_text()
+    assert "batch 15, lr" in log
+
+
+def test_reproducible_trial_keeps_its_batch_through_the_same_resize(tmp_path, digits_npz):
+    cfg = trial_config(tmp_path / "fixed", digits_npz, steps=240, warmup_steps=0, hold_at_step=60)
+    resized_at_hold(cfg, "resize")
+    steps = trace(cfg)
+    assert {len(samples) for samples, _ in steps.values()} == {30} and len(steps) == 240
+    (event,) = resizes(cfg)
+    assert event["batch_size"] == 30 and event["samples_seen"] % 30 == 0
+    assert math.isclose(event["lr"], cfg.lr * lr_factor("cosine", 0, cfg.steps, event["samples_seen"] // 30), rel_tol=1e-6)
