@@ -41,6 +41,8 @@ from flows.ui import mlflow_ui
 from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
+from flows.pool import PoolError
+from flows.remote import live_inventory, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from training.config import TrialConfig
@@ -55,7 +57,10 @@ HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
 
 
 def inventory_for(spec: CampaignSpec) -> Inventory:
-    """The devices trials run on: this host's (GPUs through NVML, else CPU slots)."""
+    """The devices trials run on: this host's (GPUs through NVML, else CPU slots), or the
+    live nodes' of the spec's pool."""
+    if spec.cluster.pool is not None:
+        return live_inventory(spec.cluster.pool)
     return discover(cpu_slots=spec.cluster.cpu_slots)
 
 
@@ -74,7 +79,8 @@ def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Invento
     at its minimum: errors name the field and the trial."""
     check_trials(trials)
     requests = size_trials(spec, trials, inventory)
-    check_fits([r.at(r.min_devices) for r in requests.values()], inventory)
+    # In a pool a trial may span nodes (torchrun's c10d rendezvous); on one host it is one node anyway.
+    check_fits([r.at(r.min_devices) for r in requests.values()], inventory, multi_node=spec.cluster.pool is not None)
     return requests
 
 
@@ -130,6 +136,9 @@ class CampaignRun:
         every = spec.tracking.system_metrics_every_s
         self.sampler = SystemSampler(self.uri, every, processes_of=trial_process_groups) if every > 0 else None
         accept_launches()
+        # A pool's trials run on its nodes through the pool's segment deployment; this host only orchestrates.
+        self.pool = spec.cluster.pool
+        self.deployment = prepare_pool(self.pool) if self.pool else None
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s)
@@ -169,7 +178,7 @@ class CampaignRun:
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
         self.run_ids[trial.id] = run_id
-        if self.sampler is not None:
+        if self.sampler is not None and self.pool is None:  # it reads this host's devices
             self.sampler.watch(run_id, devices, trial.id)
         drawn = self.drawn.get(trial.id)
         config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
@@ -179,7 +188,12 @@ class CampaignRun:
         log_allocation(self.root, trial.id, placement.device_ids, "start")
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
-        future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic, warm)
+        if self.pool is not None:
+            nodes = ", ".join(dict.fromkeys(d.node for d in devices))
+            future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}").submit(
+                config, devices, str(Path.cwd()), self.deployment, self.pool, self.name)
+        else:
+            future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
         if stale := pending_request(job.trial_dir, set()):  # made for an earlier run of this trial
             job.handled.add(stale["id"])
@@ -235,7 +249,7 @@ class CampaignRun:
 
     def packer(self) -> Packer:
         pending_min = [self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending]
-        return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min))
+        return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min), multi_node=self.pool is not None)
 
     def start_first_come(self) -> None:
         """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
@@ -303,7 +317,8 @@ class CampaignRun:
         lease_lost = readmit(job.trial.id)
         try:
             result = future.result()
-            log_allocation(self.root, job.trial.id, [], "preempted" if result.get("preempted") else "end")
+            reason = "node lost" if result.get("node_lost") else "preempted" if result.get("preempted") else "end"
+            log_allocation(self.root, job.trial.id, [], reason)
         except Exception as e:
             if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
                 log_allocation(self.root, job.trial.id, [], "lease lost")
@@ -317,6 +332,12 @@ class CampaignRun:
             self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
                 self.scheduler.finish(job.trial.id)
+            return
+        if node := result.get("node_lost"):  # the node is gone, the trial is not: it resumes from its checkpoint on the nodes left
+            self.logger.error(f"trial {job.trial.id}: node {node} stopped beating; it resumes from its last checkpoint on the nodes left")
+            self.drop_node(node)
+            self.pending.append(job.trial)
+            self.check_pending_fit()
             return
         if result.get("preempted"):
             self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
@@ -344,6 +365,28 @@ class CampaignRun:
             self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {format_metrics(result['metrics'])}")
             return
         self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
+
+    def drop_node(self, node: str) -> None:
+        """A pool node stopped beating: nothing more is placed on its devices."""
+        if node not in self.inventory.nodes:
+            return
+        kept = tuple(d for d in self.inventory.devices if d.node != node)
+        self.inventory = Inventory(kept, {pair: link for pair, link in self.inventory.links.items()
+                                          if all(self.inventory.device(d).node != node for d in pair)})
+        self.capacity = {d.id: d.memory_bytes for d in kept}
+        if not kept:
+            raise PoolError(f"every node of pool {self.pool} stopped beating: `campaign launch` again, once nodes run "
+                            f"`campaign worker --pool {self.pool}`, resumes the trials from their checkpoints")
+        self.logger.warning(f"node {node} left the pool: {len(kept)} device(s) on {len(self.inventory.nodes)} node(s) remain")
+
+    def check_pending_fit(self) -> None:
+        """After a node left: every waiting trial still fits the nodes left (else it would wait forever)."""
+        try:
+            check_fits([self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending], self.inventory,
+                       multi_node=self.pool is not None)
+        except CampaignError as e:
+            raise PoolError(f"the nodes left in pool {self.pool} cannot run every trial: {e}. Start `campaign worker --pool "
+                            f"{self.pool}` on more nodes and `campaign launch` again: the trials resume from their checkpoints") from None
 
     def run(self) -> None:
         ended = False
@@ -406,9 +449,9 @@ class CampaignRun:
 
 
 @flow(name="campaign", log_prints=True)
-def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None) -> dict[str, Any]:
+def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None, pool: str | None = None) -> dict[str, Any]:
     logger = CampaignLog(get_run_logger())
-    spec = load_spec(params_path)
+    spec = load_spec(params_path, pool=pool)
     check_data(spec)
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
     inventory = inventory_for(spec)

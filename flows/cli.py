@@ -29,7 +29,7 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _validated(params: Path):
+def _validated(params: Path, pool: str | None = None):
     """Parse and check everything that can be checked before a flow starts."""
     from flows.campaign import checked_requests, inventory_for
     from flows.spec import check_data, check_tracking, load_spec
@@ -37,10 +37,13 @@ def _validated(params: Path):
     from training.errors import CampaignError
 
     try:
-        spec = load_spec(params)
+        spec = load_spec(params, pool=pool)
         check_data(spec)
         check_tracking(spec)
         trials = expand_grid(spec)
+        if spec.cluster.pool is not None:
+            from flows.worker import require_server
+            require_server()
         inventory = inventory_for(spec)
         checked_requests(spec, trials, inventory)
     except CampaignError as e:
@@ -69,9 +72,9 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
-def _launch(params: Path, live: bool | None = None) -> None:
+def _launch(params: Path, live: bool | None = None, pool: str | None = None) -> None:
     _report_to_ui()
-    spec, trials = _validated(params)
+    spec, trials = _validated(params, pool)
     from flows.campaign import campaign_flow
     from flows.spec import tracking_uri
     from flows.warden import start_warden
@@ -86,9 +89,9 @@ def _launch(params: Path, live: bool | None = None) -> None:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         if live if live is not None else console.is_terminal:
-            summary = _launch_live(spec, params)
+            summary = _launch_live(spec, params, pool)
         else:
-            summary = campaign_flow(str(params))
+            summary = campaign_flow(str(params), pool=pool)
     except Terminated:
         _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
               "resumes from their checkpoints", code=143)
@@ -105,7 +108,7 @@ def _launch(params: Path, live: bool | None = None) -> None:
     console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
 
 
-def _launch_live(spec, params: Path):
+def _launch_live(spec, params: Path, pool: str | None = None):
     """The flow under a live table; Prefect's and the libraries' logs go to campaign.log."""
     from flows.campaign import campaign_flow
     from flows.live_view import LiveView, chatter_to_file
@@ -114,23 +117,26 @@ def _launch_live(spec, params: Path):
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
     chatter_to_file(log_path)
     with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path):
-        return campaign_flow(str(params))
+        return campaign_flow(str(params), pool=pool)
 
 
 LIVE = typer.Option(None, "--live/--no-live", help="a table of trials redrawn in place, Prefect's logs to <campaign>/campaign.log "
                     "(default: on in a terminal)")
 
 
+POOL = typer.Option(None, "--pool", help="run the trials on this campaign pool's nodes (sets cluster.pool; needs PREFECT_API_URL)")
+
+
 @app.command()
-def launch(params: Path = PARAMS, live: Optional[bool] = LIVE) -> None:
+def launch(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL) -> None:
     """Run the campaign: completed trials are skipped, partial ones resume from their checkpoint."""
-    _launch(params, live)
+    _launch(params, live, pool)
 
 
 @app.command()
-def resume(params: Path = PARAMS, live: Optional[bool] = LIVE) -> None:
+def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL) -> None:
     """Resume a campaign (the same as launching its spec again)."""
-    _launch(params, live)
+    _launch(params, live, pool)
 
 
 @app.command()
@@ -369,14 +375,63 @@ def ui(
 
 
 @app.command()
-def cluster(cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU")) -> None:
-    """Show the devices, who holds them (leases) and how busy they are."""
+def cluster(cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU"),
+            pool: Optional[str] = typer.Option(None, help="show this campaign pool's nodes instead (PREFECT_API_URL)")) -> None:
+    """Show the devices, who holds them (leases) and how busy they are; or a pool's nodes."""
     from cluster.inventory import device_usage, discover
     from cluster.leases import LeaseStore
     from cluster.report import render_cluster
 
+    if pool is not None:
+        _show_pool(pool)
+        return
     inventory = discover(cpu_slots=cpu_slots)
     console.print(render_cluster(inventory, LeaseStore().leases(), device_usage()))
+
+
+def _show_pool(pool: str) -> None:
+    from datetime import datetime, timezone
+
+    from flows.pool import PoolError, check_name
+    from flows.remote import pool_nodes
+    from flows.worker import require_server
+
+    try:
+        check_name("pool", pool)
+        require_server()
+        nodes = pool_nodes(pool)
+    except PoolError as e:
+        _fail(str(e))
+    now = datetime.now(timezone.utc)
+    table = Table(title=f"pool {pool}: {sum(n.live for n in nodes)} of {len(nodes)} node(s) live")
+    for col in ("node", "state", "address", "devices", "last heartbeat"):
+        table.add_column(col)
+    for n in nodes:
+        beat = f"{(now - n.last_heartbeat).total_seconds():.0f} s ago" if n.last_heartbeat else "never"
+        table.add_row(n.name, "live" if n.live else "dead", n.address,
+                      f"{len(n.inventory.devices)} {n.inventory.kind}: {', '.join(d.id for d in n.inventory.devices)}", beat)
+    console.print(table)
+
+
+@app.command()
+def worker(
+    pool: str = typer.Option(..., help="the campaign pool (a Prefect process work pool) this node joins"),
+    node: Optional[str] = typer.Option(None, help="this node's name in the pool (default: the host name)"),
+    address: str = typer.Option("127.0.0.1", help="this node's address: where its trials' stores and rendezvous listen"),
+    cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU (default: one per core)"),
+    interface: Optional[str] = typer.Option(None, help="the network interface of --address (default: found with `ip addr`)"),
+) -> None:
+    """Make this machine a node of a campaign pool: publish its devices, run trial segments placed on it."""
+    import socket
+
+    from flows.pool import PoolError
+    from flows.worker import run_worker
+
+    try:
+        code = run_worker(pool, node or socket.gethostname().lower(), address, cpu_slots, interface)
+    except PoolError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -217,6 +217,9 @@ class ClusterSection(Strict):
                                "(torch imported once), not a torchrun each")
     nodes: list[DeclaredNodeSpec] | None = Field(
         default=None, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
+    pool: str | None = Field(
+        default=None, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
+        description="run the trials on the nodes of this campaign pool (`campaign worker --pool NAME` on each), not this host")
 
 
 class SchedulingSection(Strict):
@@ -409,6 +412,9 @@ class CampaignSpec(Strict):
         if most is not None and logical is not None and logical < most:
             raise ValueError(f"training.logical_ranks ({logical}) is smaller than the {most} devices of resources.devices: "
                              "every process holds at least one logical rank; raise logical_ranks or lower the devices")
+        if self.cluster.pool is not None and isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]:
+            raise ValueError(f"cluster.pool: elastic trials (resources.devices {list(self.resources.devices)}) do not run in a pool "
+                             "yet; give one size, or leave cluster.pool out to run them on this host")
         goodput = self.training.scaling == "goodput" or "goodput" in self.varies.get("training.scaling", [])
         if goodput and not (isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]):
             raise ValueError(f"training.scaling: goodput changes the batch when a trial is resized, and resources.devices "
@@ -506,7 +512,8 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def load_spec(path: str | Path) -> CampaignSpec:
+def load_spec(path: str | Path, pool: str | None = None) -> CampaignSpec:
+    """The spec at `path`; `pool` (`campaign launch --pool`) sets cluster.pool, checked as if written there."""
     path = Path(path)
     try:
         if path.is_file() and path.stat().st_size > MAX_SPEC_BYTES:
@@ -522,6 +529,8 @@ def load_spec(path: str | Path) -> CampaignSpec:
         raise SpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from None
+    if pool is not None and isinstance(raw, dict):
+        raw = {**raw, "cluster": {**(raw.get("cluster") or {}), "pool": pool}}
     return parse_spec(raw, str(path))
 
 

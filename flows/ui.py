@@ -60,13 +60,14 @@ def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
 
-def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_port: int = 0) -> Servers:
-    """Start both servers and wait until they answer; raises RuntimeError (naming the log) if one does not."""
+def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_port: int = 0, host: str = "127.0.0.1") -> Servers:
+    """Start both servers and wait until they answer; raises RuntimeError (naming the log) if one does not.
+    `host`: the Prefect server's address (a pool's nodes must reach it; MLflow stays on loopback)."""
     prefect_port = prefect_port or free_port()
-    prefect_url = f"http://127.0.0.1:{prefect_port}"
+    prefect_url = f"http://{host}:{prefect_port}"
     env = {"PREFECT_UI_API_URL": prefect_url + "/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(prefect_port)}
-    processes = [_start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port),
+           "PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}
+    processes = [_start([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port),
                          "--analytics-off"], env, logs / "prefect-server.log")]
     checks = [(prefect_url + "/api/health", logs / "prefect-server.log")]
     mlflow_url = None

@@ -58,6 +58,11 @@ def accept_launches() -> None:
     _stopped.clear()
 
 
+def campaign_stopping(trial_id: str) -> bool:
+    """Whether a segment of `trial_id` must not run on: the campaign stops, or its leases were lost."""
+    return _stopped.is_set() or trial_id in _revoked
+
+
 def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
     """Stop every trial this process launched that is still running; returns their ids.
     Returns only when their process groups are gone (or were killed)."""
@@ -320,33 +325,45 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
 
     Returns the trial's result, or {"preempted": True} when it was resized to zero devices.
     """
-    trial_dir = Path(config.trial_dir)
-    if _stopped.is_set() or config.trial_id in _revoked:  # a retry after a stop: leave the record as the stop wrote it
+    if campaign_stopping(config.trial_id):  # a retry after a stop: leave the record as the stop wrote it
         raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping or its leases were lost")
+    return run_plan(plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm), config, devices)
+
+
+def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], record: bool = True,
+             all_devices: list[str] | None = None) -> dict[str, Any]:
+    """Apply a segment's launch plan and say how it ended (see run_trial). `record`: this
+    process keeps the trial's record (of a trial across nodes, only the host node's does,
+    with `all_devices`, every node's)."""
+    trial_dir = Path(config.trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    record = update_record(trial_dir, state="running", devices=[d.id for d in devices])
+
+    def update(**fields) -> dict[str, Any]:
+        return update_record(trial_dir, **fields) if record else {}
+
+    ids = all_devices or [d.id for d in devices]
+    held = update(state="running", devices=ids)
     # Who had which device when: one interval per attempt.
-    intervals = record.get("intervals", []) + [{"devices": [d.id for d in devices], "start": time.time(), "end": None}]
-    update_record(trial_dir, attempts=int(record.get("attempts", 0)) + 1, intervals=intervals)
-    plan = plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm)
+    intervals = held.get("intervals", []) + [{"devices": ids, "start": time.time(), "end": None}]
+    update(attempts=int(held.get("attempts", 0)) + 1, intervals=intervals)
     try:
         with LogForwarder(plan.log_path):
             code = apply_launch(plan, config)
     finally:
         intervals[-1]["end"] = time.time()
-        update_record(trial_dir, intervals=intervals)
+        update(intervals=intervals)
     result = completed_result(trial_dir)
     if result is not None:  # finished, whatever happened after: a worker killed after the result changes nothing
-        update_record(trial_dir, state="finished", exit_code=code)
+        update(state="finished", exit_code=code)
         return result
     if _stopped.is_set():
-        update_record(trial_dir, state="stopped", exit_code=code)
+        update(state="stopped", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
     if config.trial_id in _revoked:
-        update_record(trial_dir, state="lease lost", exit_code=code)
+        update(state="lease lost", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
     if plan.elastic and code == PREEMPTED:
-        update_record(trial_dir, state="preempted", exit_code=code)
+        update(state="preempted", exit_code=code)
         return {"preempted": True}
-    update_record(trial_dir, state="failed", exit_code=code)
+    update(state="failed", exit_code=code)
     raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")

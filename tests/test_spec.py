@@ -85,6 +85,7 @@ BAD = [
     ("resources/memory_gb", -1, ["resources.memory_gb"]),
     ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
     ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),
+    ("cluster/pool", "Lab A", ["cluster.pool", "pattern"]),
 ]
 
 
@@ -185,3 +186,13 @@ def test_goodput_trials_carry_their_scaling_into_the_trainer(tmp_path):
     assert cfg.batch_at(2) == GOOD["training"]["batch_size"] // 2
     reproducible = expand_grid(parse_spec(with_change("resources/devices", [1, 4])))[0]
     assert reproducible.id != trial.id  # another way to train: another trial
+
+
+def test_a_pool_runs_fixed_size_trials_only_for_now(tmp_path):
+    elastic_in_pool = with_change("cluster/pool", "lab", with_change("resources/devices", [1, 4]))
+    message = str(pytest.raises(SpecError, parse_spec, elastic_in_pool).value)
+    assert "cluster.pool: elastic trials" in message and "give one size" in message
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump(with_change("resources/devices", [1, 4])))
+    assert "cluster.pool" in str(pytest.raises(SpecError, load_spec, params, pool="lab").value)  # `launch --pool` is checked alike
+    assert load_spec(params).cluster.pool is None

@@ -1,0 +1,176 @@
+"""A campaign pool: nodes that each run `campaign worker`, seen through Prefect.
+
+Prefect keeps the pool (a `process` work pool), its workers and their heartbeats; what it
+does not know is what each node can run. A worker publishes that in a Prefect Variable,
+`campaign-node-<pool>-<node>`: the node's address and its devices (the same `Inventory`
+the packer and the policy read on one machine). A node is live while its Prefect worker's
+heartbeat is fresh (`live`), so a node whose worker was killed drops out of the pool's
+inventory within a few heartbeats, though its variable stays until it starts again.
+
+The Prefect calls are the only I/O here; `live`, `pool_inventory` and the JSON form of an
+inventory are pure.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from cluster.types import Device, Inventory, Link
+from training.errors import CampaignError
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # pool and node names: parts of a Prefect variable name
+HEARTBEAT_S = 5  # the worker's heartbeat (Prefect's default is 30 s: a dead node would take minutes to see)
+MISSED_HEARTBEATS = 3  # a node is dead after this many heartbeats did not come
+
+
+class PoolError(CampaignError):
+    """A pool or node name that cannot be used, or no Prefect server to hold the pool."""
+
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise PoolError(f"{kind} name {name!r}: use lowercase letters, digits, '-' and '_' (at most 63, "
+                        f"starting with a letter or digit), e.g. --{kind} {re.sub(r'[^a-z0-9_-]+', '-', name.lower()).strip('-_') or 'node0'}")
+    return name
+
+
+def node_variable(pool: str, node: str) -> str:
+    return f"campaign-node-{pool}-{node}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolNode:
+    """One node of a pool as the campaign sees it."""
+
+    name: str
+    address: str
+    inventory: Inventory
+    live: bool
+    last_heartbeat: datetime | None
+
+
+# ---------------------------------------------------------------- pure parts
+
+def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
+    return {
+        "devices": [{"id": d.id, "node": d.node, "index": d.index, "kind": d.kind, "name": d.name,
+                     "memory_bytes": d.memory_bytes} for d in inventory.devices],
+        "links": [[sorted(pair), int(link)] for pair, link in inventory.links.items()],
+    }
+
+
+def inventory_from_json(raw: dict[str, Any]) -> Inventory:
+    devices = tuple(Device(**d) for d in raw["devices"])
+    links = {frozenset(pair): Link(link) for pair, link in raw.get("links", [])}
+    return Inventory(devices, links)
+
+
+def live(last_heartbeat: datetime | None, interval_s: float | None, now: datetime) -> bool:
+    """Whether a worker that last beat at `last_heartbeat`, every `interval_s`, is still there."""
+    if last_heartbeat is None:
+        return False
+    interval = interval_s or HEARTBEAT_S
+    return (now - last_heartbeat).total_seconds() <= MISSED_HEARTBEATS * interval
+
+
+def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
+    """Every live node's devices, as one inventory (device ids are unique across nodes:
+    GPU UUIDs, `<node>/cpu<i>` slots)."""
+    devices: list[Device] = []
+    links: dict[frozenset[str], Link] = {}
+    for node in nodes:
+        if node.live:
+            devices.extend(node.inventory.devices)
+            links.update(node.inventory.links)
+    return Inventory(tuple(devices), links)
+
+
+# ---------------------------------------------------------------- Prefect
+
+async def ensure_pool(client, pool: str) -> None:
+    """Create the `process` work pool if it is not there yet."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        await client.read_work_pool(pool)
+    except ObjectNotFound:
+        try:
+            await client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                                         description="campaign pool: one `campaign worker` per node"))
+        except ObjectAlreadyExists:  # another node's worker made it first
+            pass
+
+
+async def publish_node(client, pool: str, node: str, address: str, inventory: Inventory) -> None:
+    """Write (or overwrite) this node's address and devices for the pool."""
+    from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+
+    name = node_variable(pool, node)
+    value = {"pool": pool, "node": node, "address": address, "inventory": inventory_to_json(inventory)}
+    if await client.read_variable_by_name(name) is None:
+        await client.create_variable(VariableCreate(name=name, value=value, tags=["campaign-pool", pool]))
+    else:
+        await client.update_variable(VariableUpdate(name=name, value=value))
+
+
+async def withdraw_node(client, pool: str, node: str) -> None:
+    """A node leaving in order: its devices are no longer offered."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        await client.delete_variable_by_name(node_variable(pool, node))
+    except ObjectNotFound:
+        pass
+
+
+async def read_pool(client, pool: str, now: datetime | None = None) -> list[PoolNode]:
+    """Every node that published itself in `pool`, live or not, by name."""
+    from prefect.exceptions import ObjectNotFound
+
+    now = now or datetime.now(timezone.utc)
+    try:
+        workers = {w.name: w for w in await client.read_workers_for_work_pool(pool)}
+    except ObjectNotFound:
+        raise PoolError(f"there is no pool {pool!r} on this Prefect server: start `campaign worker --pool {pool}` on each node") from None
+    prefix = node_variable(pool, "")
+    nodes = []
+    for variable in await client.read_variables():
+        # The value names its pool: pool "a"'s prefix is also the start of pool "a-b"'s names.
+        if not variable.name.startswith(prefix) or not isinstance(variable.value, dict) or variable.value.get("pool") != pool:
+            continue
+        value = variable.value
+        worker = workers.get(value["node"])
+        beat = worker.last_heartbeat_time if worker else None
+        nodes.append(PoolNode(value["node"], value["address"], inventory_from_json(value["inventory"]),
+                              live(beat, worker.heartbeat_interval_seconds if worker else None, now), beat))
+    return sorted(nodes, key=lambda n: n.name)
+
+
+SEGMENT_FLOW = "campaign-trial-segment"
+SEGMENT_DEPLOYMENT = "segment"
+
+
+async def ensure_queue(client, pool: str, node: str) -> None:
+    """The node's own work queue in the pool: a segment placed on a node runs there and nowhere else."""
+    from prefect.exceptions import ObjectAlreadyExists
+
+    try:
+        await client.create_work_queue(name=node, work_pool_name=pool, description=f"trial segments placed on node {node}")
+    except ObjectAlreadyExists:
+        pass
+
+
+async def ensure_segment_deployment(client, pool: str, project: str) -> str:
+    """The pool's deployment of `flows/segment.py:trial_segment`, run from `project` (the
+    same folder on every node: shared storage); its full name for `run_deployment`."""
+    flow_id = await client.create_flow_from_name(SEGMENT_FLOW)
+    await client.create_deployment(
+        flow_id=flow_id, name=f"{SEGMENT_DEPLOYMENT}-{pool}", work_pool_name=pool, entrypoint="flows/segment.py:trial_segment",
+        path=project, pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": project}}],
+        description="one trial segment on the node whose queue it is sent to (campaign launch --pool)",
+    )
+    return f"{SEGMENT_FLOW}/{SEGMENT_DEPLOYMENT}-{pool}"

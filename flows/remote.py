@@ -1,0 +1,169 @@
+"""The campaign's side of a pool: its nodes' devices, and trial segments run on them.
+
+`run_remote_trial` is the pool's `tasks.trial.run_trial`: the same task in the campaign's
+loop (a future the loop waits on), but the segment runs on the trial's node, as a flow run
+of the pool's segment deployment sent to that node's work queue (`flows/segment.py`). It
+follows the flow run to its end and reads the result from the trial's folder, on storage
+the nodes share. It also watches the node: when the node's worker stops beating
+(`flows.pool.live`), the flow run is marked crashed and the task answers
+`{"node_lost": node}` (like a preemption, an answer and not an error: the trial did
+nothing wrong), and the campaign queues the trial again on the nodes that are left, where
+it resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prefect import task
+
+from cluster.types import Device, Inventory
+from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, ensure_segment_deployment, pool_inventory, read_pool
+from tasks.records import completed_result
+from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
+from training.config import TrialConfig
+
+POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
+
+
+def _run(coro_fn):
+    """Run one Prefect client call from sync code (the campaign's loop, the CLI)."""
+    from prefect.client.orchestration import get_client
+
+    async def go():
+        async with get_client() as client:
+            return await coro_fn(client)
+
+    try:
+        return asyncio.run(go())
+    except (OSError, httpx.TransportError) as e:
+        raise PoolError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} does not answer ({e.__class__.__name__}: {e}): "
+                        "a pool needs it running, reachable from this host and every node") from None
+
+
+def pool_nodes(pool: str) -> list[PoolNode]:
+    return _run(lambda client: read_pool(client, pool))
+
+
+def live_inventory(pool: str) -> Inventory:
+    """The devices of the pool's live nodes; PoolError when there is none."""
+    nodes = pool_nodes(pool)
+    inventory = pool_inventory(nodes)
+    if not inventory.devices:
+        dead = f" ({', '.join(n.name for n in nodes)} not beating)" if nodes else ""
+        raise PoolError(f"pool {pool!r} has no live node{dead}: start `campaign worker --pool {pool}` on each node")
+    return inventory
+
+
+CODE_ROOT = Path(__file__).resolve().parent.parent  # where flows/segment.py is, the same path on every node
+
+
+def prepare_pool(pool: str) -> str:
+    """The pool's segment deployment, run from this code's folder on the nodes; its name."""
+    return _run(lambda client: ensure_segment_deployment(client, pool, str(CODE_ROOT)))
+
+
+def _mark_crashed(flow_run_id, message: str) -> None:
+    from prefect.states import Crashed
+
+    _run(lambda client: client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True))
+
+
+def _cancel(flow_run_id) -> None:
+    from prefect.states import Cancelling
+
+    _run(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message="the campaign is stopping"), force=True))
+
+
+LOST_WITHIN_S = MISSED_HEARTBEATS * HEARTBEAT_S + 2 * POLL_S  # a dead node's heartbeats are missed by then
+
+
+def _lost_within(pool: str, nodes: list[str], seconds: float) -> str | None:
+    """The first of `nodes` seen dead within `seconds`, or None."""
+    deadline = time.time() + seconds
+    while True:
+        alive = {n.name for n in pool_nodes(pool) if n.live}
+        if dead := [node for node in nodes if node not in alive]:
+            return dead[0]
+        if time.time() > deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
+    """A placement's devices grouped by node, nodes in rank order (the first hosts the rendezvous)."""
+    groups: dict[str, list[Device]] = {}
+    for d in devices:
+        groups.setdefault(d.node, []).append(d)
+    return list(groups.items())
+
+
+@task
+def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str) -> dict[str, Any]:
+    """One segment of a trial on its node(s) of `pool`: the trial's result, or {"node_lost": node}.
+
+    A trial placed on several nodes gets one flow run per node (torchrun's c10d rendezvous
+    between them); when one of them fails or its node is lost, the others are cancelled, so
+    no node keeps waiting in a collective for a peer that is gone.
+    """
+    from prefect.deployments import run_deployment
+
+    if campaign_stopping(config.trial_id):
+        raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
+    groups = by_node(devices)
+    attempt = uuid.uuid4().hex[:12]
+    runs = {}
+    for i, (node, mine) in enumerate(groups):
+        span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices]}
+                if len(groups) > 1 else None)
+        runs[node] = run_deployment(
+            deployment, parameters={"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd,
+                                    "campaign": campaign, "span": span},
+            work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
+        ).id
+
+    def cancel_others() -> None:
+        for other, run_id in runs.items():
+            if other not in states:
+                _cancel(run_id)
+
+    def node_lost(node: str) -> dict[str, Any]:
+        if node not in states:  # its flow run will never say how it ended
+            _mark_crashed(runs[node], f"node {node} stopped beating")
+            states[node] = None
+        cancel_others()
+        return {"node_lost": node}
+
+    states: dict[str, Any] = {}
+    while len(states) < len(runs):
+        time.sleep(POLL_S)
+        for node, run_id in runs.items():
+            if node not in states and (state := _run(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
+                states[node] = state
+        failed = [node for node, state in states.items() if not state.is_completed()]
+        if failed and len(states) < len(runs):
+            # A peer that died makes the others fail at once (the connection is reset), well
+            # before its heartbeats are missed: wait that long before blaming the trial.
+            if lost := _lost_within(pool, [node for node in runs if node not in failed], LOST_WITHIN_S):
+                return node_lost(lost)
+            cancel_others()
+            break
+        if campaign_stopping(config.trial_id):
+            cancel_others()
+            raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
+        alive = {n.name for n in pool_nodes(pool) if n.live}
+        if lost := [node for node in runs if node not in states and node not in alive]:
+            return node_lost(lost[0])
+    result = completed_result(Path(config.trial_dir))
+    if result is not None:
+        return result
+    ended = "; ".join(f"{node}: {state.type.value} ({state.message})" for node, state in states.items() if state is not None)
+    raise TrialFailed(f"trial {config.trial_id} on {', '.join(runs)}: {ended}; end of its log:\n"
+                      f"{log_tail(Path(config.trial_dir) / 'train.log')}")

@@ -1,0 +1,89 @@
+"""One trial segment on a pool node: the flow a `campaign worker` runs when the campaign
+places a trial on its node (`flows/remote.py` sends it to the node's work queue).
+
+It runs what a one-machine campaign runs in its own process (`tasks.trial`: plan, launch,
+wait, the result from the trial's folder), here on the node's devices. Before launching it
+leases them in the node's own lease store, so that no device of the node is given to two
+trials even by two campaigns that share the pool. The trial's folder is on storage every
+node shares: its checkpoints let the trial resume on another node.
+
+A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
+with the c10d rendezvous (`tasks.trial.plan_node_launch`); the host node picks a free port
+on its own address and writes the endpoint into the trial's folder for this attempt, where
+the other nodes read it. Only the host node keeps the trial's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from cluster.leases import LeaseStore
+from cluster.types import Device
+from flows.live import LeaseHeartbeat
+from tasks.trial import NodeRole, TrialFailed, plan_launch, plan_node_launch, revoke, run_plan
+from training.config import TrialConfig
+from training.files import read_json, write_json_atomic
+
+NODE_ENV = "CAMPAIGN_NODE"  # set by `campaign worker`: the node's name
+ADDRESS_ENV = "CAMPAIGN_NODE_ADDRESS"  # its address (a trial across nodes listens there; one on the node, on loopback)
+INTERFACE_ENV = "CAMPAIGN_NODE_INTERFACE"  # and the network interface of that address
+RENDEZVOUS_WAIT_S = 120.0  # how long a node waits for the host node's endpoint
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
+    """This node's part in a trial across `span["nnodes"]` nodes, for attempt `span["attempt"]`."""
+    address = os.environ.get(ADDRESS_ENV, "127.0.0.1")
+    path = Path(cfg.trial_dir) / "control" / f"rendezvous-{span['attempt']}.json"
+    if span["host"]:
+        endpoint = f"{address}:{free_port(address)}"
+        write_json_atomic(path, {"endpoint": endpoint})
+    else:
+        deadline = time.time() + RENDEZVOUS_WAIT_S
+        while (found := read_json(path)) is None:
+            if time.time() > deadline:
+                raise TrialFailed(f"trial {cfg.trial_id}: the host node did not say where to meet within {RENDEZVOUS_WAIT_S:.0f} s")
+            time.sleep(0.2)
+        endpoint = found["endpoint"]
+    return NodeRole(nnodes=span["nnodes"], host=span["host"], endpoint=endpoint, address=address,
+                    interface=os.environ.get(INTERFACE_ENV, "lo"))
+
+
+@flow(name="campaign-trial-segment", log_prints=True)
+def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
+                  span: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = TrialConfig(**config)
+    placed = [Device(**d) for d in devices]
+    node = os.environ.get(NODE_ENV, "")
+    if any(d.node != node for d in placed):
+        raise TrialFailed(f"trial {cfg.trial_id}: sent to node {node!r} with devices of {sorted({d.node for d in placed})}")
+    store = LeaseStore()
+    holder = f"{campaign}/{cfg.trial_id}@{node}:{os.getpid()}"
+    capacity = {d.id: d.memory_bytes for d in placed}
+    if not store.acquire(holder, capacity, capacity, campaign=campaign):
+        raise TrialFailed(f"trial {cfg.trial_id}: a device of node {node} is leased by another campaign: "
+                          f"{', '.join(d.id for d in placed)}")
+    heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4), on_lost=lambda _: revoke(cfg.trial_id))
+    heartbeat.add(holder)
+    try:
+        if span is None:
+            return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)
+        plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span))
+        if not span["host"]:  # one log per node; the host's is the trial's train.log
+            plan = dataclasses.replace(plan, log_path=plan.log_path.with_name(f"train-{node}.log"))
+        return run_plan(plan, cfg, placed, record=span["host"], all_devices=span["devices"])
+    finally:
+        heartbeat.release(holder)
+        heartbeat.close()

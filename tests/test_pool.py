@@ -1,0 +1,239 @@
+"""A campaign on a pool of nodes: `campaign worker` on each, trials placed through Prefect.
+
+Real parts: a Prefect server (`prefect server start`), two `campaign worker` processes (each
+a node with its own CPU slots and lease file, running Prefect's process worker), and
+`campaign launch --pool`. One node is killed mid-trial (every process of it, as a machine
+dying would); its trials finish on the other node from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta, timezone
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.inventory import declared_inventory, DeclaredNode
+from cluster.types import Link
+from flows.pool import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
+from flows.spec import load_spec
+from flows.ui import start_servers, stop_servers
+from tasks.grid import expand_grid
+from training.files import read_json
+
+HOLD_AT = 60
+SUBNET = "10.232.{}.{}"
+
+
+def test_a_node_is_live_while_its_heartbeats_come():
+    now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+    assert live(now - timedelta(seconds=14), 5, now) and not live(now - timedelta(seconds=16), 5, now)
+    assert not live(None, 5, now)  # published, but its worker never beat
+    assert live(now - timedelta(seconds=80), 30, now)  # a worker with a slower heartbeat
+
+
+def test_the_pool_inventory_is_its_live_nodes_devices_and_survives_json():
+    a = declared_inventory([DeclaredNode("a", 2, 8 * 2**30, "gpu", "A100", ((0, 1),))])
+    b = declared_inventory([DeclaredNode("b", 1, 8 * 2**30, "cpu")])
+    assert inventory_from_json(json.loads(json.dumps(inventory_to_json(a)))) == a  # links and all
+    nodes = [PoolNode("a", "10.0.0.2", a, True, None), PoolNode("b", "10.0.0.3", b, False, None)]
+    merged = pool_inventory(nodes)
+    assert [d.id for d in merged.devices] == [d.id for d in a.devices] and merged.link(*[d.id for d in a.devices]) == Link.NVLINK
+
+
+@pytest.mark.parametrize("name", ["Node A", "-x", "a" * 64, "a/b"])
+def test_bad_node_names_say_what_to_use(name):
+    with pytest.raises(PoolError, match="lowercase letters, digits"):
+        check_name("node", name)
+    assert check_name("node", "gpu-07_b") == "gpu-07_b"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A bridge on this host (the head: Prefect server, campaign) and two namespaces, nodes a
+    and b, each with its own address on it. Skipped, saying so, where namespaces cannot be made."""
+    tag, pid = os.getpid() % 250 + 1, os.getpid() % 100000
+    bridge, names = f"cpbr{pid}", {"a": f"pool-a{pid}", "b": f"pool-b{pid}"}
+    head = SUBNET.format(tag, 1)
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot make a bridge and network namespaces here ({getattr(e, 'stderr', e)}): run as root with iproute2 to test a pool")
+    nodes = {}
+    try:
+        ip("addr", "add", f"{head}/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for i, (node, ns) in enumerate(names.items(), start=2):
+            inside, outside = f"cp{node}{pid}", f"cp{node}{pid}h"
+            ip("netns", "add", ns)
+            ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+            ip("link", "set", inside, "netns", ns)
+            ip("link", "set", outside, "master", bridge)
+            ip("link", "set", outside, "up")
+            ip("-n", ns, "addr", "add", f"{SUBNET.format(tag, i)}/24", "dev", inside)
+            ip("-n", ns, "link", "set", inside, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            nodes[node] = (ns, SUBNET.format(tag, i))
+        servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head)  # an http URI: Prefect only
+        try:
+            yield head, servers.prefect_url + "/api", nodes
+        finally:
+            stop_servers(servers)
+    finally:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / f"leases-{node}.db"),
+           "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node}
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node,
+                             "--address", address, "--cpu-slots", str(slots)],
+                            env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def listening(ns: str) -> set[str]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines()}
+
+
+def processes_of(node: str) -> list[int]:
+    """Every process of a node: they all inherit its mark (the worker, its flow runs, their trials)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if f"CAMPAIGN_NODE_MARK={node}\0".encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def wait_for(check, timeout: float, what: str, every: float = 0.2):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+@pytest.mark.slow
+def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab):
+    """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
+    on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
+    a step: the trial it was part of finishes on node a, from its checkpoint."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    head, api, nodes = lab
+    os.environ["PREFECT_API_URL"] = api  # for the processes this test starts
+    workers = {}
+    with temporary_settings(updates={PREFECT_API_URL: api}):  # this process reads the pool too
+        run_pool_campaign(tmp_path, digits_npz, api, nodes, workers)
+
+
+def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
+    from flows.remote import pool_nodes
+
+    launch = None
+    try:
+        for node, slots in (("a", 3), ("b", 1)):
+            ns, address = nodes[node]
+            workers[node] = start_worker(api, tmp_path, node, ns, address, slots)
+        seen = wait_for(lambda: (n := pool_nodes("lab")) and len(n) == 2 and all(x.live for x in n) and n, 120, "both nodes live")
+        assert [(n.name, n.address, len(n.inventory.devices)) for n in seen] == [("a", nodes["a"][1], 3), ("b", nodes["b"][1], 1)]
+        assert {d.id for d in pool_inventory(seen).devices} == {"a/cpu0", "a/cpu1", "a/cpu2", "b/cpu0"}
+        shown = subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "--pool", "lab"], capture_output=True, text=True,
+                               env={**os.environ, "COLUMNS": "200"}, timeout=60)
+        assert "2 of 2 node(s) live" in shown.stdout and "b/cpu0" in shown.stdout, shown.stdout + shown.stderr
+
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "pooled", "seed": 3}, "data": {"path": str(digits_npz)},
+            "model": {"name": "mlp", "width": 16},
+            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 150, "log_every": 10},
+            "grid": {"training.lr": [0.02, 0.05]},
+            "resources": {"devices": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "pooled",
+                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+        }))
+        runs = tmp_path / "runs" / "pooled"
+        trial_ids = [t.id for t in expand_grid(load_spec(params))]
+        for trial_id in trial_ids:  # every trial waits at HOLD_AT while its hold file is there
+            (runs / trial_id).mkdir(parents=True, exist_ok=True)
+            (runs / trial_id / "hold").touch()
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT), "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+
+        def launch_log() -> str:
+            return (tmp_path / "launch.log").read_text(errors="replace")[-4000:]
+
+        def held() -> dict[str, list[str]]:
+            out = {}
+            for trial_id in trial_ids:
+                if (read_json(runs / trial_id / "progress.json") or {}).get("state") == "held":
+                    out[trial_id] = (read_json(runs / trial_id / "record.json") or {}).get("devices", [])
+            if launch.poll() is not None:
+                pytest.fail(f"the campaign ended early:\n{launch_log()}")
+            return out if len(out) == 2 else {}
+
+        placed = wait_for(held, 300, "both trials held")
+        across = next(t for t, devices in placed.items() if any(d.startswith("b/") for d in devices))
+        alone = next(t for t in trial_ids if t != across)
+        # The host node keeps the record of a trial across nodes: every device of it, node a's first.
+        assert len(placed[across]) == 2 and placed[across][0].startswith("a/") and placed[across][1] == "b/cpu0", placed
+        assert len(placed[alone]) == 2 and all(d.startswith("a/") for d in placed[alone]), placed
+
+        # While they are held, each node listens only on its own address (or its own loopback).
+        for node, (ns, address) in nodes.items():
+            assert listening(ns) <= {address, "127.0.0.1"}, (node, listening(ns))
+        assert any(address == nodes["a"][1] for address in listening(nodes["a"][0]))  # the rendezvous store, on the host node
+
+        for pid in processes_of("b"):  # node b dies: its worker, flow runs and trial processes, at once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for trial_id in trial_ids:
+            (runs / trial_id / "hold").unlink()
+        assert launch.wait(timeout=300) == 0, launch_log()
+
+        for trial_id in trial_ids:
+            result = read_json(runs / trial_id / "result.json")
+            assert result is not None and result["steps"] == 150, (trial_id, launch_log())
+        result = read_json(runs / across / "result.json")
+        assert result["resumed_from_step"] == 50, result  # its checkpoint, written by ranks on both nodes
+        events = [e for e in map(json.loads, (runs / "allocations.jsonl").read_text().splitlines()) if e["trial"] == across]
+        assert [e["reason"] for e in events] == ["start", "node lost", "start", "end"], events
+        assert all(d.startswith("a/") for d in events[2]["devices"]), events
+        log = launch_log()
+        assert "node b stopped beating" in log and "NodeLost" not in log
+        assert not processes_of("b")
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        for proc in workers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in workers.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        os.environ.pop("PREFECT_API_URL", None)
