@@ -13,6 +13,7 @@ inventory are pure.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -89,6 +90,25 @@ def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
 
 
 # ---------------------------------------------------------------- Prefect
+
+def call(coro_fn):
+    """Run `coro_fn(client)` with a Prefect client, from sync code (the CLI, the campaign's
+    loop); a server that does not answer is a PoolError that says so."""
+    import asyncio
+
+    import httpx
+    from prefect.client.orchestration import get_client
+
+    async def go():
+        async with get_client() as client:
+            return await coro_fn(client)
+
+    try:
+        return asyncio.run(go())
+    except (OSError, httpx.TransportError) as e:
+        raise PoolError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} does not answer ({e.__class__.__name__}: {e}): "
+                        "a pool needs it running, reachable from this host and every node") from None
+
 
 async def ensure_pool(client, pool: str) -> None:
     """Create the `process` work pool if it is not there yet."""

@@ -13,19 +13,16 @@ it resumes from its last checkpoint.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prefect import task
 
 from cluster.types import Device, Inventory
-from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, ensure_segment_deployment, pool_inventory, read_pool
+from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
@@ -33,23 +30,8 @@ from training.config import TrialConfig
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 
 
-def _run(coro_fn):
-    """Run one Prefect client call from sync code (the campaign's loop, the CLI)."""
-    from prefect.client.orchestration import get_client
-
-    async def go():
-        async with get_client() as client:
-            return await coro_fn(client)
-
-    try:
-        return asyncio.run(go())
-    except (OSError, httpx.TransportError) as e:
-        raise PoolError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} does not answer ({e.__class__.__name__}: {e}): "
-                        "a pool needs it running, reachable from this host and every node") from None
-
-
 def pool_nodes(pool: str) -> list[PoolNode]:
-    return _run(lambda client: read_pool(client, pool))
+    return call(lambda client: read_pool(client, pool))
 
 
 def live_inventory(pool: str) -> Inventory:
@@ -67,19 +49,19 @@ CODE_ROOT = Path(__file__).resolve().parent.parent  # where flows/segment.py is,
 
 def prepare_pool(pool: str) -> str:
     """The pool's segment deployment, run from this code's folder on the nodes; its name."""
-    return _run(lambda client: ensure_segment_deployment(client, pool, str(CODE_ROOT)))
+    return call(lambda client: ensure_segment_deployment(client, pool, str(CODE_ROOT)))
 
 
 def _mark_crashed(flow_run_id, message: str) -> None:
     from prefect.states import Crashed
 
-    _run(lambda client: client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True))
+    call(lambda client: client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True))
 
 
 def _cancel(flow_run_id) -> None:
     from prefect.states import Cancelling
 
-    _run(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message="the campaign is stopping"), force=True))
+    call(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message="the campaign is stopping"), force=True))
 
 
 LOST_WITHIN_S = MISSED_HEARTBEATS * HEARTBEAT_S + 2 * POLL_S  # a dead node's heartbeats are missed by then
@@ -145,7 +127,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     while len(states) < len(runs):
         time.sleep(POLL_S)
         for node, run_id in runs.items():
-            if node not in states and (state := _run(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
+            if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
                 states[node] = state
         failed = [node for node, state in states.items() if not state.is_completed()]
         if failed and len(states) < len(runs):

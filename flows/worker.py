@@ -14,7 +14,6 @@ its record, and its missing heartbeats take it out of the pool.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import time
 from typing import Callable
 
 from cluster.inventory import discover
-from flows.pool import HEARTBEAT_S, PoolError, check_name, ensure_pool, ensure_queue, publish_node, withdraw_node
+from flows.pool import HEARTBEAT_S, PoolError, call, check_name, ensure_pool, ensure_queue, publish_node, withdraw_node
 from flows.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
 from training.process import die_with_parent, stop_process_groups
 
@@ -40,28 +39,19 @@ def require_server() -> str:
 
 def register(pool: str, node: str, address: str, cpu_slots: int | None):
     """Create the pool and this node's queue if needed and publish the node; its inventory."""
-    from prefect.client.orchestration import get_client
-
     inventory = discover(cpu_slots=cpu_slots, node=node)
 
-    async def go() -> None:
-        async with get_client() as client:
-            await ensure_pool(client, pool)
-            await ensure_queue(client, pool, node)
-            await publish_node(client, pool, node, address, inventory)
+    async def publish(client) -> None:
+        await ensure_pool(client, pool)
+        await ensure_queue(client, pool, node)
+        await publish_node(client, pool, node, address, inventory)
 
-    asyncio.run(go())
+    call(publish)
     return inventory
 
 
 def withdraw(pool: str, node: str) -> None:
-    from prefect.client.orchestration import get_client
-
-    async def go() -> None:
-        async with get_client() as client:
-            await withdraw_node(client, pool, node)
-
-    asyncio.run(go())
+    call(lambda client: withdraw_node(client, pool, node))
 
 
 def worker_command(pool: str, node: str) -> list[str]:

@@ -237,3 +237,56 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         os.environ.pop("PREFECT_API_URL", None)
+
+
+@pytest.mark.slow
+def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, lab):
+    """SIGTERM to `campaign launch` while a trial runs on a node: the trial's flow run is
+    cancelled, its processes on the node end and the node's lease of its devices goes."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from cluster.leases import LeaseStore
+
+    head, api, nodes = lab
+    ns, address = nodes["a"]
+    worker = start_worker(api, tmp_path, "a", ns, address, 2)
+    launch = None
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            from flows.remote import pool_nodes
+            wait_for(lambda: any(n.live for n in pool_nodes("lab")), 120, "node a live")
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "stopped", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50},
+            "resources": {"devices": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "stopped",
+                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+        }))
+        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+        trial_dir = tmp_path / "runs" / "stopped" / trial_id
+        trial_dir.mkdir(parents=True)
+        (trial_dir / "hold").touch()
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
+                 "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+        wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held"
+                 or (launch.poll() is not None and pytest.fail((tmp_path / "launch.log").read_text()[-3000:])), 240, "the trial held")
+        node_leases = LeaseStore(tmp_path / "leases-a.db")
+        assert {lease.device_id for lease in node_leases.leases()} == {"a/cpu0", "a/cpu1"}
+        trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert trial_pids
+
+        launch.send_signal(signal.SIGTERM)
+        assert launch.wait(timeout=120) == 143, (tmp_path / "launch.log").read_text()[-3000:]
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in trial_pids), 60, "the trial's processes on node a to end")
+        wait_for(lambda: not node_leases.leases(), 60, "node a's lease to go")
+        assert worker.poll() is None  # the node itself goes on serving the pool
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=30)
