@@ -42,6 +42,7 @@ from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, 
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool import PoolError
+from flows.relay import clear_commands
 from flows.remote import live_inventory, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
@@ -190,8 +191,11 @@ class CampaignRun:
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
         if self.pool is not None:
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
+            node_devices = [d for d in self.inventory.devices if d.node == devices[0].node] if elastic else []
+            if elastic:  # the campaign's command folder starts empty: the node relays from sequence 1
+                clear_commands(self.root / trial.id / "control")
             future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}").submit(
-                config, devices, str(Path.cwd()), self.deployment, self.pool, self.name)
+                config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices)
         else:
             future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
@@ -247,13 +251,14 @@ class CampaignRun:
                     self.pruned.add(drawn.trial.id)
         return list(trials.values())
 
-    def packer(self) -> Packer:
+    def packer(self, multi_node: bool = False) -> Packer:
+        """`multi_node`: a gang no node can hold now may spread (a fixed-size trial in a pool)."""
         pending_min = [self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending]
-        return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min), multi_node=self.pool is not None)
+        return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min), multi_node=multi_node)
 
     def start_first_come(self) -> None:
         """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
-        packer = self.packer()
+        packer = self.packer(multi_node=self.pool is not None)
         for trial in list(self.pending):
             request = self.requests[trial.id]
             queued_min = sum(self.requests[t.id].min_devices for t in self.pending if t is not trial)

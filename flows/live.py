@@ -20,6 +20,7 @@ from cluster.types import Device, Inventory
 from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.elastic import write_command
+from flows.relay import refused_path
 from training.files import read_json
 
 
@@ -102,6 +103,11 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     control = job.trial_dir / "control"
     if job.awaiting is not None:
         seq, devices, request_id = job.awaiting
+        if (refused := read_json(refused_path(control, seq))) is not None:  # a pool node's lease file said no
+            job.awaiting = None
+            store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
+            answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {refused['reason']}")
+            return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused on its node ({refused['reason']})"
         state = read_json(control / "state.json") or {}
         if state.get("seq", -1) < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)

@@ -149,12 +149,15 @@ async def withdraw_node(client, pool: str, node: str) -> None:
 
 async def read_pool(client, pool: str, now: datetime | None = None) -> list[PoolNode]:
     """Every node that published itself in `pool`, live or not, by name."""
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
     now = now or datetime.now(timezone.utc)
     try:
         workers = {w.name: w for w in await client.read_workers_for_work_pool(pool)}
-    except ObjectNotFound:
+    except (ObjectNotFound, PrefectHTTPStatusError) as e:
+        # Prefect 3.8 answers this call's unknown pool with a bare 404, not ObjectNotFound.
+        if isinstance(e, PrefectHTTPStatusError) and e.response.status_code != 404:
+            raise
         raise PoolError(f"there is no pool {pool!r} on this Prefect server: start `campaign worker --pool {pool}` on each node") from None
     prefix = node_variable(pool, "")
     nodes = []

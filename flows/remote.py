@@ -88,8 +88,11 @@ def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
 
 
 @task
-def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str) -> dict[str, Any]:
-    """One segment of a trial on its node(s) of `pool`: the trial's result, or {"node_lost": node}.
+def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
+                     elastic: bool = False, node_devices: list[Device] = ()) -> dict[str, Any]:
+    """One segment of a trial on its node(s) of `pool`: the trial's result, {"preempted": True}
+    (an elastic trial resized to zero), or {"node_lost": node}. `node_devices`: every device of
+    an elastic trial's node, which it may grow onto.
 
     A trial placed on several nodes gets one flow run per node (torchrun's c10d rendezvous
     between them); when one of them fails or its node is lost, the others are cancelled, so
@@ -107,7 +110,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 if len(groups) > 1 else None)
         runs[node] = run_deployment(
             deployment, parameters={"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd,
-                                    "campaign": campaign, "span": span},
+                                    "campaign": campaign, "span": span, "elastic": elastic,
+                                    "node_devices": [asdict(d) for d in node_devices]},
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
         ).id
 
@@ -146,6 +150,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     result = completed_result(Path(config.trial_dir))
     if result is not None:
         return result
+    if elastic and all(state is not None and state.is_completed() for state in states.values()):
+        return {"preempted": True}  # its segment ended in order without a result: its agent was told to stop
     ended = "; ".join(f"{node}: {state.type.value} ({state.message})" for node, state in states.items() if state is not None)
     raise TrialFailed(f"trial {config.trial_id} on {', '.join(runs)}: {ended}; end of its log:\n"
                       f"{log_tail(Path(config.trial_dir) / 'train.log')}")

@@ -5,7 +5,9 @@ It runs what a one-machine campaign runs in its own process (`tasks.trial`: plan
 wait, the result from the trial's folder), here on the node's devices. Before launching it
 leases them in the node's own lease store, so that no device of the node is given to two
 trials even by two campaigns that share the pool. The trial's folder is on storage every
-node shares: its checkpoints let the trial resume on another node.
+node shares: its checkpoints let the trial resume on another node. An elastic trial stays
+on its node; its resizes pass through `flows/relay.py`, which leases a grow in the node's
+lease file before the agent sees it.
 
 A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
 with the c10d rendezvous (`tasks.trial.plan_node_launch`); the host node picks a free port
@@ -27,7 +29,8 @@ from prefect import flow
 from cluster.leases import LeaseStore
 from cluster.types import Device
 from flows.live import LeaseHeartbeat
-from tasks.trial import NodeRole, TrialFailed, plan_launch, plan_node_launch, revoke, run_plan
+from flows.relay import CommandRelay
+from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 
@@ -63,7 +66,9 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
 
 @flow(name="campaign-trial-segment", log_prints=True)
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
-                  span: dict[str, Any] | None = None) -> dict[str, Any]:
+                  span: dict[str, Any] | None = None, elastic: bool = False,
+                  node_devices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`node_devices`: every device of this node (an elastic trial may grow onto any of them)."""
     cfg = TrialConfig(**config)
     placed = [Device(**d) for d in devices]
     node = os.environ.get(NODE_ENV, "")
@@ -71,13 +76,18 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
         raise TrialFailed(f"trial {cfg.trial_id}: sent to node {node!r} with devices of {sorted({d.node for d in placed})}")
     store = LeaseStore()
     holder = f"{campaign}/{cfg.trial_id}@{node}:{os.getpid()}"
-    capacity = {d.id: d.memory_bytes for d in placed}
-    if not store.acquire(holder, capacity, capacity, campaign=campaign):
+    capacity = {d["id"]: d["memory_bytes"] for d in node_devices or []} | {d.id: d.memory_bytes for d in placed}
+    if not store.acquire(holder, {d.id: d.memory_bytes for d in placed}, capacity, campaign=campaign):
         raise TrialFailed(f"trial {cfg.trial_id}: a device of node {node} is leased by another campaign: "
                           f"{', '.join(d.id for d in placed)}")
     heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4), on_lost=lambda _: revoke(cfg.trial_id))
     heartbeat.add(holder)
     try:
+        if elastic:  # its agent takes commands through the relay, which leases a grow on the node first
+            inner = control_dir(cfg) / "node"
+            plan = plan_launch(cfg, placed, Path(cwd), elastic=True, control=inner)
+            with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed]):
+                return run_plan(plan, cfg, placed)
         if span is None:
             return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)
         plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span))

@@ -412,9 +412,6 @@ class CampaignSpec(Strict):
         if most is not None and logical is not None and logical < most:
             raise ValueError(f"training.logical_ranks ({logical}) is smaller than the {most} devices of resources.devices: "
                              "every process holds at least one logical rank; raise logical_ranks or lower the devices")
-        if self.cluster.pool is not None and isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]:
-            raise ValueError(f"cluster.pool: elastic trials (resources.devices {list(self.resources.devices)}) do not run in a pool "
-                             "yet; give one size, or leave cluster.pool out to run them on this host")
         goodput = self.training.scaling == "goodput" or "goodput" in self.varies.get("training.scaling", [])
         if goodput and not (isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]):
             raise ValueError(f"training.scaling: goodput changes the batch when a trial is resized, and resources.devices "

@@ -107,6 +107,7 @@ class LaunchPlan:
     # Elastic trials: the agent's first command, one entry per worker: its device and env.
     workers: tuple[dict, ...] = ()
     warm: bool = False  # a one-device trial run by a warm worker (command starts one if none is idle)
+    control: Path | None = None  # elastic trials: the agent's command folder
 
     @property
     def elastic(self) -> bool:
@@ -118,17 +119,19 @@ def control_dir(config: TrialConfig) -> Path:
 
 
 def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable, elastic: bool = False,
-                warm: bool = False) -> LaunchPlan:
+                warm: bool = False, control: Path | None = None) -> LaunchPlan:
     """torchrun for a fixed-size trial; the elastic agent (one worker per device) for an
-    elastic one; a warm worker for a one-device trial when `warm`."""
+    elastic one, reading its commands from `control` (default: the trial's control folder,
+    where the campaign writes them); a warm worker for a one-device trial when `warm`."""
     trial_dir = Path(config.trial_dir)
     if warm and not elastic and len(devices) == 1:
         env = {**visible_devices_env(devices), **_launch_env()}
         return LaunchPlan([python, "-m", "training.worker"], env, cwd, trial_dir / "trial.json", trial_dir / "train.log", warm=True)
     if elastic:
         workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
-        command = [python, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control_dir(config))]
-        return LaunchPlan(command, _launch_env(), cwd, trial_dir / "trial.json", trial_dir / "train.log", workers)
+        control = control or control_dir(config)
+        command = [python, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control)]
+        return LaunchPlan(command, _launch_env(), cwd, trial_dir / "trial.json", trial_dir / "train.log", workers, control=control)
     env = {**visible_devices_env(devices), **_launch_env()}
     command = [
         python, "-m", "training.launch",  # torchrun, its stores on loopback only
@@ -284,7 +287,7 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
     if plan.warm:
         return _run_warm(plan, config)
     if plan.elastic:  # a new agent starts a new command sequence
-        control = control_dir(config)
+        control = plan.control or control_dir(config)
         control.mkdir(parents=True, exist_ok=True)
         for old in control.glob("command-*.json"):
             old.unlink()

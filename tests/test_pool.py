@@ -91,6 +91,12 @@ def lab(tmp_path):
         finally:
             stop_servers(servers)
     finally:
+        for node in names:  # whatever a failed test left running on a node dies with it
+            for pid in processes_of(node):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
@@ -122,6 +128,17 @@ def processes_of(node: str) -> list[int]:
     return found
 
 
+def nodes_once_made(pool: str) -> list[PoolNode]:
+    """The pool's nodes; none until the first worker has made the pool."""
+    from flows.remote import pool_nodes
+
+    try:
+        return pool_nodes(pool)
+    except PoolError as e:
+        assert "there is no pool" in str(e), e
+        return []
+
+
 def wait_for(check, timeout: float, what: str, every: float = 0.2):
     deadline = time.time() + timeout
     while True:
@@ -147,14 +164,17 @@ def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_fi
 
 
 def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
-    from flows.remote import pool_nodes
+    from conftest import campaign_cli
 
+    before = campaign_cli("cluster", "--pool", "lab")  # no worker has made the pool yet: said so, no traceback
+    said = " ".join((before.stdout + before.stderr).split())
+    assert before.returncode != 0 and "there is no pool 'lab'" in said and "Traceback" not in said, said
     launch = None
     try:
         for node, slots in (("a", 3), ("b", 1)):
             ns, address = nodes[node]
             workers[node] = start_worker(api, tmp_path, node, ns, address, slots)
-        seen = wait_for(lambda: (n := pool_nodes("lab")) and len(n) == 2 and all(x.live for x in n) and n, 120, "both nodes live")
+        seen = wait_for(lambda: (n := nodes_once_made("lab")) and len(n) == 2 and all(x.live for x in n) and n, 120, "both nodes live")
         assert [(n.name, n.address, len(n.inventory.devices)) for n in seen] == [("a", nodes["a"][1], 3), ("b", nodes["b"][1], 1)]
         assert {d.id for d in pool_inventory(seen).devices} == {"a/cpu0", "a/cpu1", "a/cpu2", "b/cpu0"}
         shown = subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "--pool", "lab"], capture_output=True, text=True,
@@ -253,8 +273,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
     launch = None
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}):
-            from flows.remote import pool_nodes
-            wait_for(lambda: any(n.live for n in pool_nodes("lab")), 120, "node a live")
+            wait_for(lambda: any(n.live for n in nodes_once_made("lab")), 120, "node a live")
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({
             "campaign": {"name": "stopped", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
@@ -281,9 +300,93 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
         launch.send_signal(signal.SIGTERM)
         assert launch.wait(timeout=120) == 143, (tmp_path / "launch.log").read_text()[-3000:]
-        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in trial_pids), 60, "the trial's processes on node a to end")
+        try:
+            wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in trial_pids), 60, "the trial's processes on node a to end")
+        except AssertionError:
+            left = subprocess.run(["ps", "-o", "pid,ppid,stat,args", "-p", ",".join(map(str, trial_pids))], capture_output=True, text=True)
+            raise AssertionError(f"left on node a:\n{left.stdout}") from None
         wait_for(lambda: not node_leases.leases(), 60, "node a's lease to go")
         assert worker.poll() is None  # the node itself goes on serving the pool
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_an_elastic_trial_on_a_node_is_resized_and_a_grow_the_nodes_lease_file_refuses_is_rejected(tmp_path, digits_npz, lab):
+    """An elastic [1, 2] trial in a pool runs on one node and is resized by hand there. Its
+    node's lease file follows its size; a grow onto a device that file gives to another
+    campaign (one the head does not know about) is refused, and the request answered so."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from cluster.leases import LeaseStore
+
+    head, api, nodes = lab
+    ns, address = nodes["a"]
+    worker = start_worker(api, tmp_path, "a", ns, address, 2)
+    launch = None
+    runs = tmp_path / "runs"
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            wait_for(lambda: any(n.live for n in nodes_once_made("lab")), 120, "node a live")
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "elastic", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+            "training": {"steps": 10**6, "batch_size": 32, "lr": 0.05, "checkpoint_every": 500},  # stopped by the test
+            "resources": {"devices": [1, 2]},
+            "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},  # the policy keeps still: the test resizes
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "elastic",
+                         "runs_dir": str(runs), "summary": str(tmp_path / "summary.json")},
+        }))
+        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+        trial_dir = runs / "elastic" / trial_id
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+        node_leases = LeaseStore(tmp_path / "leases-a.db")
+
+        def leased() -> set[str]:
+            return {lease.device_id for lease in node_leases.leases()}
+
+        def running_on(count: int) -> bool:
+            if launch.poll() is not None:
+                pytest.fail((tmp_path / "launch.log").read_text()[-3000:])
+            state = read_json(trial_dir / "control" / "state.json") or {}
+            return state.get("status") == "running" and len(state.get("devices", [])) == count
+
+        def resize(devices: int) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial_id, str(devices), "--runs-dir", str(runs),
+                                   "--wait-s", "120"], capture_output=True, text=True, timeout=150, cwd=tmp_path)
+
+        wait_for(lambda: running_on(2), 240, "the trial on both devices of node a")
+        assert leased() == {"a/cpu0", "a/cpu1"}
+        shrunk = resize(1)
+        assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+        (kept,) = read_json(trial_dir / "control" / "state.json")["devices"]
+        wait_for(lambda: leased() == {kept}, 30, "node a's lease to follow the shrink")
+
+        other = ({"a/cpu0", "a/cpu1"} - {kept}).pop()  # another campaign takes the freed device on the node itself
+        assert node_leases.acquire("someone-else/t@1", {other: 1}, {other: 1}, pid=os.getpid())
+        refused = resize(2)
+        said = " ".join((refused.stdout + refused.stderr).split())  # rich wraps lines
+        assert refused.returncode != 0 and "a/cpu1 held by another campaign".replace("a/cpu1", other) in said, said
+        assert running_on(1) and leased() == {kept, other}
+        node_leases.release("someone-else/t@1")
+
+        grown = resize(2)
+        assert grown.returncode == 0, grown.stdout + grown.stderr
+        wait_for(lambda: running_on(2), 60, "the grow")
+        assert leased() == {"a/cpu0", "a/cpu1"}
+        events = [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]
+        assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)], events
+
+        launch.send_signal(signal.SIGTERM)  # the campaign stops: the trial with it, and its lease on the node
+        assert launch.wait(timeout=120) == 143, (tmp_path / "launch.log").read_text()[-3000:]
+        wait_for(lambda: not leased(), 60, "node a's lease to go with the trial")
     finally:
         if launch is not None and launch.poll() is None:
             launch.kill()

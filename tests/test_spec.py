@@ -188,11 +188,8 @@ def test_goodput_trials_carry_their_scaling_into_the_trainer(tmp_path):
     assert reproducible.id != trial.id  # another way to train: another trial
 
 
-def test_a_pool_runs_fixed_size_trials_only_for_now(tmp_path):
-    elastic_in_pool = with_change("cluster/pool", "lab", with_change("resources/devices", [1, 4]))
-    message = str(pytest.raises(SpecError, parse_spec, elastic_in_pool).value)
-    assert "cluster.pool: elastic trials" in message and "give one size" in message
+def test_launch_pool_option_is_checked_as_if_written_in_the_spec(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump(with_change("resources/devices", [1, 4])))
-    assert "cluster.pool" in str(pytest.raises(SpecError, load_spec, params, pool="lab").value)  # `launch --pool` is checked alike
-    assert load_spec(params).cluster.pool is None
+    assert load_spec(params, pool="lab").cluster.pool == "lab" and load_spec(params).cluster.pool is None
+    assert "cluster.pool" in str(pytest.raises(SpecError, load_spec, params, pool="Lab A").value)

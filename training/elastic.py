@@ -124,12 +124,15 @@ class Agent:
             time.sleep(POLL_S)
         return True
 
-    def kill_all(self) -> None:
-        for worker in self.workers.values():
-            if worker.proc.poll() is None:
-                worker.proc.kill()
-        for worker in self.workers.values():
-            worker.proc.wait()
+    def kill_all(self, wait: bool = True) -> None:
+        for worker in list(self.workers.values()):
+            try:
+                os.kill(worker.proc.pid, signal.SIGKILL)  # not Popen.kill: it polls, under a lock (see main)
+            except ProcessLookupError:
+                pass
+        if wait:
+            for worker in self.workers.values():
+                worker.proc.wait()
 
     # --- generations ---------------------------------------------------------------
     def start_generation(self, members: list[str], source: str, joiners: list[str], request: dict | None) -> None:
@@ -246,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGTERM)
     agent = Agent(args.config, args.control)
-    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(), os._exit(FAILED)))
+    # On SIGTERM: kill the workers and go, without waiting for them. The handler runs between
+    # two bytecodes of the main thread, which may be inside Popen.poll holding Popen's wait
+    # lock: Popen.wait here would wait on that lock forever (seen: an agent left running,
+    # its worker a zombie). The workers are SIGKILLed; init reaps them.
+    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(wait=False), os._exit(FAILED)))
     try:
         return agent.run()
     except (WorkerDied, TimeoutError) as e:

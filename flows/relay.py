@@ -1,0 +1,92 @@
+"""An elastic trial on a pool node: its node's lease follows its size, before the agent moves.
+
+On one machine the campaign's lease file is the host's, and a grow is leased there before
+the agent is told. On a pool node the campaign's leases are in its own file, on the head;
+the node's file, which every campaign sharing the pool respects, is the segment's to keep.
+So the agent reads its commands from a folder of its own (`control/node`), and the
+segment relays them from the campaign's (`control`):
+
+- a command that adds devices is forwarded only once the node's lease file gave them to
+  this trial; if another campaign holds one, the command is not forwarded and the campaign
+  finds `control/refused-<seq>.json` for it (`flows.live.serve_resizes` answers the
+  request rejected and gives back what it leased);
+- the agent's `state.json` is copied back, with the campaign's sequence numbers, and the
+  devices a shrink or a preemption let go are released in the node's file after the agent
+  says it let go of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from cluster.leases import LeaseStore
+from training.elastic import command_path
+from training.files import read_json, write_json_atomic
+
+POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
+
+
+def clear_commands(control: Path) -> None:
+    """A new segment's command sequence starts from nothing: no command, refusal or state of an earlier one."""
+    control.mkdir(parents=True, exist_ok=True)
+    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), control / "state.json"]:
+        stale.unlink(missing_ok=True)
+
+
+def refused_path(control: Path, seq: int) -> Path:
+    return control / f"refused-{seq:06d}.json"
+
+
+class CommandRelay:
+    def __init__(self, outer: Path, inner: Path, store: LeaseStore, holder: str, capacity: dict[str, int], held: list[str]):
+        self.outer, self.inner = outer, inner
+        self.store, self.holder, self.capacity = store, holder, capacity
+        self.held = set(held)  # devices this trial holds in the node's lease file
+        self.next_outer, self.next_inner = 1, 1  # sequence 0 (the start) is the launch's, in both folders
+        self.to_outer = {0: 0}  # the agent's sequence numbers -> the campaign's
+        self.last_state: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="command-relay", daemon=True)
+
+    def __enter__(self) -> "CommandRelay":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.relay_state()  # the agent's last word (finished, preempted) reaches the campaign
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.relay_commands()
+            self.relay_state()
+
+    def relay_commands(self) -> None:
+        while (command := read_json(command_path(self.outer, self.next_outer))) is not None:
+            wanted = [d["id"] for d in command["devices"]]
+            new = [d for d in wanted if d not in self.held]
+            if new and not self.store.acquire(self.holder, {d: self.capacity[d] for d in new}, self.capacity):
+                # Not forwarded: the agent never sees it, and the campaign is told why.
+                write_json_atomic(refused_path(self.outer, self.next_outer), {
+                    "seq": self.next_outer, "time": time.time(), "reason": f"node lease file: {', '.join(new)} held by another campaign"})
+                self.next_outer += 1
+                continue
+            self.held.update(new)
+            write_json_atomic(command_path(self.inner, self.next_inner), {**command, "seq": self.next_inner})
+            self.to_outer[self.next_inner] = self.next_outer
+            self.next_outer += 1
+            self.next_inner += 1
+
+    def relay_state(self) -> None:
+        state = read_json(self.inner / "state.json")
+        if state is None or state == self.last_state:
+            return
+        self.last_state = state
+        if state.get("status") == "running":
+            if left := [d for d in self.held if d not in state.get("devices", [])]:  # a shrink the agent has applied
+                self.store.release_devices(self.holder, left)
+                self.held -= set(left)
+        write_json_atomic(self.outer / "state.json", {**state, "seq": self.to_outer.get(state.get("seq", 0), state.get("seq", 0))})
