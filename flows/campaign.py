@@ -43,7 +43,7 @@ from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool import PoolError
 from flows.relay import clear_commands
-from flows.remote import live_inventory, prepare_pool, run_remote_trial
+from flows.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from training.config import TrialConfig
@@ -53,6 +53,7 @@ from training.metrics import format_metrics
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
+POOL_LOOK_S = 5.0  # how often a pool campaign looks for nodes that joined or left (a worker beats every 5 s)
 # Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
 HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
 
@@ -140,6 +141,7 @@ class CampaignRun:
         # A pool's trials run on its nodes through the pool's segment deployment; this host only orchestrates.
         self.pool = spec.cluster.pool
         self.deployment = prepare_pool(self.pool) if self.pool else None
+        self.next_pool_look = time.time() + POOL_LOOK_S
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s)
@@ -327,7 +329,7 @@ class CampaignRun:
         except Exception as e:
             if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
                 log_allocation(self.root, job.trial.id, [], "lease lost")
-                self.pending.append(job.trial)
+                self.requeue(job)
                 return
             log_allocation(self.root, job.trial.id, [], "failed")  # the task failed after its retries: record it, go on with the rest
             self.failed[job.trial.id] = str(e)
@@ -341,7 +343,7 @@ class CampaignRun:
         if node := result.get("node_lost"):  # the node is gone, the trial is not: it resumes from its checkpoint on the nodes left
             self.logger.error(f"trial {job.trial.id}: node {node} stopped beating; it resumes from its last checkpoint on the nodes left")
             self.drop_node(node)
-            self.pending.append(job.trial)
+            self.requeue(job)
             self.check_pending_fit()
             return
         if result.get("preempted"):
@@ -371,6 +373,39 @@ class CampaignRun:
             return
         self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
 
+    def requeue(self, job: Running) -> None:
+        """A trial stopped through no fault of its own (node or leases lost) waits to start again."""
+        self.pending.append(job.trial)
+        if self.scheduler is not None:
+            # A person's size was for the devices it lost: the policy places it again (a
+            # pinned trial is never started by the policy, so it would wait forever).
+            self.scheduler.unpin(job.trial.id)
+
+    def look_at_pool(self) -> None:
+        """A node that joined the pool (or came back) offers its devices from now on; a dead one
+        that runs nothing of ours is dropped. A dead node's running trials are its segments'
+        to report (`node_lost`), which drops the node then."""
+        if self.pool is None or time.time() < self.next_pool_look:
+            return
+        self.next_pool_look = time.time() + POOL_LOOK_S
+        try:
+            nodes = pool_nodes(self.pool)
+        except PoolError as e:  # the server may be back at the next look; running trials go on meanwhile
+            self.logger.warning(f"could not read pool {self.pool}: {e}")
+            return
+        live = {n.name: n for n in nodes if n.live}
+        for name, node in live.items():
+            if name not in self.inventory.nodes and node.inventory.devices:
+                self.inventory = Inventory(self.inventory.devices + node.inventory.devices, {**self.inventory.links, **node.inventory.links})
+                self.capacity |= {d.id: d.memory_bytes for d in node.inventory.devices}
+                self.logger.info(f"node {name} joined pool {self.pool}: {len(node.inventory.devices)} device(s) more, "
+                                 f"{len(self.inventory.devices)} on {len(self.inventory.nodes)} node(s)")
+        busy = {d.node for job in self.running.values() for d in job.devices}
+        for name in self.inventory.nodes:
+            if name not in live and name not in busy and len(self.inventory.nodes) > 1:
+                self.drop_node(name)
+                self.check_pending_fit()
+
     def drop_node(self, node: str) -> None:
         """A pool node stopped beating: nothing more is placed on its devices."""
         if node not in self.inventory.nodes:
@@ -397,6 +432,7 @@ class CampaignRun:
         ended = False
         try:
             while self.pending or self.running or (self.search is not None and self.search.remaining()):
+                self.look_at_pool()
                 self.draw()
                 if self.scheduler is not None:
                     self.schedule_elastic()

@@ -3,7 +3,7 @@
 On one machine the campaign's lease file is the host's, and a grow is leased there before
 the agent is told. On a pool node the campaign's leases are in its own file, on the head;
 the node's file, which every campaign sharing the pool respects, is the segment's to keep.
-So the agent reads its commands from a folder of its own (`control/node`), and the
+So the agent reads its commands from a folder of its own (`control/node-<node>`), and the
 segment relays them from the campaign's (`control`):
 
 - a command that adds devices is forwarded only once the node's lease file gave them to
@@ -51,6 +51,9 @@ class CommandRelay:
         self._thread = threading.Thread(target=self._run, name="command-relay", daemon=True)
 
     def __enter__(self) -> "CommandRelay":
+        # The agent's folder may hold an earlier segment's commands and state (shared storage):
+        # a stale "running on <other devices>" would read as a shrink and release our lease.
+        clear_commands(self.inner)
         self._thread.start()
         return self
 

@@ -84,7 +84,7 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     heartbeat.add(holder)
     try:
         if elastic:  # its agent takes commands through the relay, which leases a grow on the node first
-            inner = control_dir(cfg) / "node"
+            inner = control_dir(cfg) / f"node-{node}"  # a node cut off, not dead, must not feed another's relay
             plan = plan_launch(cfg, placed, Path(cwd), elastic=True, control=inner)
             with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed]):
                 return run_plan(plan, cfg, placed)

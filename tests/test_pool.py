@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime, timedelta, timezone
 import signal
 import subprocess
@@ -316,10 +317,12 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
 
 @pytest.mark.slow
-def test_an_elastic_trial_on_a_node_is_resized_and_a_grow_the_nodes_lease_file_refuses_is_rejected(tmp_path, digits_npz, lab):
+def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_node_dies(tmp_path, digits_npz, lab):
     """An elastic [1, 2] trial in a pool runs on one node and is resized by hand there. Its
     node's lease file follows its size; a grow onto a device that file gives to another
-    campaign (one the head does not know about) is refused, and the request answered so."""
+    campaign (one the head does not know about) is refused, and the request answered so.
+    A node that joins mid-campaign is seen; when the trial's node dies, the trial resumes
+    there from its last checkpoint (the hand-set size was for the node it lost)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from cluster.leases import LeaseStore
@@ -327,7 +330,7 @@ def test_an_elastic_trial_on_a_node_is_resized_and_a_grow_the_nodes_lease_file_r
     head, api, nodes = lab
     ns, address = nodes["a"]
     worker = start_worker(api, tmp_path, "a", ns, address, 2)
-    launch = None
+    launch = worker_b = None
     runs = tmp_path / "runs"
     try:
         with temporary_settings(updates={PREFECT_API_URL: api}):
@@ -384,12 +387,36 @@ def test_an_elastic_trial_on_a_node_is_resized_and_a_grow_the_nodes_lease_file_r
         events = [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]
         assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)], events
 
+        # Node b joins while the campaign runs; then node a dies: the trial resumes on b from its checkpoint.
+        worker_b = start_worker(api, tmp_path, "b", *nodes["b"], 2)
+        wait_for(lambda: "node b joined pool lab" in (tmp_path / "launch.log").read_text(), 120, "the campaign to see node b")
+        for pid in processes_of("a"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        def on_b() -> list[str]:
+            devices = (read_json(trial_dir / "control" / "state.json") or {}).get("devices", [])
+            return devices if (running_on(1) or running_on(2)) and all(d.startswith("b/") for d in devices) else []
+
+        moved = wait_for(on_b, 240, "the trial to resume on node b")  # at the size the policy starts it with
+        assert {lease.device_id for lease in LeaseStore(tmp_path / "leases-b.db").leases()} == set(moved)
+        moves = [e["reason"] for e in map(json.loads, (runs / "elastic" / "allocations.jsonl").read_text().splitlines())]
+        assert moves[-2:] == ["node lost", "start"], moves
+        def starts() -> list[tuple[str, str]]:  # (step, state from) of each start of the trial, once node b's has logged
+            found = re.findall(r"generation 0 on \d device\(s\) \(.*\), step (\d+), state from (\w+)", (trial_dir / "train.log").read_text())
+            return found if len(found) == 2 else []
+
+        generations = wait_for(starts, 60, "the trial's start on node b in its log")
+        assert generations[0] == ("0", "disk") and int(generations[1][0]) > 0 and int(generations[1][0]) % 500 == 0, generations
+
         launch.send_signal(signal.SIGTERM)  # the campaign stops: the trial with it, and its lease on the node
         assert launch.wait(timeout=120) == 143, (tmp_path / "launch.log").read_text()[-3000:]
-        wait_for(lambda: not leased(), 60, "node a's lease to go with the trial")
+        wait_for(lambda: not LeaseStore(tmp_path / "leases-b.db").leases(), 60, "node b's lease to go with the trial")
     finally:
         if launch is not None and launch.poll() is None:
             launch.kill()
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=30)
+        for proc in (worker, worker_b):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)

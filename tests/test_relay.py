@@ -1,0 +1,69 @@
+"""The command relay of an elastic trial on a pool node (flows/relay.py), on real files and a
+real lease file, with the agent's side written by hand."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from cluster.leases import LeaseStore
+from flows.relay import CommandRelay, refused_path
+from training.elastic import command_path, write_command
+from training.files import read_json, write_json_atomic
+
+CAPACITY = {"a/cpu0": 1, "a/cpu1": 1}
+
+
+def wait_for(check, timeout: float = 10.0):
+    deadline = time.time() + timeout
+    while not (value := check()):
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+def leased(store: LeaseStore) -> set[str]:
+    return {lease.device_id for lease in store.leases()}
+
+
+def test_a_grow_is_forwarded_only_once_the_node_lease_file_gave_the_devices(tmp_path):
+    store = LeaseStore(tmp_path / "leases.db")
+    outer, inner = tmp_path / "control", tmp_path / "control" / "node-a"
+    assert store.acquire("c/t@a:1", {"a/cpu0": 1}, CAPACITY, pid=os.getpid())
+    assert store.acquire("other/u@a:2", {"a/cpu1": 1}, CAPACITY, pid=os.getpid())  # another campaign, on the node itself
+    with CommandRelay(outer, inner, store, "c/t@a:1", CAPACITY, ["a/cpu0"]):
+        write_command(outer, 1, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
+        refused = wait_for(lambda: read_json(refused_path(outer, 1)))
+        assert "a/cpu1 held by another campaign" in refused["reason"]
+        assert read_json(command_path(inner, 1)) is None  # the agent never saw it
+
+        store.release("other/u@a:2")
+        write_command(outer, 2, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
+        forwarded = wait_for(lambda: read_json(command_path(inner, 1)))  # the agent's own numbering
+        assert [d["id"] for d in forwarded["devices"]] == ["a/cpu0", "a/cpu1"]
+        assert leased(store) == {"a/cpu0", "a/cpu1"}  # leased before the agent was told
+
+        write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu0", "a/cpu1"], "seq": 1})
+        assert wait_for(lambda: (read_json(outer / "state.json") or {}).get("seq") == 2)  # the campaign's numbering
+
+        write_command(outer, 3, [{"id": "a/cpu1"}])  # a shrink: the lease stays until the agent let go
+        wait_for(lambda: read_json(command_path(inner, 2)))
+        assert leased(store) == {"a/cpu0", "a/cpu1"}
+        write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu1"], "seq": 2})
+        wait_for(lambda: leased(store) == {"a/cpu1"})
+        assert read_json(outer / "state.json")["seq"] == 3
+
+
+def test_an_earlier_segments_state_in_the_agents_folder_is_not_read_as_a_shrink(tmp_path):
+    """Shared storage keeps the folder of a segment that ran before (the trial's node died):
+    its "running on other devices" must not release the new segment's lease."""
+    store = LeaseStore(tmp_path / "leases.db")
+    outer, inner = tmp_path / "control", tmp_path / "control" / "node-b"
+    inner.mkdir(parents=True)
+    write_json_atomic(inner / "state.json", {"status": "running", "devices": ["b/cpu5"], "seq": 4})
+    write_command(inner, 1, [{"id": "b/cpu5"}])
+    assert store.acquire("c/t@b:1", {"a/cpu0": 1}, CAPACITY, pid=os.getpid())
+    with CommandRelay(outer, inner, store, "c/t@b:1", CAPACITY, ["a/cpu0"]):
+        time.sleep(0.3)  # several relay rounds
+        assert leased(store) == {"a/cpu0"}
+        assert read_json(outer / "state.json") is None and read_json(command_path(inner, 1)) is None
