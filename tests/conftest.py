@@ -43,6 +43,19 @@ def campaign_cli(*args: str, cwd: Path | None = None):
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def wait_for(check, timeout: float, what: str, every: float = 0.2):
+    """`check()`'s first true value, polled until `timeout` seconds; fails naming `what`."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
 @pytest.fixture(scope="session")
 def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits

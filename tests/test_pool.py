@@ -15,12 +15,12 @@ from datetime import datetime, timedelta, timezone
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -138,16 +138,6 @@ def nodes_once_made(pool: str) -> list[PoolNode]:
     except PoolError as e:
         assert "there is no pool" in str(e), e
         return []
-
-
-def wait_for(check, timeout: float, what: str, every: float = 0.2):
-    deadline = time.time() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
 
 
 @pytest.mark.slow

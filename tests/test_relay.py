@@ -6,20 +6,13 @@ from __future__ import annotations
 import os
 import time
 
+from conftest import wait_for
 from cluster.leases import LeaseStore
 from flows.relay import CommandRelay, refused_path
 from training.elastic import command_path, write_command
 from training.files import read_json, write_json_atomic
 
 CAPACITY = {"a/cpu0": 1, "a/cpu1": 1}
-
-
-def wait_for(check, timeout: float = 10.0):
-    deadline = time.time() + timeout
-    while not (value := check()):
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
-    return value
 
 
 def leased(store: LeaseStore) -> set[str]:
@@ -33,24 +26,24 @@ def test_a_grow_is_forwarded_only_once_the_node_lease_file_gave_the_devices(tmp_
     assert store.acquire("other/u@a:2", {"a/cpu1": 1}, CAPACITY, pid=os.getpid())  # another campaign, on the node itself
     with CommandRelay(outer, inner, store, "c/t@a:1", CAPACITY, ["a/cpu0"]):
         write_command(outer, 1, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
-        refused = wait_for(lambda: read_json(refused_path(outer, 1)))
+        refused = wait_for(lambda: read_json(refused_path(outer, 1)), 10, "the relay", every=0.02)
         assert "a/cpu1 held by another campaign" in refused["reason"]
         assert read_json(command_path(inner, 1)) is None  # the agent never saw it
 
         store.release("other/u@a:2")
         write_command(outer, 2, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
-        forwarded = wait_for(lambda: read_json(command_path(inner, 1)))  # the agent's own numbering
+        forwarded = wait_for(lambda: read_json(command_path(inner, 1)), 10, "the grow forwarded", every=0.02)  # the agent's numbering
         assert [d["id"] for d in forwarded["devices"]] == ["a/cpu0", "a/cpu1"]
         assert leased(store) == {"a/cpu0", "a/cpu1"}  # leased before the agent was told
 
         write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu0", "a/cpu1"], "seq": 1})
-        assert wait_for(lambda: (read_json(outer / "state.json") or {}).get("seq") == 2)  # the campaign's numbering
+        wait_for(lambda: (read_json(outer / "state.json") or {}).get("seq") == 2, 10, "the state in the campaign's numbering", every=0.02)
 
         write_command(outer, 3, [{"id": "a/cpu1"}])  # a shrink: the lease stays until the agent let go
-        wait_for(lambda: read_json(command_path(inner, 2)))
+        wait_for(lambda: read_json(command_path(inner, 2)), 10, "the relay", every=0.02)
         assert leased(store) == {"a/cpu0", "a/cpu1"}
         write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu1"], "seq": 2})
-        wait_for(lambda: leased(store) == {"a/cpu1"})
+        wait_for(lambda: leased(store) == {"a/cpu1"}, 10, "the relay", every=0.02)
         assert read_json(outer / "state.json")["seq"] == 3
 
 
