@@ -28,6 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -87,11 +88,13 @@ def main() -> None:
             for name, (result, _) in results.items():
                 ratios[name].append(result.summary()["avg_jct_s"] / las["avg_jct_s"])
             ours = results["elastic (ours)"][0].summary()
-            # No policy beats every job running alone at once (at its requested size, packed) when jobs
-            # may not grow past their request: the mean of those durations bounds the average JCT.
-            bound = statistics.mean(j.duration for j in workload)
-            goals.append((f"{jobs} jobs, seed {seed}", ours["avg_jct_s"] / las["avg_jct_s"], bound / las["avg_jct_s"],
-                          ours["restarts_per_job"], las["restarts_per_job"], ours["p99_jct_s"] / las["p99_jct_s"]))
+            # No policy beats every job running alone from its arrival (at its requested size, packed,
+            # after one start's pause) when jobs may not grow past their request: each job's JCT is at
+            # least that, so the mean bounds the average JCT and the 99th percentile the p99.
+            alone = [j.duration + args.pause for j in workload]
+            goals.append((f"{jobs} jobs, seed {seed}", ours["avg_jct_s"] / las["avg_jct_s"], statistics.mean(alone) / las["avg_jct_s"],
+                          ours["restarts_per_job"], las["restarts_per_job"], ours["p99_jct_s"] / las["p99_jct_s"],
+                          float(np.percentile(alone, 99)) / las["p99_jct_s"]))
 
     summary = Table(title="Average completion time relative to least-attained-service, over all workloads")
     summary.add_column("policy")
@@ -108,16 +111,17 @@ LAS = "las (5 queues)"
 GOODPUT = "elastic (ours), goodput trials"
 
 
-def _goal_table(goals: list[tuple[str, float, float, float, float, float]], growth: int) -> Table:
+def _goal_table(goals: list[tuple[str, float, float, float, float, float, float]], growth: int) -> Table:
     """Issue 14's goals, per workload: ours against LAS (5 queues)."""
     table = Table(title=f"Ours against LAS, growth {growth}x. Goals: avg JCT <= 0.80x LAS, restarts/job <= 3x LAS's, p99 < LAS's")
-    # bound: the mean of the jobs' durations at their requested size, packed; with growth 1 no
-    # policy's average JCT is below it.
-    for column in ("workload", "avg JCT vs LAS", "bound vs LAS", "restarts/job ours / LAS", "p99 vs LAS", "goals met"):
+    # bounds: the mean and the 99th percentile of the jobs' run times alone (requested size,
+    # packed, one pause); with growth 1 no policy's average JCT or p99 is below them.
+    for column in ("workload", "avg JCT vs LAS", "bound vs LAS", "restarts/job ours / LAS", "p99 vs LAS", "p99 bound vs LAS", "goals met"):
         table.add_column(column, justify="left" if column == "workload" else "right")
-    for name, avg, bound, ours, las, p99 in goals:
+    for name, avg, bound, ours, las, p99, p99_bound in goals:
         met = [avg <= 0.8, ours <= 3 * las, p99 < 1]
-        table.add_row(name, f"{avg:.3f}", f"{bound:.3f}" if growth == 1 else "-", f"{ours:.2f} / {las:.2f}", f"{p99:.3f}",
+        table.add_row(name, f"{avg:.3f}", f"{bound:.3f}" if growth == 1 else "-", f"{ours:.2f} / {las:.2f}", f"{p99:.4f}",
+                      f"{p99_bound:.4f}" if growth == 1 else "-",
                       ", ".join(n for n, ok in zip(("avg", "restarts", "p99"), met) if ok) or "none")
     return table
 

@@ -323,6 +323,12 @@ class ElasticPolicy:
             frozen |= newly
         else:
             sizes = _greedy(plans, cluster.total, frozen)
+            # What the last freeze handed out again was not checked: a growth that does not
+            # pay stays at its size (unchecked, a job grew minutes after a change, then was
+            # trimmed back, over and over: each a restart).
+            for i, plan in enumerate(plans):
+                if not self._worth_resizing(cluster, plan, sizes[i], now):
+                    sizes[i] = plan.job.devices
         self._explore(cluster, plans, sizes)
         return self._place(cluster, plans, sizes)
 

@@ -10,6 +10,7 @@ which grows them when devices free up and shrinks them when others wait.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.futures import PrefectFuture, as_completed
+from prefect.futures import PrefectFuture
 
 from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore
@@ -56,6 +57,17 @@ CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
 POOL_LOOK_S = 5.0  # how often a pool campaign looks for nodes that joined or left (a worker beats every 5 s)
 # Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
 HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
+
+
+def first_finished(futures: list[PrefectFuture], timeout_s: float) -> PrefectFuture | None:
+    """One of `futures` that finished within `timeout_s`, or None.
+
+    Not Prefect's `as_completed(timeout=...)`: in the main thread its timeout is a SIGALRM,
+    which may land inside a lock's release and fail the campaign ('release unlocked lock',
+    seen in CI). The trials' futures wrap the task runner's thread futures: wait on those."""
+    wrapped = {f.wrapped_future: f for f in futures}
+    done, _ = concurrent.futures.wait(wrapped, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+    return wrapped[next(iter(done))] if done else None
 
 
 def inventory_for(spec: CampaignSpec) -> Inventory:
@@ -446,9 +458,8 @@ class CampaignRun:
                     if self.pending:  # every device we could use is leased by someone else
                         time.sleep(WAIT_FOR_DEVICES_S)
                     continue
-                try:
-                    future = next(as_completed(list(self.running), timeout=CONTROL_POLL_S))
-                except TimeoutError:
+                future = first_finished(list(self.running), CONTROL_POLL_S)
+                if future is None:
                     self.serve()
                     continue
                 self.collect(future)

@@ -61,3 +61,24 @@ def test_a_trial_that_finishes_before_its_grow_lands_is_not_reported_resized(tmp
     result = read_json(job.trial_dir / "control" / RESULT)
     assert result["status"] == "finished" and "before the resize" in result["detail"]
     assert [l.device_id for l in store.leases()] == [first]  # the device the grow took is free again
+
+
+def test_the_campaign_loop_waits_for_the_first_trial_to_end_on_the_trials_threads():
+    """`first_finished` (the campaign loop's wait): None while nothing ended, then the future
+    that ended. It waits on the task runner's thread futures, not on Prefect's SIGALRM
+    timeout, which once landed inside a lock's release and failed a campaign."""
+    import threading
+    import time
+    from concurrent.futures import Future
+    from uuid import uuid4
+
+    from prefect.futures import PrefectConcurrentFuture
+
+    from flows.campaign import first_finished
+
+    slow, quick = Future(), Future()
+    futures = [PrefectConcurrentFuture(uuid4(), slow), PrefectConcurrentFuture(uuid4(), quick)]
+    started = time.monotonic()
+    assert first_finished(futures, 0.2) is None and time.monotonic() - started >= 0.2
+    threading.Timer(0.1, quick.set_result, args=({"steps": 1},)).start()
+    assert first_finished(futures, 10) is futures[1]

@@ -117,6 +117,21 @@ def test_elastic_leaves_recently_changed_jobs_whole(scenario):
             assert devices_of(allocation.get(job.id)) >= job.devices, job.id
 
 
+@settings(max_examples=300, deadline=None)
+@given(scenario=scenarios())
+def test_elastic_never_grows_a_job_within_grow_after_s_of_its_last_change(scenario):
+    """However many rounds the growths not worth their pause take to settle, a job changed a
+    moment ago does not grow (seen: grown minutes after a change, trimmed back, again and again)."""
+    cluster, jobs = scenario
+    policy = ElasticPolicy(grow_after_s=3600.0, explore_after_s=math.inf)  # exploring is a growth of its own
+    now = 100_000.0
+    recent = [replace(j, since=now - 10) if j.running else j for j in jobs]
+    allocation = policy.decide(cluster, recent, now)
+    for job in recent:
+        if job.running:
+            assert devices_of(allocation.get(job.id)) <= job.devices, job.id
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
 def test_elastic_runs_a_starving_job_when_unprotected_devices_allow(scenario):

@@ -86,7 +86,8 @@ def lab(tmp_path):
             ip("-n", ns, "link", "set", inside, "up")
             ip("-n", ns, "link", "set", "lo", "up")
             nodes[node] = (ns, SUBNET.format(tag, i))
-        servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head)  # an http URI: Prefect only
+        # An http URI: Prefect only; a database of its own, so no pool of an earlier run is in it.
+        servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head, prefect_home=tmp_path / "prefect-head")
         try:
             yield head, servers.prefect_url + "/api", nodes
         finally:
@@ -141,14 +142,14 @@ def nodes_once_made(pool: str) -> list[PoolNode]:
 
 
 @pytest.mark.slow
-def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab):
+def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab, monkeypatch):
     """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
     on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
     a step: the trial it was part of finishes on node a, from its checkpoint."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     head, api, nodes = lab
-    os.environ["PREFECT_API_URL"] = api  # for the processes this test starts
+    monkeypatch.setenv("PREFECT_API_URL", api)  # for the processes this test starts
     workers = {}
     with temporary_settings(updates={PREFECT_API_URL: api}):  # this process reads the pool too
         run_pool_campaign(tmp_path, digits_npz, api, nodes, workers)
@@ -247,7 +248,6 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        os.environ.pop("PREFECT_API_URL", None)
 
 
 @pytest.mark.slow
