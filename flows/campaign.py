@@ -43,11 +43,11 @@ from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, 
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool import PoolError
-from flows.relay import clear_commands
 from flows.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from training.config import TrialConfig
+from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import read_json
 from training.metrics import format_metrics

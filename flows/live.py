@@ -19,8 +19,7 @@ from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory
 from tasks.grid import Trial
 from tasks.resize import answer, pending_request
-from training.elastic import write_command
-from flows.relay import refused_path
+from training.elastic import refused_path, write_command
 from training.files import read_json
 
 

@@ -22,21 +22,10 @@ import time
 from pathlib import Path
 
 from cluster.leases import LeaseStore
-from training.elastic import command_path
+from training.elastic import clear_commands, command_path, refused_path
 from training.files import read_json, write_json_atomic
 
 POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
-
-
-def clear_commands(control: Path) -> None:
-    """A new segment's command sequence starts from nothing: no command, refusal or state of an earlier one."""
-    control.mkdir(parents=True, exist_ok=True)
-    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), control / "state.json"]:
-        stale.unlink(missing_ok=True)
-
-
-def refused_path(control: Path, seq: int) -> Path:
-    return control / f"refused-{seq:06d}.json"
 
 
 class CommandRelay:
@@ -53,6 +42,7 @@ class CommandRelay:
     def __enter__(self) -> "CommandRelay":
         # The agent's folder may hold an earlier segment's commands and state (shared storage):
         # a stale "running on <other devices>" would read as a shrink and release our lease.
+        # The launch clears it too, but only after this thread has started reading it.
         clear_commands(self.inner)
         self._thread.start()
         return self

@@ -25,7 +25,7 @@ from cluster.types import Device
 from tasks.records import completed_result, update_record
 from tasks.trial_log import LogForwarder
 from training.config import TrialConfig
-from training.elastic import write_command
+from training.elastic import clear_commands, write_command
 from training.errors import CampaignError
 from training.files import write_atomic
 from training.loopback import BIND_ENV
@@ -288,10 +288,7 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
         return _run_warm(plan, config)
     if plan.elastic:  # a new agent starts a new command sequence
         control = plan.control or control_dir(config)
-        control.mkdir(parents=True, exist_ok=True)
-        for old in control.glob("command-*.json"):
-            old.unlink()
-        (control / "state.json").unlink(missing_ok=True)
+        clear_commands(control)
         write_command(control, 0, list(plan.workers))
     with open(plan.log_path, "ab") as log, _live_lock:
         if _stopped.is_set():

@@ -112,6 +112,16 @@ def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slo
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int) -> subprocess.Popen:
+    """A node's worker, once the pool sees it beating."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    worker = start_worker(api, tmp_path, node, ns, address, slots)
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        wait_for(lambda: any(n.name == node and n.live for n in nodes_once_made("lab")), 120, f"node {node} live")
+    return worker
+
+
 def listening(ns: str) -> set[str]:
     out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines()}
@@ -254,17 +264,13 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
 def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, lab):
     """SIGTERM to `campaign launch` while a trial runs on a node: the trial's flow run is
     cancelled, its processes on the node end and the node's lease of its devices goes."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from cluster.leases import LeaseStore
 
     head, api, nodes = lab
     ns, address = nodes["a"]
-    worker = start_worker(api, tmp_path, "a", ns, address, 2)
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
     launch = None
     try:
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            wait_for(lambda: any(n.live for n in nodes_once_made("lab")), 120, "node a live")
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({
             "campaign": {"name": "stopped", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
@@ -313,18 +319,14 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
     campaign (one the head does not know about) is refused, and the request answered so.
     A node that joins mid-campaign is seen; when the trial's node dies, the trial resumes
     there from its last checkpoint (the hand-set size was for the node it lost)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from cluster.leases import LeaseStore
 
     head, api, nodes = lab
     ns, address = nodes["a"]
-    worker = start_worker(api, tmp_path, "a", ns, address, 2)
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
     launch = worker_b = None
     runs = tmp_path / "runs"
     try:
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            wait_for(lambda: any(n.live for n in nodes_once_made("lab")), 120, "node a live")
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({
             "campaign": {"name": "elastic", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},

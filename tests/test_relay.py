@@ -8,8 +8,8 @@ import time
 
 from conftest import wait_for
 from cluster.leases import LeaseStore
-from flows.relay import CommandRelay, refused_path
-from training.elastic import command_path, write_command
+from flows.relay import CommandRelay
+from training.elastic import command_path, refused_path, write_command
 from training.files import read_json, write_json_atomic
 
 CAPACITY = {"a/cpu0": 1, "a/cpu1": 1}

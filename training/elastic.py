@@ -64,6 +64,18 @@ def command_path(control: Path, seq: int) -> Path:
     return control / f"command-{seq:06d}.json"
 
 
+def refused_path(control: Path, seq: int) -> Path:
+    """Where a pool node's relay says it did not forward command `seq` (flows/relay.py)."""
+    return control / f"refused-{seq:06d}.json"
+
+
+def clear_commands(control: Path) -> None:
+    """A new command sequence starts from nothing: no command, refusal or state of an earlier one."""
+    control.mkdir(parents=True, exist_ok=True)
+    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), control / "state.json"]:
+        stale.unlink(missing_ok=True)
+
+
 def write_command(control: Path, seq: int, devices: list[dict], mode: str = "resize") -> None:
     """What a launcher calls to start (seq 0) or resize a trial."""
     write_json_atomic(command_path(control, seq), {"seq": seq, "devices": devices, "mode": mode, "requested_at": time.time()})
