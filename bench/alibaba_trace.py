@@ -2,7 +2,7 @@
 
 Source: Alibaba cluster-trace-gpu-v2023 (github.com/alibaba/clusterdata), from Weng et al.,
 "Beware of Fragmentation: Scheduling GPU-Sharing Workloads with Fragmentation Gradient
-Descent", USENIX ATC'23. Files under /work/shared/data/traces/ (see its README.md).
+Descent", USENIX ATC'23. Shipped gzip-compressed in data/traces/ (see its README.md).
 
 Memory model: every GPU is 1000 units, the trace's own `gpu_milli` scale, whatever its model.
 The trace states GPU demand only as a share of one GPU (no task names a GPU type), so
@@ -14,13 +14,14 @@ public); 1000 units keeps the task mix exactly as the paper replays it. A task w
 from __future__ import annotations
 
 import csv
+import gzip
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.types import Device, Inventory, Request
 from training.errors import CampaignError
 
-TRACE_DIR = Path("/work/shared/data/traces")
+TRACE_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
 NODES_FILE = "openb_node_list_gpu_node.csv"
 POD_LISTS = ("default", "gpushare100", "multigpu50")
 GPU_UNITS = 1000  # memory of one GPU in this model: gpu_milli's thousandths of a GPU
@@ -42,7 +43,10 @@ class PodList:
 
 
 def _rows(path: Path, needed: tuple[str, ...]) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")  # the repository ships the traces compressed
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in needed if c not in (reader.fieldnames or ())]
         if missing:

@@ -41,7 +41,7 @@ from cluster.simulator import SimConfig, SimResult, simulate  # noqa: E402
 from cluster.throughput import OnlineStepTime, prior_from_size  # noqa: E402
 from cluster.workloads import read_philly, sample_philly, synthetic  # noqa: E402
 
-TRACE = Path("/work/shared/data/traces/philly_jobs.csv")
+TRACE = REPO / "data" / "traces" / "philly_jobs.csv.gz"  # the Philly trace, shipped with the repository
 
 
 def main() -> None:

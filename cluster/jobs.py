@@ -105,7 +105,8 @@ class Job:
     arrival if it never ran): a waiting job has waited `now - since`, a running one has run
     that long at its current placement. `explored_nodes` is the most nodes it has run on
     long enough to report a step time: its model has seen no wider spread. `preemptions`
-    counts the times it was taken off all its devices before finishing.
+    counts the times it was taken off all its devices before finishing, `restarts` every
+    stop of its processes (resizes too), `explored_devices` the most devices it ran on.
     """
 
     id: str
@@ -119,6 +120,8 @@ class Job:
     since: float | None = None
     explored_nodes: int = 0
     preemptions: int = 0
+    restarts: int = 0  # stops of its processes so far: resizes and preemptions
+    explored_devices: int = 0  # the most devices it has run on
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_devices <= self.max_devices:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Protocol, Sequence
 
-from cluster.jobs import Cluster, Job, Placement, devices_of, nodes_of, speedup
+from cluster.jobs import Cluster, Job, Placement, devices_of, nodes_of, same_placement, speedup
 from cluster.types import StepTimeModel
 
 
@@ -304,6 +304,9 @@ class ElasticPolicy:
     preemption_budget: int = 3
     grow_after_s: float = 3600.0
     repack: bool = True
+    fill_idle: bool = True
+    fill_above_request: bool = True
+    protect_request_only: bool = False
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -330,7 +333,10 @@ class ElasticPolicy:
                 if not self._worth_resizing(cluster, plan, sizes[i], now):
                     sizes[i] = plan.job.devices
         self._explore(cluster, plans, sizes)
-        return self._place(cluster, plans, sizes)
+        out = self._place(cluster, plans, sizes)
+        if self.fill_idle:
+            self._fill_idle(cluster, plans, out)
+        return out
 
     # -- sizing -------------------------------------------------------------------
 
@@ -342,7 +348,10 @@ class ElasticPolicy:
         if protected and _last_node_lost(cluster, job):
             protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
-        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
+        # Protection keeps what a job asked for; devices above its request (grown into idle
+        # ones) go back to a newcomer at the next decision.
+        floor = (min(job.devices, job.requested) if self.protect_request_only else job.devices) if protected else 0
+        return _JobPlan(job, weight, starving, floor=floor)
 
     def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
         """Starving jobs, longest waiting first, get their minimum before any greedy choice."""
@@ -520,6 +529,66 @@ class ElasticPolicy:
         kept = dict(ranked[:best])
         pool.give_back({n: c for n, c in ranked[best:]})
         return kept
+
+    def _fill_idle(self, cluster: Cluster, plans: list[_JobPlan], out: dict[str, dict[str, int]]) -> None:
+        """No device stays idle that a job could use: what the decision left free goes, one
+        step at a time, to the job that gains most from it (weighted speed-up per device):
+        a waiting job starts, a job below its request grows toward it, one at its request
+        grows toward its max when that pays for the pause. The freeze timers limit changes
+        that move or shrink running jobs, not growth into devices nobody holds; devices
+        above a job's request are not protected (`_plan`), so a newcomer gets them back.
+        A starving job's hold is the exception: it waits for these devices."""
+        if any(p.cap is not None for p in plans):
+            return
+        pool = NodePool(cluster)
+        for placement in out.values():
+            pool.take(placement)
+        # Jobs this decision already moved or shrank are left as they are: one change at a time.
+        changed = {p.job.id for p in plans if p.job.id in out and p.job.running and not same_placement(out[p.job.id], p.job.placement)}
+        while pool.total_free:
+            best: tuple[float, int, dict[str, int]] | None = None
+            for i, plan in enumerate(plans):
+                job = plan.job
+                held = out.get(job.id)
+                if job.id in changed:
+                    continue
+                current = devices_of(held)
+                limit = job.max_devices if self.fill_above_request else max(job.requested, job.min_devices)
+                top = min(limit, current + pool.total_free)
+                if top < max(current + 1, job.min_devices):
+                    continue
+                before = _speedup_packed(cluster, job, current) if not held else speedup(job.model, current, nodes_of(held))
+                for n in _candidate_sizes(cluster, max(current + 1, job.min_devices), top, current):
+                    if held:
+                        probe = replace(job, placement=held)
+                        placed = self._grow(pool, probe, n)
+                        if placed is probe.placement:
+                            continue  # spreading would undo the growth
+                        pool.give_back(placed)  # _grow took it: only a plan here
+                        pool.take(held)
+                    else:
+                        placed = pool.plan(n)
+                        if placed is None:
+                            continue
+                    after = speedup(job.model, n, nodes_of(placed))
+                    if after <= before * (1.0 + 1e-9):
+                        continue
+                    if job.running and n > job.requested and not self._pays(job, before, after):
+                        continue
+                    gain = plan.weight * (after - before) / (n - current)
+                    if best is None or gain > best[0]:
+                        best = (gain, i, dict(placed))
+            if best is None:
+                return
+            _, i, placed = best
+            job = plans[i].job
+            held = out.get(job.id)
+            if held:
+                pool.give_back(held)
+            pool.take(placed)
+            out[job.id] = placed
+            if job.running and not same_placement(placed, job.placement) and devices_of(placed) < devices_of(job.placement):
+                changed.add(job.id)
 
     def _backfill(self, pool: NodePool, plans: list[_JobPlan], sizes: list[int], out: dict[str, dict[str, int]]) -> None:
         """Devices freed by trimming go to waiting jobs at their minimum, on one node."""

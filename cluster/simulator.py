@@ -11,6 +11,13 @@ Its speed is its true step-time curve at its size and number of nodes; the polic
 only an `OnlineStepTime` model, started from a prior and fed the (noisy) step times the
 job reports while it runs, as a live trial would. A decision that over-commits a node or
 breaks a gang raises InvalidAllocation: a bug in the policy, never silently repaired.
+
+A goodput job (`WorkloadJob.goodput`) trains at the batch that maximises its goodput on
+its devices (cluster.goodput), with its gradient noise scale growing through training;
+its progress is counted in reference steps, and the policy sees a `GoodputView` of its
+learned model at its current noise scale. After each decision the simulator records
+whether devices were left idle while a job that could use them waited or ran below its
+request (`idle_decisions`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from cluster.goodput import GoodputView, NoiseGrowth, rate
 from cluster.jobs import Cluster, InvalidAllocation, Job, Placement, devices_of, nodes_of, same_placement, validate_allocation
 from cluster.policy import Policy
 from cluster.throughput import OnlineStepTime, prior_from_size
@@ -79,6 +87,7 @@ class SimResult:
     jobs: tuple[JobRecord, ...]
     decision_s: tuple[float, ...]  # wall-clock time of each policy call
     paused_device_seconds: float
+    idle_decisions: int = 0  # decisions that left a device idle next to a job below its request
 
     @property
     def makespan(self) -> float:
@@ -106,6 +115,7 @@ class SimResult:
             "max_restarts": float(max((j.restarts for j in self.jobs), default=0)),
             "spread_fraction": sum(j.spread_device_seconds for j in self.jobs) / max(1e-9, sum(j.device_seconds for j in self.jobs)),
             "decisions": float(len(self.decision_s)),
+            "idle_share": self.idle_decisions / max(1, len(self.decision_s)),
             "decision_mean_ms": float(decisions.mean() * 1e3),
             "decision_p99_ms": float(np.percentile(decisions, 99) * 1e3),
         }
@@ -129,6 +139,20 @@ class _Live:
     preemptions: int = 0
     spread: float = 0.0  # device-seconds on more nodes than needed
     last_report: float = -math.inf
+    noise: NoiseGrowth | None = None  # a goodput job's noise scale through training
+    most_devices: int = 0  # the most devices it has run on
+
+    @property
+    def noise_scale(self) -> float:
+        assert self.noise is not None
+        return self.noise.at(self.done / self.work)
+
+    def true_step(self, placement: Placement) -> float:
+        """Seconds per reference step on `placement` (a goodput job: at its best batch now)."""
+        n, k = devices_of(placement), nodes_of(placement)
+        if self.noise is None:
+            return self.spec.true_model.step_time(n, k)
+        return 1.0 / rate(self.spec.true_model, n, k, self.noise_scale)[0]
 
     def finish_at(self, now: float) -> float:
         if not self.placement:
@@ -177,6 +201,7 @@ class _Simulation:
         self.decision_s: list[float] = []
         self.paused = 0.0
         self.now = 0.0
+        self.idle_decisions = 0
 
     def run(self) -> SimResult:
         index = 0
@@ -206,7 +231,8 @@ class _Simulation:
             if len(self.decision_s) > self.config.max_decisions:
                 raise InvalidAllocation(f"policy {self.policy.name} made {len(self.decision_s)} decisions without finishing")
         return SimResult(
-            self.policy.name, self.cluster.total, tuple(sorted(self.records, key=lambda r: r.id)), tuple(self.decision_s), self.paused
+            self.policy.name, self.cluster.total, tuple(sorted(self.records, key=lambda r: r.id)), tuple(self.decision_s), self.paused,
+            self.idle_decisions,
         )
 
     def _advance(self, t: float) -> None:
@@ -221,7 +247,7 @@ class _Simulation:
             model: StepTimeModel = truth
         else:
             model = OnlineStepTime(self.config.prior(spec, self.cluster), spec.max_devices, self.cluster.largest_node)
-        self.active[spec.id] = _Live(spec, work, model, since=spec.arrival)
+        self.active[spec.id] = _Live(spec, work, model, since=spec.arrival, noise=spec.noise)
 
     def _complete(self, live: _Live) -> None:
         self.records.append(
@@ -244,12 +270,18 @@ class _Simulation:
             if not live.placement or live.paused_until > self.now or not isinstance(live.model, OnlineStepTime):
                 continue
             if live.last_report < live.since or self.now - live.last_report >= self.config.report_every_s:
-                measured = live.step_s * self.rng.lognormvariate(0.0, self.config.noise)
-                live.model.observe(devices_of(live.placement), nodes_of(live.placement), measured)
+                # A goodput job reports its step time at its reference batch (the trainer times
+                # the per-sample compute and the all-reduce apart, as Pollux's does).
+                n, k = devices_of(live.placement), nodes_of(live.placement)
+                truth = live.spec.true_model.step_time(n, k) if live.noise is not None else live.step_s
+                live.model.observe(n, k, truth * self.rng.lognormvariate(0.0, self.config.noise))
                 live.last_report = self.now
 
     def _decide(self) -> None:
         self._report_step_times()
+        for live in self.active.values():
+            if live.noise is not None and live.placement:  # the noise scale grew: so did its best batch
+                live.step_s = live.true_step(live.placement)
         views = [
             Job(
                 live.spec.id,
@@ -257,12 +289,14 @@ class _Simulation:
                 live.spec.requested,
                 live.spec.min_devices,
                 live.spec.max_devices,
-                live.model,
+                live.model if live.noise is None else GoodputView(live.model, live.noise_scale),
                 attained=live.attained,
                 placement=live.placement,
                 since=live.since,
                 explored_nodes=self._explored_nodes(live),
                 preemptions=live.preemptions,
+                restarts=live.resizes + live.preemptions,
+                explored_devices=live.most_devices,
             )
             for live in self.active.values()
         ]
@@ -275,6 +309,19 @@ class _Simulation:
             raise InvalidAllocation(f"policy {self.policy.name} at t={self.now:.1f}s: {e}") from None
         for job_id, live in self.active.items():
             self._apply(live, allocation.get(job_id) or {})
+        if self._left_idle():
+            self.idle_decisions += 1
+
+    def _left_idle(self) -> bool:
+        """Devices stay free while a job below its request could have started or grown into them."""
+        free = self.cluster.total - sum(devices_of(live.placement) for live in self.active.values())
+        if free <= 0:
+            return False
+        for live in self.active.values():
+            held = devices_of(live.placement)
+            if held < live.spec.requested and (held or live.spec.min_devices <= free):
+                return True
+        return False
 
     def _explored_nodes(self, live: _Live) -> int:
         if isinstance(live.model, OnlineStepTime):
@@ -295,6 +342,7 @@ class _Simulation:
             if math.isnan(live.start):
                 live.start = self.now
             live.paused_until = self.now + self.config.pause_s
-            live.step_s = live.spec.true_model.step_time(devices_of(new), nodes_of(new))
+            live.step_s = live.true_step(new)
+            live.most_devices = max(live.most_devices, devices_of(new))
         else:
             live.step_s = math.inf

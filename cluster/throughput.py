@@ -75,37 +75,6 @@ class AnalyticStepTime:
         return AnalyticStepTime(*(p * factor for p in self.params))
 
 
-# Pollux's gradient noise scale, in units of the job's reference batch: its statistical
-# efficiency is (phi + 1) / (phi + m) per sample at m times that batch. Pollux measures phi
-# growing through training from below the batch to many times it; 1 (the batch is at the
-# noise scale) is a middle assumption, not a measurement of these workloads.
-NOISE_SCALE = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class GoodputStepTime:
-    """A `goodput` job's time per reference step: the time to make the progress of one step
-    of its reference batch (`base`'s batch, at `reference` devices).
-
-    Each device keeps its share of the batch, so at n devices a step computes what a
-    reference device does (compute / reference) and trains n / reference reference
-    batches, each worth the statistical efficiency (phi + 1) / (phi + m) of the samples at
-    m = n / reference times the batch (Pollux, OSDI'21). Below its reference size a job
-    makes more progress per sample (smaller batches), above it less; at its reference size
-    it is `base`.
-    """
-
-    base: AnalyticStepTime
-    reference: int
-    noise_scale: float = NOISE_SCALE
-
-    def step_time(self, devices: int, nodes: int = 1) -> float:
-        step = self.base.step_time(devices, nodes) - self.base.compute / devices + self.base.compute / self.reference
-        ratio = devices / self.reference
-        efficiency = (self.noise_scale + 1.0) / (self.noise_scale + ratio)
-        return step / (ratio * efficiency)
-
-
 # The network is taken to be this many times slower than the links inside a node for an
 # all-reduce (25-100 Gb/s Ethernet/IB against NVLink/PCIe, partly hidden by overlap).
 NETWORK_SLOWDOWN = 5.0
@@ -230,6 +199,11 @@ class OnlineStepTime:
     def observations(self) -> dict[tuple[int, int], tuple[int, float]]:
         """Per configuration: (number of reports, mean step time)."""
         return {c: (n, s / n) for c, (n, s) in self._sums.items()}
+
+    @property
+    def params(self) -> tuple[float, float, float, float, float]:
+        """The fitted analytic parameters (fixed, compute, intra, inter, per_node)."""
+        return (self._fit or self._refit()).params
 
     def step_time(self, devices: int, nodes: int = 1) -> float:
         fit = self._fit or self._refit()

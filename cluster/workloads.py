@@ -14,6 +14,8 @@ WorkloadError naming the file, the line and the field.
 from __future__ import annotations
 
 import csv
+import gzip
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -21,8 +23,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterable, Mapping, NoReturn, Sequence
 
+from cluster.goodput import NoiseGrowth
 from cluster.jobs import Cluster
-from cluster.throughput import AnalyticStepTime, GoodputStepTime
+from cluster.throughput import AnalyticStepTime
 from cluster.types import StepTimeModel
 from training.errors import CampaignError
 
@@ -56,14 +59,50 @@ class WorkloadJob:
     min_devices: int
     max_devices: int
     scaling: str  # a key of SCALING: the job's true step-time curve
-    goodput: bool = False  # its batch follows its size (training.scaling: goodput)
+    goodput: bool = False  # its batch is chosen for goodput (training.scaling: goodput)
 
     @property
     def true_model(self) -> StepTimeModel:
-        """Its time per step of its requested size's batch, at any size."""
-        if self.goodput:
-            return GoodputStepTime(SCALING[self.scaling], self.requested)
+        """Its time per step of its reference batch (the batch at its request), at any size."""
         return SCALING[self.scaling]
+
+    @property
+    def noise(self) -> NoiseGrowth | None:
+        """A goodput job's gradient noise scale through training (None: its batch is fixed)."""
+        return noise_growth(self.scaling) if self.goodput else None
+
+
+# Which measured workload stands for each size class's gradient noise scale: the short jobs
+# are small models like the built-in digits CNN, the long ones image and language models.
+NOISE_WORKLOAD: Mapping[str, str] = {"small": "default", "medium": "resnet20", "large": "resnet20", "xlarge": "chargpt"}
+NOISE_SCALES = Path(__file__).with_name("noise_scales.json")
+
+
+def noise_growth(scaling: str, path: Path = NOISE_SCALES) -> NoiseGrowth:
+    """The noise scale, in units of the job's batch, from the start to the end of training,
+    as the trainer measured it on the workload that stands for `scaling` (bench/noise_scale.py)."""
+    measured = _measured_noise(path)
+    name = NOISE_WORKLOAD[scaling]
+    if name not in measured:
+        raise WorkloadError(f"{path}: no measured noise scale for workload {name!r}; run bench/noise_scale.py")
+    return measured[name]
+
+
+_noise_cache: dict[Path, dict[str, NoiseGrowth]] = {}
+
+
+def _measured_noise(path: Path) -> dict[str, NoiseGrowth]:
+    if path not in _noise_cache:
+        try:
+            rows = json.loads(path.read_text())
+            _noise_cache[path] = {
+                name: NoiseGrowth(float(row["noise_scale_start"]) / float(row["batch_size"]),
+                                  float(row["noise_scale_end"]) / float(row["batch_size"]))
+                for name, row in rows.items()
+            }
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WorkloadError(f"{path}: cannot read the measured noise scales ({e}); run bench/noise_scale.py") from e
+    return _noise_cache[path]
 
 
 def scaling_class(gpu_seconds: float) -> str:
@@ -271,7 +310,9 @@ class _open_csv:
 
     def __enter__(self) -> csv.DictReader:
         try:
-            self._file = open(self.path, newline="")
+            # A .gz trace is read as it is shipped (data/traces/ holds them compressed).
+            opener = gzip.open if self.path.suffix == ".gz" else open
+            self._file = opener(self.path, "rt", newline="")
         except OSError as e:
             raise WorkloadError(f"{self.path}: cannot read the file ({e.strerror})") from e
         reader = csv.DictReader(self._file)

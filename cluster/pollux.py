@@ -1,0 +1,218 @@
+"""Pollux (Qiao et al., OSDI'21) as a baseline: goodput speed-ups and a genetic search.
+
+Written from the paper (sections 3-4) and its artifact's simulator policy (petuum/adaptdl,
+`simulator/pollux.py`), whose packages do not install on this Python (pymoo 0.4, autograd,
+kubernetes). What it does, and where it differs:
+
+- Each job's speed-up table: its goodput at (k nodes, r devices), the batch chosen for
+  goodput (cluster.goodput: the same throughput model fitted online from the job's step
+  times, with compute and all-reduce terms, and its measured gradient noise scale), over
+  its goodput at its fair share, ceil(devices / jobs). A job with a fixed batch has the
+  plain throughput ratio.
+- A job may run on at most twice the devices it has ever run on (once started at one):
+  Pollux grows a job only where its model has been measured, doubling.
+- The cluster-wide search: allocations are matrices (jobs x nodes) of device counts; a
+  population of 100 evolves by single-point crossover over jobs, the artifact's three
+  mutations (reset a job to its current allocation, zero some counts, raise some where
+  devices are free) and its repair (at most one distributed job per node, at most the
+  job's maximum devices and 16 nodes, node capacities granted in order of least attained
+  service); the fitness is the power mean (p = -1) of the jobs' speed-ups, a job whose
+  allocation changes scaled by max(age - restarts x delay, 0) / (age + delay), the
+  restart penalty. The population is kept from one decision to the next.
+- The artifact runs NSGA-II over (fitness, utility) for 100 generations and picks the
+  best fitness; here an elitist genetic algorithm over the fitness alone runs
+  `generations` generations within `budget_s` of wall time (the artifact's utility serves
+  its cluster autoscaler, which a fixed cluster does not use). On large clusters the
+  population shrinks so that one generation's arrays stay within `max_cells`.
+
+It keeps state between calls (its population and its speed-up tables), unlike our
+policies: it is a baseline for the simulator, not a policy of the live campaign.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from cluster.jobs import Cluster, Job
+
+MAX_JOB_NODES = 16  # the artifact's repair: a job spans at most 16 nodes
+POWER = -1.0  # power mean of speed-ups: more negative is fairer
+
+
+@dataclass
+class PolluxPolicy:
+    restart_delay_s: float = 30.0  # the artifact's delay in the restart penalty
+    # The artifact decides once a minute, so a job is up to a minute old when it is first
+    # placed; here decisions also come on arrivals, and a job counts as at least this old
+    # (a job of age 0 would be worth nothing anywhere, and wait for the next tick).
+    min_age_s: float = 60.0
+    population: int = 100
+    generations: int = 100
+    budget_s: float = 0.9
+    max_cells: int = 4_000_000  # population x jobs x nodes, per generation array
+    seed: int = 0
+    name: str = "pollux"
+    _rng: np.random.Generator = field(init=False, repr=False)
+    _previous: tuple[list[str], list[str], np.ndarray] | None = field(default=None, init=False, repr=False)
+    _tables: dict[str, tuple[tuple, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+        if not jobs:
+            return {}
+        started = time.perf_counter()
+        # Least attained service first, then arrival: the order in which repair grants devices.
+        jobs = sorted(jobs, key=lambda j: (j.attained, j.arrival, j.id))
+        nodes = [n.name for n in cluster.nodes]
+        capacity = np.array([n.size for n in cluster.nodes], dtype=np.int64)
+        problem = _Problem(self, cluster, jobs, nodes, capacity, now)
+        cells = len(jobs) * len(nodes)
+        size = max(4, min(self.population, self.max_cells // max(cells, 1)))
+        population = problem.repair(self._seed_population(jobs, nodes, problem.base, size))
+        fitness = problem.fitness(population)
+        for _ in range(self.generations):
+            if time.perf_counter() - started > self.budget_s:
+                break
+            children = problem.repair(problem.mutate(problem.crossover(population, fitness)))
+            merged = np.concatenate([population, children])
+            scores = np.concatenate([fitness, problem.fitness(children)])
+            keep = np.argsort(-scores, kind="stable")[:size]
+            population, fitness = merged[keep], scores[keep]
+        self._previous = ([j.id for j in jobs], nodes, population)
+        best = population[int(np.argmax(fitness))]
+        out: dict[str, dict[str, int]] = {}
+        for j, job in enumerate(jobs):
+            row = best[j]
+            if row.any():
+                out[job.id] = {nodes[n]: int(c) for n, c in enumerate(row) if c}
+        return out
+
+    def _seed_population(self, jobs: Sequence[Job], nodes: list[str], base: np.ndarray, size: int) -> np.ndarray:
+        """The last decision's population, mapped onto today's jobs and nodes; the current
+        allocation fills it up (the artifact seeds NSGA-II the same way)."""
+        population = np.repeat(base[None], size, axis=0)
+        if self._previous is not None:
+            prev_jobs, prev_nodes, prev = self._previous
+            if prev_nodes == nodes:
+                index = {job_id: i for i, job_id in enumerate(prev_jobs)}
+                dst = [j for j, job in enumerate(jobs) if job.id in index]
+                src = [index[jobs[j].id] for j in dst]
+                count = min(size, len(prev))
+                population[:count] = 0
+                population[:count, dst] = prev[:count][:, src]
+        return population
+
+    def speedup_table(self, cluster: Cluster, job: Job, fair: int, top: int) -> np.ndarray:
+        """Speed-up at [nodes, devices] for devices <= top, relative to `fair` devices packed.
+        Kept while the job's model, noise scale and limits are the same."""
+        model = job.model
+        inner = getattr(model, "model", model)
+        observed = getattr(inner, "observations", {})
+        key = (top, fair, len(observed), sum(c for c, _ in observed.values()), round(getattr(model, "noise_scale", 0.0), 3))
+        cached = self._tables.get(job.id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        per_node = cluster.largest_node
+        fair_nodes = cluster.min_nodes(min(fair, cluster.total))
+        base = 1.0 / model.step_time(fair, fair_nodes)
+        table = np.zeros((min(top, MAX_JOB_NODES) + 1, top + 1))
+        for r in range(1, top + 1):
+            for k in range(max(1, math.ceil(r / per_node)), min(r, MAX_JOB_NODES) + 1):
+                table[k, r] = (1.0 / model.step_time(r, k)) / base
+        self._tables[job.id] = (key, table)
+        return table
+
+
+class _Problem:
+    """One decision's search: the jobs, nodes and speed-up tables, and the genetic operators."""
+
+    def __init__(self, policy: PolluxPolicy, cluster: Cluster, jobs: Sequence[Job], nodes: list[str],
+                 capacity: np.ndarray, now: float) -> None:
+        self.rng = policy._rng
+        self.capacity = capacity
+        node_index = {name: i for i, name in enumerate(nodes)}
+        self.base = np.zeros((len(jobs), len(nodes)), dtype=np.int64)
+        for j, job in enumerate(jobs):
+            for node, count in job.placement.items():
+                if count:
+                    self.base[j, node_index[node]] = count
+        fair = math.ceil(cluster.total / len(jobs))
+        # At most twice what it has run on, within its own limit (a new job: one device).
+        self.top = np.array([min(job.max_devices, max(2 * job.explored_devices, 1, job.devices)) for job in jobs])
+        self.low = np.array([job.min_devices for job in jobs])
+        self.tables = [policy.speedup_table(cluster, job, fair, int(top)) for job, top in zip(jobs, self.top)]
+        width = max(t.shape[1] for t in self.tables)
+        depth = max(t.shape[0] for t in self.tables)
+        self.speedups = np.zeros((len(jobs), depth, width))
+        for j, t in enumerate(self.tables):
+            self.speedups[j, : t.shape[0], : t.shape[1]] = t
+        # The artifact scales speed-ups so that one node's share is worth 1.
+        self.scale = len(nodes) / cluster.total
+        age = np.array([max(now - job.arrival, policy.min_age_s) for job in jobs])
+        restarts = np.array([job.restarts for job in jobs], dtype=float)
+        delay = policy.restart_delay_s
+        self.penalty = np.maximum(age - restarts * delay, 0.0) / (age + delay)
+
+    def fitness(self, states: np.ndarray) -> np.ndarray:
+        replicas = states.sum(axis=2)
+        spans = np.count_nonzero(states, axis=2)
+        jobs = np.arange(states.shape[1])[None, :]
+        depth, width = self.speedups.shape[1], self.speedups.shape[2]
+        speedup = self.speedups[jobs, np.minimum(spans, depth - 1), np.minimum(replicas, width - 1)] * self.scale
+        changed = np.any(states != self.base[None], axis=2)
+        speedup = np.where(changed, speedup * self.penalty[None, :], speedup)
+        return (np.mean((speedup + 1e-3) ** POWER, axis=1)) ** (1.0 / POWER)
+
+    def crossover(self, states: np.ndarray, fitness: np.ndarray) -> np.ndarray:
+        """Binary tournaments pick parent pairs; single-point crossover over jobs."""
+        size, jobs = states.shape[0], states.shape[1]
+        picks = self.rng.integers(size, size=(2, size, 2))
+        parents = np.where(fitness[picks[..., 0]] >= fitness[picks[..., 1]], picks[..., 0], picks[..., 1])
+        a, b = states[parents[0]], states[parents[1]]
+        point = self.rng.integers(jobs, size=(size, 1, 1))
+        first = np.arange(jobs)[None, :, None] < point
+        return np.where(first, a, b)
+
+    def mutate(self, states: np.ndarray) -> np.ndarray:
+        """The artifact's three mutations: reset to the current allocation, zero, raise."""
+        size, jobs, nodes = states.shape
+        reset = self.rng.random((size, jobs)) < 0.1
+        states = np.where(reset[..., None], self.base[None], states)
+        zeroing = np.where(self.rng.random((size, jobs)) < 0.1, 0.1, 0.0)
+        states = np.where(self.rng.random(states.shape) < zeroing[..., None], 0, states)
+        free = self.capacity[None, :] - states.sum(axis=1)  # (size, nodes)
+        fits = np.broadcast_to((free >= 1)[:, None, :], states.shape)
+        p1 = fits / np.maximum(fits.sum(axis=1, keepdims=True), 1)
+        holds = np.logical_and(states > 0, fits)
+        p2 = holds / np.maximum(holds.sum(axis=1, keepdims=True), 1)
+        raise_ = self.rng.random(states.shape) < p1 + p2 - p1 * p2
+        upper = np.broadcast_to(self.capacity[None, None, :], states.shape)
+        raised = states + np.floor(self.rng.random(states.shape) * (upper - states + 1)).astype(np.int64)
+        return np.where(raise_, raised, states)
+
+    def repair(self, states: np.ndarray) -> np.ndarray:
+        """Legal allocations, as the artifact repairs them."""
+        states = states.copy()
+        # At most one distributed job per node (the first in job order keeps it).
+        distributed = np.count_nonzero(states, axis=2) > 1
+        on_node = (states > 0) & distributed[..., None]
+        states[np.cumsum(on_node, axis=1) > 1] = 0
+        # At most `top` devices and MAX_JOB_NODES nodes per job, nodes taken in random order.
+        shuffle = np.argsort(self.rng.random(states.shape), axis=2)
+        shuffled = np.take_along_axis(states, shuffle, axis=2)
+        shuffled = np.diff(np.minimum(np.cumsum(shuffled, axis=2), self.top[None, :, None]), axis=2, prepend=0)
+        spans = np.cumsum(shuffled > 0, axis=2)
+        shuffled[spans > MAX_JOB_NODES] = 0
+        states = np.take_along_axis(shuffled, np.argsort(shuffle, axis=2), axis=2)
+        # Node capacities, granted in job order (least attained service first).
+        states = np.diff(np.minimum(np.cumsum(states, axis=1), self.capacity[None, None, :]), axis=1, prepend=0)
+        # A job runs whole or not at all.
+        states[states.sum(axis=2) < self.low[None, :]] = 0
+        return states
