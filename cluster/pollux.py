@@ -31,7 +31,6 @@ policies: it is a baseline for the simulator, not a policy of the live campaign.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -60,6 +59,8 @@ class PolluxPolicy:
     _rng: np.random.Generator = field(init=False, repr=False)
     _previous: tuple[list[str], list[str], np.ndarray] | None = field(default=None, init=False, repr=False)
     _tables: dict[str, tuple[tuple, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
+    _capacity: np.ndarray = field(default=None, init=False, repr=False)
+    _low: np.ndarray = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
@@ -73,6 +74,7 @@ class PolluxPolicy:
         nodes = [n.name for n in cluster.nodes]
         capacity = np.array([n.size for n in cluster.nodes], dtype=np.int64)
         problem = _Problem(self, cluster, jobs, nodes, capacity, now)
+        self._capacity, self._low = capacity, problem.low
         cells = len(jobs) * len(nodes)
         size = max(4, min(self.population, self.max_cells // max(cells, 1)))
         population = problem.repair(self._seed_population(jobs, nodes, problem.base, size))
@@ -98,6 +100,7 @@ class PolluxPolicy:
         """The last decision's population, mapped onto today's jobs and nodes; the current
         allocation fills it up (the artifact seeds NSGA-II the same way)."""
         population = np.repeat(base[None], size, axis=0)
+        population[-1] = _first_fit(base, self._capacity, self._low)  # as adaptdl places an arriving job
         if self._previous is not None:
             prev_jobs, prev_nodes, prev = self._previous
             if prev_nodes == nodes:
@@ -120,14 +123,54 @@ class PolluxPolicy:
         if cached is not None and cached[0] == key:
             return cached[1]
         per_node = cluster.largest_node
+        depth = min(top, MAX_JOB_NODES)
+        r = np.arange(1, top + 1)[None, :].repeat(depth, axis=0)
+        k = np.arange(1, depth + 1)[:, None].repeat(top, axis=1)
+        legal = (k <= r) & (k >= np.ceil(r / per_node))
         fair_nodes = cluster.min_nodes(min(fair, cluster.total))
-        base = 1.0 / model.step_time(fair, fair_nodes)
-        table = np.zeros((min(top, MAX_JOB_NODES) + 1, top + 1))
-        for r in range(1, top + 1):
-            for k in range(max(1, math.ceil(r / per_node)), min(r, MAX_JOB_NODES) + 1):
-                table[k, r] = (1.0 / model.step_time(r, k)) / base
+        rates = _rates(model, np.where(legal, r, 1), np.where(legal, k, 1))
+        base = _rates(model, np.array([fair]), np.array([fair_nodes]))[0]
+        table = np.zeros((depth + 1, top + 1))
+        table[1:, 1:] = np.where(legal, rates / base, 0.0)
         self._tables[job.id] = (key, table)
         return table
+
+
+def _first_fit(base: np.ndarray, capacity: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The current allocation plus each waiting job at its minimum on the first node with
+    room (adaptdl's `allocate_job` for an arriving job, between optimisation cycles)."""
+    state = base.copy()
+    free = capacity - state.sum(axis=0)
+    for j in np.flatnonzero(state.sum(axis=1) == 0):
+        need = max(int(low[j]), 1)
+        room = np.flatnonzero(free >= need)
+        if room.size:
+            state[j, room[0]] = need
+            free[room[0]] -= need
+    return state
+
+
+def _rates(model, devices: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Reference steps per second at each (devices, nodes), from the job's fitted analytic
+    throughput model (Pollux's own model is analytic: no per-configuration correction);
+    for a goodput job at the best batch for its noise scale."""
+    inner = getattr(model, "model", model)
+    params = getattr(inner, "params", None)
+    if params is None:  # no analytic form: ask the model, one configuration at a time
+        return np.vectorize(lambda n, k: 1.0 / model.step_time(int(n), int(k)))(devices, nodes).astype(float)
+    fixed, compute, intra, inter, per_node = params
+    n, k = devices.astype(float), nodes.astype(float)
+    allreduce = np.where(n > 1, 2.0 * (n - 1) / n, 0.0)
+    step = fixed + compute / n + np.where(k > 1, inter, intra) * allreduce + per_node * (k - 1)
+    noise = getattr(model, "noise_scale", None)
+    if noise is None:
+        return 1.0 / step
+    per_scale = np.minimum(compute / n, step)
+    scale = np.clip(np.sqrt(noise * np.maximum(step - per_scale, 0.0) / np.maximum(per_scale, 1e-12)), 1.0, model.max_batch)
+    if noise <= 0:
+        scale = np.ones_like(step)
+    gain = scale * (noise + 1.0) / (noise + scale) if noise > 0 else np.ones_like(step)
+    return gain / (step + per_scale * (scale - 1.0))
 
 
 class _Problem:
@@ -143,7 +186,7 @@ class _Problem:
             for node, count in job.placement.items():
                 if count:
                     self.base[j, node_index[node]] = count
-        fair = math.ceil(cluster.total / len(jobs))
+        fair = -(-cluster.total // len(jobs))  # ceil
         # At most twice what it has run on, within its own limit (a new job: one device).
         self.top = np.array([min(job.max_devices, max(2 * job.explored_devices, 1, job.devices)) for job in jobs])
         self.low = np.array([job.min_devices for job in jobs])
