@@ -37,15 +37,17 @@ from training.errors import CampaignError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: every row carries its grant's epoch (fencing)
 _APPLICATION_ID = 0x43414D50  # "CAMP" in the SQLite header: this file is ours
 _BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another campaign's transaction
+BUSY_ENV = "CAMPAIGN_LEASE_BUSY_S"  # overrides it (tests hold the file locked past it)
+TIMEOUT_ENV = "CAMPAIGN_LEASE_TIMEOUT_S"  # the heartbeat timeout of stores made without one
 _SCHEMA = (
     "CREATE TABLE meta (key TEXT NOT NULL PRIMARY KEY, value TEXT NOT NULL, crc INTEGER NOT NULL) STRICT",
     "CREATE TABLE leases (holder TEXT NOT NULL, device_id TEXT NOT NULL,"
     " memory_bytes INTEGER NOT NULL CHECK (memory_bytes > 0), pid INTEGER NOT NULL, pid_start INTEGER,"
     " acquired_at REAL NOT NULL, heartbeat_at REAL NOT NULL, capacity_bytes INTEGER NOT NULL,"
-    " origin TEXT NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (holder, device_id)) STRICT",
+    " origin TEXT NOT NULL, epoch INTEGER NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (holder, device_id)) STRICT",
 )
 # SQLite errors that say something about the machine (locks, disk, permissions), not the
 # file's content: they are raised, never answered by rebuilding the file.
@@ -66,6 +68,11 @@ class LeaseLost(LeaseError):
 
 class LeaseUnavailable(LeaseError):
     """`hold` could not take every claimed device now."""
+
+
+class LeaseStoreBusy(LeaseError, sqlite3.OperationalError):
+    """Another process held the lease database locked for longer than the busy timeout. Not
+    fatal: the caller tries again later, while its leases (renewed when the file frees) hold."""
 
 
 class LeaseStoreError(CampaignError):
@@ -89,6 +96,7 @@ class Lease:
     heartbeat_at: float
     capacity_bytes: int = 0  # the device's capacity as the holder saw it
     origin: str = ""  # "host|boot id|pid namespace" in which `pid` means something
+    epoch: int = 0  # the grant: grows with every new grant on the host, kept while the holder renews or grows
 
 
 @dataclass(slots=True)
@@ -100,6 +108,7 @@ class _Held:
     pid: int
     generation: str
     acquired_at: float
+    epoch: int = 0
 
 
 class HeldLease:
@@ -136,10 +145,12 @@ class LeaseStore:
     def __init__(
         self,
         path: Path | str | None = None,
-        heartbeat_timeout_s: float = 60.0,
+        heartbeat_timeout_s: float | None = None,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = float(os.environ.get(TIMEOUT_ENV) or 60.0)
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
         self.path = Path(path).expanduser() if path is not None else default_path()
@@ -175,25 +186,33 @@ class LeaseStore:
         previous = self._held.get(holder)
         acquired_at = previous.acquired_at if previous else None
 
-        def take(conn: sqlite3.Connection) -> str | None:
+        def take(conn: sqlite3.Connection) -> tuple[str, int] | None:
             now = self._clock()
             live, _ = self._sweep(conn, now)
+            # The holder's own rows past its renew deadline are an ended tenure (its workers
+            # stopped themselves): what it takes now is a new grant, with a new epoch.
+            if ended := [r for r in live if r.holder == holder and now - r.heartbeat_at > self.heartbeat_timeout_s]:
+                conn.execute("DELETE FROM leases WHERE holder = ?", (holder,))
+                live = [r for r in live if r not in ended]
             if self._in_grace(conn, now):
                 log.info("lease %s refused: lease file rebuilt, waiting for live holders", holder)
                 return None
             if campaign is not None and (ahead := _waiting_ahead(conn, live, campaign, now, self.heartbeat_timeout_s)):
                 log.info("lease %s deferred: campaign %s waits with fewer devices", holder, ahead)
                 return None
-            lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, _this_host())
+            kept = next((r.epoch for r in live if r.holder == holder), None)
+            epoch = kept if kept is not None else _next_epoch(conn)
+            lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, _this_host(), epoch)
             if not _fit_and_write(conn, live, lease, claims, capacity):
                 return None
             if campaign is not None:
                 _restart_wait(conn, campaign, now)  # it had its turn: its next trial queues behind the others
-            return _generation(conn)
+            return _generation(conn), epoch
 
-        generation = self._run(take)
-        if generation is None:
+        taken = self._run(take)
+        if taken is None:
             return False
+        generation, epoch = taken
         with self._held_lock:
             kept = previous if previous and previous.generation == generation else None
             self._held[holder] = _Held(
@@ -202,8 +221,22 @@ class LeaseStore:
                 pid,
                 generation,
                 acquired_at or self._clock(),
+                epoch,
             )
         return True
+
+    def fence(self, holder: str) -> dict[str, object]:
+        """What a holder's workers need to watch its lease themselves (training.fence): the
+        file, the holder, its grant's epoch and the renew deadline's rule."""
+        held = self._held[holder]
+        return {"db": str(self.path), "holder": holder, "epoch": held.epoch, "timeout_s": self.heartbeat_timeout_s}
+
+    @property
+    def reclaim_margin_s(self) -> float:
+        """How long after a holder's renew deadline its leases may be reclaimed: its workers
+        check the deadline at least every heartbeat period and stop by it (training.fence),
+        so a holder that stalled (SIGSTOP, a VM pause) has stopped using the devices by then."""
+        return self.heartbeat_timeout_s / 4
 
     def wait_turn(self, campaign: str, pid: int | None = None) -> None:
         """`campaign` has trials waiting for devices: other campaigns' new trials give way to it
@@ -234,8 +267,13 @@ class LeaseStore:
             if held is not None and held.generation != generation:
                 return self._reregister(conn, holder, held, now)
             rows = [r for r in _rows(conn) if r.holder == holder]
-            if not rows or any(_death_reason(r, now, self.heartbeat_timeout_s) for r in rows):
+            if not rows or any(_death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s) for r in rows):
                 raise LeaseLost(f"the leases of {holder} were reclaimed; its devices may be in use elsewhere")
+            if any(now - r.heartbeat_at > self.heartbeat_timeout_s for r in rows):
+                # Past its renew deadline its workers have stopped themselves (training.fence):
+                # renewing now would claim devices nobody of ours uses, and that may be taken.
+                raise LeaseLost(f"the leases of {holder} passed their renew deadline (the campaign stalled "
+                                f"{now - max(r.heartbeat_at for r in rows):.1f} s); its workers stopped")
             _write(conn, [replace(r, heartbeat_at=now) for r in rows])
             return generation
 
@@ -324,7 +362,12 @@ class LeaseStore:
                         raise
                     conn.execute("COMMIT")
                     return result
+            except LeaseStoreBusy:
+                raise
             except (_Corrupt, sqlite3.DatabaseError, UnicodeDecodeError) as e:
+                if _is_busy(e):
+                    raise LeaseStoreBusy(f"lease database {self.path} stayed locked by another process for "
+                                         f"{_busy_timeout_s():g} s ({e})") from e
                 # Until this store has verified the file, any error about its content is
                 # corruption; afterwards only SQLite's own corruption codes are. Text that
                 # is not UTF-8 (in a row, or in SQLite's message quoting a damaged schema)
@@ -341,7 +384,7 @@ class LeaseStore:
     def _sweep(self, conn: sqlite3.Connection, now: float) -> tuple[list[Lease], list[Lease]]:
         """Deletes dead holders' rows; returns (live leases, removed leases)."""
         rows = _rows(conn)
-        dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s)}
+        dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
         if dead:
             conn.executemany("DELETE FROM leases WHERE holder = ?", [(h,) for h in dead])
         return [r for r in rows if r.holder not in dead], [r for r in rows if r.holder in dead]
@@ -354,8 +397,9 @@ class LeaseStore:
         """Puts back a live holder's leases in a rebuilt file, if nobody took them since."""
         live, _ = self._sweep(conn, now)
         lease = Lease(
-            holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, _this_host()
+            holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, _this_host(), held.epoch
         )
+        _next_epoch(conn, at_least=held.epoch)  # the rebuilt file's counter never hands this epoch out again
         if not _fit_and_write(conn, live, lease, held.claims, held.capacity):
             raise LeaseLost(f"the lease file was rebuilt and {holder}'s devices were taken meanwhile")
         log.warning("re-registered the leases of %s in the rebuilt lease file", holder)
@@ -378,7 +422,7 @@ class LeaseStore:
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        conn = sqlite3.connect(self.path, timeout=_busy_timeout_s(), isolation_level=None)
         try:
             conn.execute("PRAGMA synchronous = FULL")
             yield conn
@@ -504,7 +548,7 @@ def _fit_and_write(
 def _write(conn: sqlite3.Connection, rows: list[Lease]) -> None:
     values = [astuple(_as_stored(r)) for r in rows]
     conn.executemany(
-        "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [(*v, _crc(v)) for v in values]
+        "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [(*v, _crc(v)) for v in values]
     )
 
 
@@ -513,7 +557,7 @@ def _as_stored(r: Lease) -> Lease:
     return Lease(
         str(r.holder), str(r.device_id), int(r.memory_bytes), int(r.pid),
         None if r.pid_start is None else int(r.pid_start), float(r.acquired_at),
-        float(r.heartbeat_at), int(r.capacity_bytes), str(r.origin),
+        float(r.heartbeat_at), int(r.capacity_bytes), str(r.origin), int(r.epoch),
     )  # fmt: skip
 
 
@@ -583,6 +627,29 @@ def _waiting_ahead(conn: sqlite3.Connection, live: list[Lease], campaign: str, n
     return min(ahead)[2] if ahead else None
 
 
+def _next_epoch(conn: sqlite3.Connection, at_least: int = 0) -> int:
+    """The next grant's epoch (meta "epoch" + 1), stored; never below `at_least` + 1."""
+    epoch = max(int(_meta(conn).get("epoch", "0")), at_least) + 1
+    _put_meta(conn, "epoch", str(epoch))
+    return epoch
+
+
+def read_fence(path: str | Path, holder: str, epoch: int) -> tuple[float | None, str | None]:
+    """(when the holder's leases were last renewed, None) or (None, why they are no longer
+    its grant), read-only: for a trial's workers watching their holder (training.fence).
+    sqlite3.Error when the file cannot be read now (the caller keeps what it knew)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.5)
+    try:
+        rows = conn.execute("SELECT epoch, heartbeat_at FROM leases WHERE holder = ?", (holder,)).fetchall()
+    finally:
+        conn.close()
+    if not rows:
+        return None, f"the leases of {holder} are gone (reclaimed or released)"
+    if any(int(e) != epoch for e, _ in rows):
+        return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})"
+    return min(float(h) for _, h in rows), None
+
+
 def _generation(conn: sqlite3.Connection) -> str:
     """A random id given to each new file: a change tells holders the file was rebuilt."""
     try:
@@ -649,6 +716,15 @@ def _crc(values: tuple) -> int:
     return zlib.crc32(repr(values).encode())
 
 
+def _busy_timeout_s() -> float:
+    return float(os.environ.get(BUSY_ENV) or _BUSY_TIMEOUT_S)
+
+
+def _is_busy(e: BaseException) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
 def _is_corruption(e: sqlite3.DatabaseError, strict: bool = True) -> bool:
     """Strict: only SQLite's own corruption codes. Otherwise (while checking a file that
     is already suspect) any error that is not about the machine counts as corruption."""
@@ -676,9 +752,10 @@ def _check_claims(holder: str, claims: Mapping[str, int], capacity: Mapping[str,
 # --- processes ----------------------------------------------------------------------------
 
 
-def _death_reason(lease: Lease, now: float, timeout_s: float) -> str | None:
-    """Why `lease`'s holder counts as dead, or None while it may be alive."""
-    if now - lease.heartbeat_at > timeout_s:
+def _death_reason(lease: Lease, now: float, timeout_s: float, margin_s: float = 0.0) -> str | None:
+    """Why `lease`'s holder counts as dead, or None while it may be alive. An expired
+    heartbeat counts only `margin_s` after the renew deadline (fencing: training.fence)."""
+    if now - lease.heartbeat_at > timeout_s + margin_s:
         return "heartbeat expired"
     host, boot, namespace = (lease.origin.split("|") + ["", "", ""])[:3]
     here_host, here_boot, here_namespace = _this_host().split("|")

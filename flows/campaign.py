@@ -11,6 +11,7 @@ which grows them when devices free up and shrinks them when others wait.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import time
@@ -22,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
 
 from cluster.inventory import DeclaredNode, declared_inventory, discover
-from cluster.leases import LeaseStore
+from cluster.leases import LeaseStore, LeaseStoreBusy
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
 from cluster.types import Inventory, Placement
@@ -54,6 +55,7 @@ from training.metrics import format_metrics
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
+BUSY_BACKOFF_S = (0.5, 10.0)  # a locked lease file: first and longest wait before the loop tries again
 POOL_LOOK_S = 5.0  # how often a pool campaign looks for nodes that joined or left (a worker beats every 5 s)
 # Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
 HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
@@ -198,6 +200,8 @@ class CampaignRun:
         drawn = self.drawn.get(trial.id)
         config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
                               self.search.pruning(drawn) if drawn is not None else None)
+        if self.pool is None:  # its workers watch this lease (training.fence); a pool node's segment fences on its own lease file
+            config = dataclasses.replace(config, lease=self.store.fence(holder))
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
         log_allocation(self.root, trial.id, placement.device_ids, "start")
@@ -442,31 +446,19 @@ class CampaignRun:
 
     def run(self) -> None:
         ended = False
+        busy_tries = 0  # rounds in a row that found the lease file locked
         try:
             while self.pending or self.running or (self.search is not None and self.search.remaining()):
-                self.look_at_pool()
-                self.draw()
-                if self.scheduler is not None:
-                    self.schedule_elastic()
-                else:
-                    self.start_first_come()
-                self.queue_for_devices()
-                if not self.running:
-                    if self.scheduler is not None and self.scheduler.unpin_parked():
-                        self.logger.info("nothing else of the campaign runs: trials preempted by hand resume")
-                        continue
-                    if self.pending:  # every device we could use is leased by someone else
-                        time.sleep(WAIT_FOR_DEVICES_S)
-                    continue
-                future = first_finished(list(self.running), CONTROL_POLL_S)
-                if future is None:
-                    self.serve()
-                    continue
-                self.collect(future)
+                try:
+                    self.step()
+                    busy_tries = 0
+                except LeaseStoreBusy as e:
+                    self.wait_out_busy(e, busy_tries)
+                    busy_tries += 1
             ended = True
         finally:
-            # On any error here (a locked or full lease database...) the trials' processes
-            # stop before their leases are given back: no device is ever trained on by two.
+            # On any error here (a full lease database, a lock held past our leases...) the
+            # trials' processes stop before their leases are given back: no device to two trials.
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             close_warm_workers()
@@ -474,9 +466,55 @@ class CampaignRun:
             if self.sampler is not None:
                 self.sampler.close()
             if self.waiting_since is not None:
-                self.store.stop_waiting(self.name)
+                try:
+                    self.store.stop_waiting(self.name)
+                except LeaseStoreBusy as e:  # the entry dies with this process (its pid) anyway
+                    self.logger.warning(f"could not withdraw from the device queue: {e}")
             if not ended:
                 self.record_stop()
+
+    def step(self) -> None:
+        """One round of the loop: start what can start, serve resizes, collect what ended."""
+        self.heartbeat.release_pending()
+        self.look_at_pool()
+        self.draw()
+        if self.scheduler is not None:
+            self.schedule_elastic()
+        else:
+            self.start_first_come()
+        self.queue_for_devices()
+        if not self.running:
+            if self.scheduler is not None and self.scheduler.unpin_parked():
+                self.logger.info("nothing else of the campaign runs: trials preempted by hand resume")
+                return
+            if self.pending:  # every device we could use is leased by someone else
+                time.sleep(WAIT_FOR_DEVICES_S)
+            return
+        future = first_finished(list(self.running), CONTROL_POLL_S)
+        if future is None:
+            self.serve()
+            return
+        self.collect(future)
+
+    def wait_out_busy(self, error: LeaseStoreBusy, tries: int) -> None:
+        """The lease file stayed locked (another process's long transaction, a slow disk):
+        running trials go on under their leases, which are valid until the heartbeat's
+        deadline; the loop tries again after a growing pause, and gives up (stopping its
+        trials first, in `run`) only when its leases would expire before the next try."""
+        pause = min(BUSY_BACKOFF_S[0] * 2 ** min(tries, 10), BUSY_BACKOFF_S[1])
+        if time.time() + pause >= self.heartbeat.deadline:
+            raise LeaseStoreBusy(f"{error}; this campaign's leases expire at {time.strftime('%H:%M:%S', time.localtime(self.heartbeat.deadline))}"
+                                 ": its trials were stopped; `campaign launch` again resumes them from their checkpoints") from error
+        self.logger.warning(f"the lease database is locked ({error}); running trials go on, trying again in {pause:.1f} s")
+        # Meanwhile a trial that ends is collected as usual: recorded finished, its MLflow run
+        # closed (its devices go back once the file frees: LeaseHeartbeat.release_pending).
+        until = time.time() + pause
+        while (left := until - time.time()) > 0:
+            if not self.running:
+                time.sleep(left)
+                break
+            if (future := first_finished(list(self.running), left)) is not None:
+                self.collect(future)
 
     def queue_for_devices(self) -> None:
         """While trials wait, other campaigns' new trials give way to this one in turn

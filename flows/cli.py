@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +30,17 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+@contextmanager
+def _bad_input():
+    """A CampaignError (a record or file that is not what it should be) exits 2 with its message."""
+    from training.errors import CampaignError
+
+    try:
+        yield
+    except CampaignError as e:
+        _fail(str(e))
+
+
 def _validated(params: Path, pool: str | None = None):
     """Parse and check everything that can be checked before a flow starts."""
     from flows.campaign import checked_requests, inventory_for
@@ -38,6 +50,7 @@ def _validated(params: Path, pool: str | None = None):
 
     try:
         spec = load_spec(params, pool=pool)
+        _check_records(spec)
         check_data(spec)
         check_tracking(spec)
         trials = expand_grid(spec)
@@ -49,6 +62,32 @@ def _validated(params: Path, pool: str | None = None):
     except CampaignError as e:
         _fail(str(e))
     return spec, trials
+
+
+def _check_records(spec) -> None:
+    """The campaign's own record, read now as the flow will (bounded, depth-limited): a record
+    that is a FIFO, a device or junk exits 2 here, naming it, instead of failing the flow."""
+    from tasks.records import campaign_dir
+    from training.files import read_json
+
+    read_json(campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.json")
+
+
+def _set_aside_for_rerun(spec, trials, rerun: list[str]) -> None:
+    """`resume --rerun TRIAL`: the trial's result and checkpoints moved aside (kept), so it
+    trains again from scratch. Every id is checked before anything moves."""
+    from tasks.records import campaign_dir
+    from training.files import read_json
+    from training.result import set_aside
+
+    root = campaign_dir(spec.tracking.runs_dir, spec.campaign.name)
+    known = {t.id for t in trials} | {t["id"] for t in (read_json(root / "campaign.json") or {}).get("trials", [])}
+    if unknown := [t for t in rerun if t not in known]:
+        _fail(f"--rerun {unknown[0]}: campaign {spec.campaign.name} has no such trial; its trials: {', '.join(sorted(known)) or 'none'}")
+    for trial in dict.fromkeys(rerun):
+        aside = set_aside(root / trial)
+        console.print(f"trial {trial}: " + (f"result and checkpoints moved to {aside}; it trains again" if aside
+                                            else "nothing to set aside; it runs as any unfinished trial"), highlight=False)
 
 
 class Terminated(BaseException):
@@ -72,9 +111,11 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
-def _launch(params: Path, live: bool | None = None, pool: str | None = None) -> None:
+def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
     _report_to_ui()
     spec, trials = _validated(params, pool)
+    if rerun:
+        _set_aside_for_rerun(spec, trials, rerun)
     from flows.campaign import campaign_flow
     from flows.spec import tracking_uri
     from flows.warden import start_warden
@@ -133,10 +174,15 @@ def launch(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[st
     _launch(params, live, pool)
 
 
+RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished trial again from scratch (its result and "
+                     "checkpoints are moved to rerun-<time>/ in its folder); repeat for more trials")
+
+
 @app.command()
-def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL) -> None:
-    """Resume a campaign (the same as launching its spec again)."""
-    _launch(params, live, pool)
+def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL,
+           rerun: Optional[list[str]] = RERUN) -> None:
+    """Resume a campaign (the same as launching its spec again); --rerun TRIAL trains a finished trial again."""
+    _launch(params, live, pool, rerun)
 
 
 @app.command()
@@ -229,15 +275,19 @@ def _trial_entry(record: dict, name: str, trial: str) -> dict:
     return entry
 
 
-def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool]:
-    """The campaign's trials as a table, and whether every one has ended."""
+def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
+    """The campaign's trials as a table, whether every one has ended, and the checkpoints refused."""
     from flows.live_view import trials_table
     from tasks.records import campaign_status
 
     rows = campaign_status(runs_dir, name)
     if not rows:
         _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
-    return trials_table(name, rows), all(r.state in TERMINAL for r in rows)
+    refused = [f"trial {r.trial_id}: checkpoint {checkpoint} refused: {why}"
+               + (" (the trial stays finished; `campaign resume --rerun " + r.trial_id + "` trains it again)"
+                  if r.state in ("finished", "pruned") else "")
+               for r in rows for checkpoint, why in r.refused]
+    return trials_table(name, rows), all(r.state in TERMINAL for r in rows), refused
 
 
 @app.command()
@@ -248,10 +298,13 @@ def status(
     interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
 ) -> None:
     """List the trials of a campaign: state, progress, devices, latest metric, checkpoint."""
-    name = _campaign_name(campaign, runs_dir)
-    table, ended = _status_table(name, runs_dir)
+    with _bad_input():
+        name = _campaign_name(campaign, runs_dir)
+        table, ended, refused = _status_table(name, runs_dir)
     if not watch:
         console.print(table)
+        for line in refused:
+            console.print(f"[yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
         return
     import time
 
@@ -260,7 +313,8 @@ def status(
     with Live(table, console=console, refresh_per_second=4) as live:
         while not ended:
             time.sleep(interval)
-            table, ended = _status_table(name, runs_dir)
+            with _bad_input():
+                table, ended, _ = _status_table(name, runs_dir)
             live.update(table)
 
 
@@ -278,8 +332,9 @@ def logs(
     from tasks.records import campaign_dir, trial_status
     from training.files import read_json
 
-    name = _campaign_name(campaign, runs_dir)
-    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
+    with _bad_input():
+        name = _campaign_name(campaign, runs_dir)
+        record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
     entry = _trial_entry(record, name, trial)
     trial_dir = campaign_dir(runs_dir, name) / trial
     log = trial_dir / "train.log"
@@ -312,8 +367,9 @@ def resize(
     from tasks.resize import request_resize, wait_for_answer
     from training.files import read_json
 
-    name = campaign or latest_campaign(runs_dir)
-    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") if name else None
+    with _bad_input():
+        name = campaign or latest_campaign(runs_dir)
+        record = read_json(campaign_dir(runs_dir, name) / "campaign.json") if name else None
     if record is None:
         _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
               else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
@@ -324,7 +380,8 @@ def resize(
     if devices != 0 and not low <= devices <= high:
         _fail(f"trial {trial} runs on {low} to {high} devices (0 preempts it): {devices} is outside that range")
     trial_dir = campaign_dir(runs_dir, name) / trial
-    state = (read_json(trial_dir / "control" / "state.json") or {}).get("status")
+    with _bad_input():
+        state = (read_json(trial_dir / "control" / "state.json") or {}).get("status")
     if state != "running":
         _fail(f"trial {trial} is not running (its agent says: {state or 'not started'}): only a running trial can be resized")
     request_id = request_resize(trial_dir, devices)

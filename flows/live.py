@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from cluster.inventory import visible_devices_env
-from cluster.leases import LeaseLost, LeaseStore
+from cluster.leases import LeaseLost, LeaseStore, LeaseStoreBusy
 from cluster.packing import resize_devices
 from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory
@@ -36,6 +37,8 @@ class LeaseHeartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.failures = 0  # renewals failed in a row (the thread goes on renewing)
+        self.renewed_at = time.time()  # every holder renewed then (or none held): others see our leases live until + timeout
+        self.unreleased: set[str] = set()  # released while the file was locked: given back when it frees
         self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
         self._thread.start()
 
@@ -44,14 +47,34 @@ class LeaseHeartbeat:
             self.holders.add(holder)
 
     def release(self, holder: str) -> None:
+        """Stop renewing `holder` and give its devices back; if the lease file is locked now,
+        they are given back later (`release_pending`): a finished trial is never held up by it."""
         with self._lock:
             self.holders.discard(holder)
-        self.store.release(holder)
+        try:
+            self.store.release(holder)
+        except LeaseStoreBusy as e:
+            log.warning("releasing %s waits for the lease file: %s", holder, e)
+            with self._lock:
+                self.unreleased.add(holder)
+
+    def release_pending(self) -> None:
+        """Give back what `release` could not (raises LeaseStoreBusy while the file stays locked)."""
+        for holder in list(self.unreleased):
+            self.store.release(holder)
+            with self._lock:
+                self.unreleased.discard(holder)
+
+    @property
+    def deadline(self) -> float:
+        """When this campaign's leases expire unless renewed (its trials' renew deadline)."""
+        return self.renewed_at + self.store.heartbeat_timeout_s
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             with self._lock:
                 holders = list(self.holders)
+            started, ok = time.time(), True
             for holder in holders:
                 try:
                     self.store.renew(holder)
@@ -63,14 +86,21 @@ class LeaseHeartbeat:
                     if self.on_lost is not None:
                         threading.Thread(target=self.on_lost, args=(holder,), name="lease-lost", daemon=True).start()
                 except Exception as e:  # a locked or full database: try again next period, never stop renewing
+                    ok = False
                     self.failures += 1
                     log.warning("renewing the lease of %s failed (%d in a row): %s", holder, self.failures, e)
+            if ok:
+                self.renewed_at = started
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         for holder in list(self.holders):
             self.release(holder)
+        try:
+            self.release_pending()
+        except LeaseStoreBusy as e:  # our process ends next: its rows go with it (holder gone)
+            log.warning("leases left for the lease file's sweep: %s", e)
 
 
 @dataclass

@@ -82,6 +82,7 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
                           f"{', '.join(d.id for d in placed)}")
     heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4), on_lost=lambda _: revoke(cfg.trial_id))
     heartbeat.add(holder)
+    cfg = dataclasses.replace(cfg, lease=store.fence(holder))  # its workers watch the node's lease (training.fence)
     try:
         if elastic:  # its agent takes commands through the relay, which leases a grow on the node first
             inner = control_dir(cfg) / f"node-{node}"  # a node cut off, not dead, must not feed another's relay

@@ -495,37 +495,58 @@ def parse_spec(raw: Any, source: str = "params.yaml") -> CampaignSpec:
 
 
 MAX_SPEC_BYTES = 1 << 20  # a campaign spec is a page or two; anything this big is a mistake or an attack
+MAX_SPEC_DEPTH = 32  # a spec nests 4 or 5 levels; PyYAML's composer recurses once per level
 
 
 class _NoAliasLoader(yaml.SafeLoader):
     """safe_load without anchors and aliases: a few lines of aliases can expand to gigabytes
-    (the "billion laughs"), and a campaign spec has no use for them."""
+    (the "billion laughs"), and a campaign spec has no use for them. Nesting is bounded too:
+    the composer recurses per level, and `[[[[...` would end in a RecursionError."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise SpecError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not allowed in a campaign "
                             "spec: write the value out")
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_SPEC_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise SpecError(f"line {line}: nested deeper than {MAX_SPEC_DEPTH} levels: a campaign spec nests a few "
+                            "levels (section, field, list); flatten it")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def load_spec(path: str | Path, pool: str | None = None) -> CampaignSpec:
-    """The spec at `path`; `pool` (`campaign launch --pool`) sets cluster.pool, checked as if written there."""
+    """The spec at `path`; `pool` (`campaign launch --pool`) sets cluster.pool, checked as if written there.
+
+    Read through training.files.read_bounded: a regular file of at most MAX_SPEC_BYTES, never
+    a blocking open; any YAML the loader cannot make into plain data is a SpecError naming the file."""
+    from training.files import InputError, read_bounded
+
     path = Path(path)
+    fix = "pass the path of a campaign spec (e.g. params.yaml)"
     try:
-        if path.is_file() and path.stat().st_size > MAX_SPEC_BYTES:
-            raise SpecError(f"{path} is {path.stat().st_size} bytes: a campaign spec is at most {MAX_SPEC_BYTES} bytes")
-        text = path.read_text()
+        text = read_bounded(path, MAX_SPEC_BYTES, fix=f"a campaign spec is a regular file of at most {MAX_SPEC_BYTES} "
+                                                      f"bytes; {fix}").decode("utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path} does not exist: pass the path of a campaign spec (e.g. params.yaml)") from None
-    except (IsADirectoryError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path} is not a text file ({e.__class__.__name__}): pass the path of a campaign spec") from None
+        raise SpecError(f"{path} does not exist: {fix}") from None
+    except InputError as e:
+        raise SpecError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path} is not a text file ({e.__class__.__name__}: not UTF-8 at byte {e.start}): {fix}") from None
     try:
         raw = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader)
     except SpecError as e:
         raise SpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. `2020-13-01` read as a date
+        raise SpecError(f"{path}: a value YAML cannot convert ({e.__class__.__name__}: {e}): quote it") from None
     if pool is not None and isinstance(raw, dict):
         raw = {**raw, "cluster": {**(raw.get("cluster") or {}), "pool": pool}}
     return parse_spec(raw, str(path))

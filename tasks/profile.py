@@ -98,10 +98,15 @@ def profile_dir(runs_dir: Path, campaign: str, trial_id: str) -> Path:
 def load_prior(directory: Path) -> ProfileStepTimeModel | None:
     """The step-time prior of a trial profiled before (`campaign profile`), or None if it
     was not (or its files do not read: a prior is advice, never a reason to fail)."""
+    from training.files import loads_json, read_bounded
+
+    def text(name: str) -> str:
+        return read_bounded(directory / name, 64 << 20).decode()
+
     try:
-        profile = ModelProfile.from_json((directory / "profile.json").read_text())
-        ddp = DdpProfile.from_json((directory / "ddp.json").read_text()) if (directory / "ddp.json").exists() else None
-        peaks = json.loads((directory / "peaks.json").read_text()) if (directory / "peaks.json").exists() else {}
+        profile = ModelProfile.from_json(text("profile.json"))
+        ddp = DdpProfile.from_json(text("ddp.json")) if (directory / "ddp.json").exists() else None
+        peaks = loads_json(text("peaks.json"), directory / "peaks.json") if (directory / "peaks.json").exists() else {}
         return ProfileStepTimeModel.from_profile(profile, ddp, memory_bytes_per_s=peaks.get("peak_bytes_per_s"))
     except (OSError, ValueError, KeyError, TypeError):
         return None

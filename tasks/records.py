@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.manifest import latest_valid_checkpoint, verify
-from training.files import read_json, write_json_atomic
+from training.manifest import checkpoint_report, checkpoint_step
+from training.result import read_result
+from training.files import InputError, read_bounded, read_json, write_json_atomic
 
 LATEST = "latest"  # <runs_dir>/latest holds the name of the campaign launched last
 
@@ -49,10 +50,17 @@ def add_trial_entry(runs_dir: Path, campaign: str, entry: dict[str, Any]) -> Non
 
 
 def latest_campaign(runs_dir: Path) -> str | None:
+    path = Path(runs_dir) / LATEST
     try:
-        return (Path(runs_dir) / LATEST).read_text().strip() or None
+        name = read_bounded(path, 4096, fix="remove it (the next launch writes it again) or name the campaign").decode()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError:
+        raise InputError(f"{path} is not text: remove it (the next launch writes it again) or name the campaign") from None
+    name = name.strip()
+    if "/" in name or name in (".", ".."):
+        raise InputError(f"{path} names {name!r}, not a campaign: remove it (the next launch writes it again) or name the campaign")
+    return name or None
 
 
 ACTIVE = ("starting", "running")  # states only true while the campaign process that wrote them lives
@@ -106,14 +114,9 @@ def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
 
 
 def completed_result(trial_dir: Path) -> dict[str, Any] | None:
-    """The trial's result if it finished and its final checkpoint is whole; else None."""
-    result = read_json(trial_dir / "result.json")
-    if result is None:
-        return None
-    final = Path(result["checkpoint"])
-    if not final.is_dir() or verify(final) is not None:
-        return None
-    return result
+    """The trial's result if it finished, else None. Finished stays finished: a result whose
+    checkpoints no longer verify (another checkpoint key) is not a reason to train again."""
+    return read_result(trial_dir)
 
 
 @dataclass(frozen=True)
@@ -126,22 +129,26 @@ class TrialStatus:
     devices: list[str]
     metrics: dict[str, float]
     checkpoint: str | None
+    refused: tuple[tuple[str, str], ...] = ()  # (checkpoint, why) newer than `checkpoint`, not trusted
 
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
     record = read_json(trial_dir / "record.json") or {}
     progress = read_json(trial_dir / "progress.json") or {}
-    result = read_json(trial_dir / "result.json")
+    result = read_result(trial_dir)
     agent = read_json(trial_dir / "control" / "state.json") or {}  # an elastic trial's devices now
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
     devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
-    latest = latest_valid_checkpoint(trial_dir / "checkpoints")
+    latest, refused = checkpoint_report(trial_dir / "checkpoints")
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,
-        step=int(progress.get("step", 0)), steps=steps,
+        # The newest of what the trainer said (at most once a second) and what it checkpointed.
+        step=max(int(progress.get("step", 0)), checkpoint_step(latest) if latest else 0,
+                 int(result.get("steps", 0)) if result else 0), steps=steps,
         devices=list(devices),
         metrics=dict((result or progress).get("metrics", {})),
         checkpoint=str(latest) if latest else None,
+        refused=tuple((d.name, why) for d, why in refused),
     )
 
 

@@ -13,9 +13,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from training.files import read_json, write_json_atomic
+from training.files import InputError, read_json, write_json_atomic
 
 REQUEST, RESULT = "request.json", "request-result.json"
+MAX_REQUEST_BYTES = 64 << 10  # a request is one line of JSON
 
 
 def request_resize(trial_dir: Path, devices: int, by: str = "person") -> str:
@@ -25,18 +26,43 @@ def request_resize(trial_dir: Path, devices: int, by: str = "person") -> str:
     return request_id
 
 
+def _request_problem(request: Any) -> str | None:
+    if not isinstance(request, dict):
+        return "not a JSON object"
+    if not isinstance(request.get("id"), str) or not request["id"]:
+        return "no string id"
+    if not isinstance(request.get("devices"), int) or isinstance(request["devices"], bool) or request["devices"] < 0:
+        return "devices is not a whole number >= 0"
+    if request.get("by", "person") not in ("person", "policy"):
+        return "by is neither person nor policy"
+    return None
+
+
 def pending_request(trial_dir: Path, handled: set[str]) -> dict[str, Any] | None:
-    """The request not yet answered, if any (answered ones stay on disk until the next)."""
-    request = read_json(Path(trial_dir) / "control" / REQUEST)
+    """The request not yet answered, if any (answered ones stay on disk until the next).
+
+    A request.json that is not a request `campaign resize` writes (not a regular file, too
+    big, not JSON, wrong fields) is moved aside to request.json.rejected and answered
+    "rejected", never a reason for the running campaign to fail."""
+    path = Path(trial_dir) / "control" / REQUEST
+    try:
+        request = read_json(path, limit=MAX_REQUEST_BYTES)
+        problem = None if request is None else _request_problem(request)
+    except InputError as e:
+        problem = str(e)
+    if problem is not None:
+        path.replace(path.with_name(REQUEST + ".rejected"))
+        answer(trial_dir, None, "rejected", f"{path} is not a resize request ({problem}): use `campaign resize TRIAL N`")
+        return None
     if request is None or request["id"] in handled:
         return None
-    answered = read_json(Path(trial_dir) / "control" / RESULT)
-    if answered is not None and answered.get("id") == request["id"]:
+    answered = read_json(Path(trial_dir) / "control" / RESULT, limit=MAX_REQUEST_BYTES)
+    if isinstance(answered, dict) and answered.get("id") == request["id"]:
         return None
     return request
 
 
-def answer(trial_dir: Path, request_id: str, status: str, detail: str) -> None:
+def answer(trial_dir: Path, request_id: str | None, status: str, detail: str) -> None:
     write_json_atomic(Path(trial_dir) / "control" / RESULT, {"id": request_id, "status": status, "detail": detail, "time": time.time()})
 
 
@@ -44,7 +70,7 @@ def wait_for_answer(trial_dir: Path, request_id: str, timeout_s: float) -> dict[
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         result = read_json(Path(trial_dir) / "control" / RESULT)
-        if result is not None and result["id"] == request_id:
+        if isinstance(result, dict) and result.get("id") == request_id:
             return result
         time.sleep(0.1)
     return None

@@ -9,7 +9,6 @@ record and logged to the campaign's MLflow run.
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
@@ -76,10 +75,14 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
 
 
 def read_events(campaign_dir: Path) -> list[dict[str, Any]]:
+    from training.files import loads_json, read_bounded
+
     log = campaign_dir / "allocations.jsonl"
-    if not log.exists():
+    try:
+        text = read_bounded(log, 256 << 20, fix="remove it (it only feeds the timeline)").decode(errors="replace")
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [loads_json(line, log) for line in text.splitlines() if line.strip()]
 
 
 def timeline_rows(bars: list[Bar]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from tasks.trial_log import LogForwarder
 from training.config import TrialConfig
 from training.elastic import clear_commands, write_command
 from training.errors import CampaignError
+from training.fence import lease_problem
 from training.files import write_atomic
 from training.loopback import BIND_ENV
 from training.process import die_with_parent, stop_process_groups
@@ -282,7 +283,18 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
             worker.discard()
 
 
+def _refuse_lost_lease(config: TrialConfig) -> None:
+    """A launch (a first one, or a task's retry) on a lease that is gone, granted again or
+    past its renew deadline never starts: the devices may be another campaign's already.
+    The trial counts as revoked, so the campaign queues it again (`readmit`)."""
+    if (problem := lease_problem(config.lease)) is not None:
+        with _live_lock:
+            _revoked.add(config.trial_id)
+        raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost ({problem})")
+
+
 def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
+    _refuse_lost_lease(config)
     write_atomic(plan.config_path, config.to_json().encode())
     if plan.warm:
         return _run_warm(plan, config)

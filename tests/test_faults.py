@@ -42,13 +42,13 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
 def test_a_huge_or_binary_spec_is_refused(tmp_path):
     huge = tmp_path / "huge.yaml"
     huge.write_text(spec_text("# " + "x" * (2 << 20) + "\n"))
-    with pytest.raises(SpecError, match="a campaign spec is at most"):
+    with pytest.raises(SpecError, match="more than the 1048576 allowed: a campaign spec is a regular file of at most"):
         load_spec(huge)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(SpecError, match="not a text file"):
         load_spec(binary)
-    with pytest.raises(SpecError, match="not a text file"):
+    with pytest.raises(SpecError, match="is a directory, not a regular file"):
         load_spec(tmp_path)
 
 

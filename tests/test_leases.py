@@ -155,7 +155,11 @@ def test_heartbeat_expiry_reclaims_and_the_holder_learns_it(tmp_path):
         clock.now += 9
         store.renew("a")
         assert store.reclaim() == []
-    clock.now += 11
+    clock.now += 11  # past its renew deadline: its workers have stopped (training.fence), but the
+    assert store.reclaim() == []  # rows are reclaimed only after the safety margin
+    with pytest.raises(LeaseLost, match="renew deadline"):  # and the holder cannot renew them back
+        store.renew("a")
+    clock.now += store.reclaim_margin_s
     assert [lease.holder for lease in store.reclaim()] == ["a"]
     with pytest.raises(LeaseLost):
         store.renew("a")
@@ -408,3 +412,46 @@ def test_a_silent_or_dead_waiter_does_not_block_anyone(tmp_path):
     clock.now += 31  # 'silent' stopped refreshing
     assert store.acquire("a/t1@1", {"d0": 10}, CAP, campaign="a")
     assert store.waiting() == {}
+
+
+# --- fencing: epochs, the renew deadline, the reclaim margin (training.fence) -------------------
+
+
+def test_every_grant_has_a_new_epoch_kept_while_its_holder_renews_or_grows(tmp_path):
+    from cluster.leases import read_fence
+
+    clock = Clock()
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=10, clock=clock)
+    assert store.acquire("a", {"d0": 4}, CAP)
+    epoch = store.fence("a")["epoch"]
+    clock.now += 5
+    store.renew("a")
+    assert store.acquire("a", {"d1": 4}, CAP)  # a grow: the same grant
+    assert store.fence("a")["epoch"] == epoch
+    assert read_fence(store.path, "a", epoch) == (clock.now, None)
+    assert store.acquire("b", {"d2": 4}, CAP) and store.fence("b")["epoch"] > epoch
+    assert "epoch" in read_fence(store.path, "a", epoch - 1)[1]  # a worker of an older grant must stop
+    store.release("a")
+    assert "gone" in read_fence(store.path, "a", epoch)[1]
+    assert store.acquire("a", {"d0": 4}, CAP) and store.fence("a")["epoch"] > store.fence("b")["epoch"]
+
+
+def test_a_worker_stops_before_the_renew_deadline_it_cannot_see_renewed(tmp_path):
+    from training.fence import Fence
+
+    clock = Clock()
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=8, clock=clock)
+    assert store.acquire("a", {"d0": 4}, CAP)
+    fence = Fence(store.fence("a"), clock=clock)
+    assert fence.every_s == 1.0 and fence.check() is None
+    clock.now += 6.5  # the holder stalled: 1.5 s left, a check every second
+    assert fence.check() is None
+    clock.now += 0.6  # the next check would come after the deadline: stop now
+    assert "renew deadline" in fence.check()
+    # The store hands the devices out only after the deadline and its margin.
+    other = LeaseStore(store.path, heartbeat_timeout_s=8, clock=clock)
+    clock.now += 1.9  # past the deadline (8 s), within the margin (2 s)
+    assert not other.acquire("b", {"d0": 10}, CAP)
+    clock.now += 1.01
+    assert other.acquire("b", {"d0": 10}, CAP)
+    assert "gone" in fence.check()

@@ -49,6 +49,9 @@ class TrialConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 10
+    # Steps between measurements of the gradient noise scale (training.noise_scale); None:
+    # log_every (the step before each log step), 0: never.
+    noise_scale_every: int | None = None
     eval_every: int = 50
     max_device_batch: int | None = None  # micro-batch limit per process: gradient accumulation above it
     async_checkpoints: bool = True  # periodic checkpoints written off the training path
@@ -60,6 +63,7 @@ class TrialConfig:
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging
     tags: dict[str, str] = field(default_factory=dict)
+    lease: dict[str, Any] | None = None  # the holder's lease its workers watch (training.fence); None: run by hand
 
     @property
     def goodput(self) -> bool:
@@ -86,7 +90,12 @@ class TrialConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TrialConfig":
-        return cls(**json.loads(Path(path).read_text()))
+        from training.files import read_json
+
+        raw = read_json(Path(path))
+        if not isinstance(raw, dict):
+            raise FileNotFoundError(path) if raw is None else TypeError(f"{path}: a trial config is a JSON object")
+        return cls(**raw)
 
     @property
     def checkpoint_dir(self) -> Path:

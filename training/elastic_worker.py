@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
+from training.fence import watch_lease
 from training.files import read_json, write_json_atomic
 from training.metrics import result_line
 from training.process import die_with_parent
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()
     cfg = TrialConfig.from_file(args.config)
+    watch_lease(cfg.lease)  # a stalled campaign's lease ends this worker (training.fence)
     wid = os.environ["CAMPAIGN_WORKER_ID"]
     store = dist.TCPStore("127.0.0.1", int(os.environ["CAMPAIGN_STORE_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
     trainer = Trainer(cfg, pick_device(0))

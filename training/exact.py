@@ -51,14 +51,17 @@ class OrderedReduction:
                 p.grad = None
             offset += n
 
-    def reduce(self) -> None:
-        """Every process: p.grad = the sum of all logical ranks' slots, in logical order (collective)."""
+    def reduce(self, slot_norms: bool = False) -> torch.Tensor | None:
+        """Every process: p.grad = the sum of all logical ranks' slots, in logical order
+        (collective). `slot_norms`: also return each logical rank's |slot|², in logical
+        order, on the device (training.noise_scale's small-batch gradients)."""
         if self.world_size > 1:
             parts = [torch.empty_like(self.local) for _ in range(self.world_size)]
             dist.all_gather(parts, self.local)
             slots = torch.cat(parts)
         else:
             slots = self.local
+        norms = torch.linalg.vector_norm(slots, dim=1).square()[self.rows] if slot_norms else None
         total = slots[self.rows[0]].clone()
         for r in self.rows[1:]:
             total.add_(slots[r])
@@ -67,3 +70,4 @@ class OrderedReduction:
             n = p.numel()
             p.grad = total[offset:offset + n].view_as(p)
             offset += n
+        return norms

@@ -1,12 +1,118 @@
-"""Atomic small-file writes: a reader sees the old file or the new one, never half of one."""
+"""Small files in and out, in one place.
+
+Writes are atomic: a reader sees the old file or the new one, never half of one.
+Reads are bounded, whatever the path turns out to be: every file the product reads (the
+spec, records, manifests, request.json) goes through `read_bounded`, which takes regular
+files only (a FIFO would block, /dev/zero would never end), opens without blocking, reads at
+most limit + 1 bytes (a size from stat is not a bound: a file can grow while it is read),
+and `loads_json` refuses nesting deeper than a record ever has before the parser recurses.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from training.errors import CampaignError
+
+MAX_RECORD_BYTES = 16 << 20  # campaign.json of a long search is the largest record: well under this
+MAX_DEPTH = 64  # a record nests 4 or 5 levels; json's C parser recurses per level
+
+
+class InputError(CampaignError, ValueError):
+    """A file the product reads is not what it should be; the message names it and the fix."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_bounded(path: str | Path, limit: int, fix: str = "replace it with a regular file") -> bytes:
+    """The bytes of the regular file at `path` (symlinks followed), at most `limit` of them.
+
+    FileNotFoundError passes through (callers decide what a missing file means); anything
+    else that is not a regular file of at most `limit` bytes raises InputError naming `path`
+    and `fix`. Nothing is written, and nothing blocks: the type is checked before opening
+    (opening some devices has effects) and again on the open descriptor (the path may have
+    been swapped in between), and O_NONBLOCK keeps a FIFO swapped in from blocking the open.
+    """
+    path = Path(path)
+    try:
+        before = os.stat(path)
+    except NotADirectoryError:
+        raise FileNotFoundError(path) from None
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise InputError(f"{path} cannot be read ({e.strerror}): {fix}") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise InputError(f"{path} is {_kind(before.st_mode)}, not a regular file: {fix}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise InputError(f"{path} cannot be opened ({e.strerror}): {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path} is {_kind(st.st_mode)}, not a regular file: {fix}")
+        if st.st_size > limit:
+            raise InputError(f"{path} is {st.st_size} bytes, more than the {limit} allowed: {fix}")
+        chunks, left = [], limit + 1  # one byte over the limit tells a file that grew while read
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise InputError(f"{path} cannot be read ({e.strerror}): {fix}") from None
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise InputError(f"{path} grew past {limit} bytes while it was read: {fix}")
+    return b"".join(chunks)
+
+
+# A JSON string, unrolled so that a long one costs one pass, not one alternation per character.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than `limit` (stops at the first level past it)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False  # not enough openers to nest that deep: the common case, no scan
+    depth = 0
+    for m in _BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def loads_json(text: str | bytes, source: str | Path, limit: int = MAX_DEPTH) -> Any:
+    """Parse JSON from `source` (named in errors) with a nesting limit; InputError if it is not JSON."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        if json_depth_exceeds(text, limit):
+            raise InputError(f"{source} nests deeper than {limit} levels: it is not a record this program wrote; "
+                             "remove it or restore it from a copy")
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"{source} is not valid JSON ({e.__class__.__name__}: {e}): remove it or restore it "
+                         "from a copy") from None
 
 
 def _umask() -> int:
@@ -49,9 +155,11 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
     write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), durable)
 
 
-def read_json(path: Path) -> Any | None:
-    """The file's JSON, or None when it does not exist (yet)."""
+def read_json(path: Path, limit: int = MAX_RECORD_BYTES) -> Any | None:
+    """The file's JSON, or None when it does not exist (yet); InputError (naming it) when it
+    is not a regular file, is over `limit` bytes, nests too deep or is not JSON."""
     try:
-        return json.loads(Path(path).read_text())
+        data = read_bounded(path, limit, fix="remove it or restore it from a copy")
     except FileNotFoundError:
         return None
+    return loads_json(data, path)

@@ -24,7 +24,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from training.files import write_json_atomic
+from training.files import InputError, loads_json, read_bounded, write_json_atomic
+
+MAX_MANIFEST_BYTES = 1 << 20  # a few DCP files' names and hashes
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -42,7 +44,7 @@ def signing_key() -> bytes:
     """This host's checkpoint key, made on first use (0600; the first of racing processes wins)."""
     path = key_path()
     try:
-        return path.read_bytes()
+        return _read_key(path)
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,16 +56,20 @@ def signing_key() -> bytes:
         f.write(os.urandom(32).hex().encode())
         f.flush()
         os.fsync(f.fileno())
-    return path.read_bytes()
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    return read_bounded(path, 4096, fix=f"the checkpoint key is a regular file (set ${KEY_ENV} to another path)")
 
 
 def _read_whole(path: Path) -> bytes:
     for _ in range(100):  # another process created it a moment ago and is writing it
-        data = path.read_bytes()
+        data = _read_key(path)
         if len(data) == 64:
             return data
         time.sleep(0.01)
-    return path.read_bytes()
+    return _read_key(path)
 
 
 def _signature(body: dict[str, Any]) -> str:
@@ -96,9 +102,9 @@ def write_manifest(directory: Path, step: int, world_size: int) -> None:
 def verify(directory: Path) -> str | None:
     """None if the checkpoint is whole and signed by this host's key, else what is wrong with it."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"no readable manifest ({e.__class__.__name__})"
+        manifest = loads_json(read_bounded(directory / MANIFEST, MAX_MANIFEST_BYTES), directory / MANIFEST)
+    except (OSError, InputError) as e:
+        return f"no readable manifest ({e.__class__.__name__}: {e})"
     problem = _shape_problem(manifest)
     if problem:
         return f"the manifest is malformed: {problem}"
@@ -146,11 +152,20 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
-def latest_valid_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint that matches its manifest; corrupt ones are reported and skipped."""
+def checkpoint_report(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that matches its manifest, and the newer ones refused (with why)."""
+    refused = []
     for directory in list_checkpoints(root):
         problem = verify(directory)
         if problem is None:
-            return directory
+            return directory, refused
+        refused.append((directory, problem))
+    return None, refused
+
+
+def latest_valid_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint that matches its manifest; corrupt ones are reported and skipped."""
+    latest, refused = checkpoint_report(root)
+    for directory, problem in refused:
         warnings.warn(f"skipping checkpoint {directory}: {problem}", stacklevel=2)
-    return None
+    return latest

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from training.manifest import verify
+from training.result import read_result
 from training.config import TrialConfig
-from training.files import read_json
+from training.fence import watch_lease
 from training.metrics import result_line
 from training.process import die_with_parent
 from training.trainer import DistEnv, Trainer
@@ -34,11 +33,8 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def finished_result(cfg: TrialConfig) -> dict | None:
-    """The trial's result if it finished and its final checkpoint is whole."""
-    result = read_json(cfg.result_path)
-    if result is None or verify(Path(result["checkpoint"])) is not None:
-        return None
-    return result
+    """The trial's result if it finished (its checkpoints need not verify: training.result)."""
+    return read_result(cfg.trial_dir)
 
 
 def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
@@ -70,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()  # torchrun gives workers their own session: never outlive it
     cfg = TrialConfig.from_file(args.config)
+    watch_lease(cfg.lease)  # before anything touches the device: a stalled campaign's lease ends this worker
     env = DistEnv.from_environ()
     if finished_result(cfg) is not None:  # nothing completed is recomputed
         if env.rank == 0:

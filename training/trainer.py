@@ -45,11 +45,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from training.batches import Phase, Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
 from training.config import TrialConfig
-from training.data import SampleOrder
+from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
 from training.files import write_json_atomic
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger
+from training.noise_scale import LocalNorm, NoiseScale, decay_for, harmonic_mean, squared_norm
 from training.pruning import Pruning
 from training.workload import build_loss, build_model, build_optimizer, datasets
 
@@ -124,6 +125,12 @@ class Trainer(Stateful):
         self.forward: Callable | None = None  # the module a step calls: DDP's wrapper, compiled or not
         self.ordered: OrderedReduction | None = None  # reduction: exact
         self.ends_logical: tuple[bool, ...] = ()
+        # The gradient noise scale (training.noise_scale), measured every noise_every steps
+        # from two batch sizes of one step's gradient, where attach finds two (else no estimate).
+        self.noise_every = cfg.log_every if cfg.noise_scale_every is None else cfg.noise_scale_every
+        self.noise = NoiseScale(device, decay_for(max(1, self.noise_every)))
+        self.noise_sizes: tuple[str, float, int, Any] | None = None  # (source, b_small, b_big, |g|² factor)
+        self.local_norm: LocalNorm | None = None  # DDP's comm hook: each process's gradient before the average
         if cfg.reduction == "exact":
             # Bit for bit at any process count needs the same kernels every time.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -148,17 +155,21 @@ class Trainer(Stateful):
             self.trace = open(trace_dir / f"{trace_name or f'rank{env.rank}'}.jsonl", "a", buffering=1)
         if self.cfg.goodput:  # the batch follows the size: one logical rank per process
             self.batch_size, self.width = self.cfg.batch_at(env.world_size), env.world_size
-        self.ddp = None  # one process: nothing to all-reduce, no wrapper on the step's path
+        self.ddp = self.local_norm = None  # one process: nothing to all-reduce, no wrapper on the step's path
         if self.cfg.reduction == "exact":  # summed in logical order by OrderedReduction, not all-reduced
             self.ordered = OrderedReduction(self.model.parameters(), self.width, env.world_size, env.rank, self.device)
         elif env.world_size > 1:
             self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            if self.noise_every:
+                self.local_norm = LocalNorm(env.world_size)
+                self.ddp.register_comm_hook(self.local_norm, LocalNorm.hook)
         module = self.ddp or self.model
         self.forward = torch.compile(module) if self.cfg.compile else module
         self.spans = local_spans(self.batch_size, self.width, env.world_size, env.rank, self.cfg.max_device_batch)
         # Where a logical rank's micro-batches end: exact reduction files its gradient there.
         self.ends_logical = tuple(i == len(self.spans) - 1 or self.spans[i + 1].logical_rank != s.logical_rank
                                   for i, s in enumerate(self.spans))
+        self.noise_sizes = self._noise_sizes(env)
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group)
@@ -168,8 +179,47 @@ class Trainer(Stateful):
             self.metrics.close()
             self.metrics = MetricsLogger(None, None)
 
+    def _noise_sizes(self, env: DistEnv) -> tuple[str, float, int, Any] | None:
+        """Where a step gives a small-batch gradient beside the step's (b_big = the batch),
+        and what turns its |.|² into the squared norm of a mean gradient: the logical ranks'
+        slots (exact reduction: slot = its samples / B x its mean gradient), each process's
+        gradient before DDP's average (world_size x its samples / B x its mean), or the first
+        micro-batch's (its samples / B x its mean). None: one batch size only, no estimate."""
+        big = self.batch_size
+        if not self.noise_every:
+            return None
+        if self.ordered is not None and self.width > 1:
+            sizes = [hi - lo for lo, hi in (shard_bounds(big, self.width, r) for r in range(self.width))]
+            factors = torch.tensor([(big / n) ** 2 for n in sizes], device=self.device)
+            return "slots", harmonic_mean(sizes), big, factors
+        if self.ddp is not None:
+            local = [sum(s.size for s in local_spans(big, self.width, env.world_size, r, None)) for r in range(env.world_size)]
+            return "ddp", harmonic_mean(local), big, (big / (env.world_size * local[env.rank])) ** 2
+        if len(self.spans) > 1 and (self.ordered is None or not self.ends_logical[0]):
+            return "micro", self.spans[0].size, big, (big / self.spans[0].size) ** 2
+        return None
+
+    def _measure_noise(self, small: torch.Tensor | None) -> None:
+        """One measurement from this step's gradients, before unscaling and clipping: device
+        ops only (and, across processes, one all-reduce of a scalar); read at log steps."""
+        source, b_small, b_big, factor = self.noise_sizes
+        if source == "ddp":  # the mean over processes (all-reduced below)
+            small = self.local_norm.take() * (factor / self.env.world_size)
+        elif source == "slots":
+            small = (small * factor).mean()
+        else:
+            small = small * factor
+        big = squared_norm(p.grad for p in self.model.parameters())
+        if self.scaler.is_enabled():  # fp16: the gradients carry the loss scale (an overflow: skipped)
+            unscale = self.scaler._scale.reciprocal().square()
+            small, big = small * unscale, big * unscale
+        # Summed while the next steps run: the estimator waits for it at its next update or read.
+        pending = dist.all_reduce(small, async_op=True) if source == "ddp" else None
+        self.noise.update(small, b_small, big, b_big, check_finite=self.scaler.is_enabled(), after=pending)
+
     def detach(self) -> None:
         """Finish what is in flight and let go of the process group (collective)."""
+        self.noise.settle()
         if self.checkpointer is not None:
             self.checkpointer.wait()
         if self._async_group is not None:
@@ -178,7 +228,7 @@ class Trainer(Stateful):
             self.trace.close()
         self.feed.close()
         self._batches = self._batches_next = None
-        self.ordered = None
+        self.ordered = self.local_norm = None
         self.ddp, self.forward, self.checkpointer, self._async_group, self.trace = None, None, None, None, None
 
     @property
@@ -221,7 +271,7 @@ class Trainer(Stateful):
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
-                    "samples_seen": self.samples_seen}, buf)
+                    "samples_seen": self.samples_seen, "noise": self.noise.state_dict()}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, payload: bytes) -> None:
@@ -233,6 +283,8 @@ class Trainer(Stateful):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
+        if "noise" in state:
+            self.noise.load_state_dict(state["noise"])
 
     # --- the data position and the learning rate ------------------------------------------
     @property
@@ -319,7 +371,10 @@ class Trainer(Stateful):
         # processes): rank 0 runs every other logical rank from the step's starting buffers.
         keep_buffers = self.buffers and self.env.rank == 0 and spans[-1].logical_rank > 0
         start_buffers = kept = None
-        total = None
+        total = small_sq = None
+        measure = self.noise_sizes is not None and (step + 1) % self.noise_every == 0  # the step before a log step
+        if measure and self.local_norm is not None:
+            self.local_norm.armed = True
         last = len(spans) - 1
         for i, span in enumerate(spans):
             x, y = next(batches)
@@ -338,6 +393,8 @@ class Trainer(Stateful):
                 with self._autocast():
                     loss = self.loss_fn(self.forward(x), y)  # the mean over the micro-batch
                 self.scaler.scale(loss * (span.size * scale)).backward()  # one multiplication on the device
+            if measure and i == 0 and self.noise_sizes[0] == "micro":
+                small_sq = squared_norm(p.grad for p in self.model.parameters())
             # The step's summed loss, for logging: one fused add per micro-batch.
             total = loss.detach() * span.size if total is None else total.add(loss.detach(), alpha=span.size)
             if self.ordered is not None and self.ends_logical[i]:
@@ -350,7 +407,10 @@ class Trainer(Stateful):
             for b, v in zip(self.buffers, kept):
                 b.copy_(v)
         if self.ordered is not None:
-            self.ordered.reduce()
+            slot_sq = self.ordered.reduce(slot_norms=measure and self.noise_sizes[0] == "slots")
+            small_sq = small_sq if slot_sq is None else slot_sq
+        if measure:
+            self._measure_noise(small_sq)
         if cfg.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
@@ -434,6 +494,11 @@ class Trainer(Stateful):
                     now = time.perf_counter()
                     self.latest.update(train_loss=window_loss.item() / (window_steps * local_samples),
                                        lr=self.lr, step_time_s=(now - window_start) / window_steps)
+                    noise = self.noise.value()  # in samples; none until a measurement says so
+                    if noise is not None:  # (carried through a resize to a size that cannot measure it)
+                        self.latest["grad_noise_scale"] = noise
+                    else:
+                        self.latest.pop("grad_noise_scale", None)
                     window_loss, window_steps = None, 0
                     if evaluate:
                         self.latest.update(self.evaluate())

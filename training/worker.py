@@ -27,6 +27,7 @@ import torch.distributed as dist
 from training.config import TrialConfig
 from training.metrics import share_sink
 from training.process import die_with_parent
+from training.fence import watch_lease
 from training.train import pick_device, train_trial
 from training.trainer import DistEnv
 
@@ -39,13 +40,18 @@ def run_one(request: dict, device: torch.device) -> int:
     with open(request["log"], "ab") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    fence = None
     try:
-        train_trial(TrialConfig.from_file(request["config"]), DistEnv(0, 1, 0), device)
+        cfg = TrialConfig.from_file(request["config"])
+        fence = watch_lease(cfg.lease)  # this trial's holder: a warm worker serves one after another
+        train_trial(cfg, DistEnv(0, 1, 0), device)
         return 0
     except BaseException:
         traceback.print_exc()
         return 1
     finally:
+        if fence is not None:
+            fence.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)

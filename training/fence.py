@@ -1,0 +1,92 @@
+"""Fencing: a trial's workers watch their holder's lease and stop by themselves.
+
+The campaign renews its leases from a heartbeat thread; a campaign that stalls (SIGSTOP, a
+debugger, a long swap or GC pause, a frozen VM) stops renewing but its trials' processes go
+on. After the renew deadline (last renewal + heartbeat timeout) another campaign may take
+the devices once the lease store's safety margin has passed (cluster.leases). So each
+worker process checks, from a thread of its own and at least once per heartbeat period,
+when its holder last renewed and under which grant (epoch); it ends itself (SIGKILL: it
+saves nothing, the last verified checkpoint stands) before the deadline it can no longer
+see renewed, or at once when the lease is gone or was granted again. The stalled process
+is the campaign's: that is why the check runs here, not there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from typing import Any
+
+from cluster.leases import read_fence
+
+FENCED = 75  # exit code of a launch refused for a lost lease (EX_TEMPFAIL: the campaign queues the trial again)
+
+
+class Fence:
+    """The holder's renew deadline as this process last saw it; `check` refreshes it."""
+
+    def __init__(self, lease: dict[str, Any], clock=time.time):
+        self.db, self.holder, self.epoch = str(lease["db"]), str(lease["holder"]), int(lease["epoch"])
+        self.timeout_s = float(lease["timeout_s"])
+        # Twice per heartbeat period (timeout / 4), at most a second apart: the deadline is
+        # seen in time with room to spare before the store's reclaim margin runs out.
+        self.every_s = min(self.timeout_s / 8, 1.0)
+        self.clock = clock
+        self.deadline = clock() + self.every_s * 2  # until the first read: as good as a fresh grant's, no more
+        self._closed = threading.Event()
+
+    def check(self) -> str | None:
+        """None while this process may go on using its devices, else why it must stop."""
+        now = self.clock()
+        try:
+            renewed_at, problem = read_fence(self.db, self.holder, self.epoch)
+        except sqlite3.Error as e:  # unreadable now: the deadline known so far still holds
+            renewed_at, problem = None, None
+            if now + self.every_s >= self.deadline:
+                return f"the lease file {self.db} could not be read ({e}) and the renew deadline of {self.holder} is near"
+        if problem is not None:
+            return problem
+        if renewed_at is not None:
+            self.deadline = renewed_at + self.timeout_s
+        if now + self.every_s >= self.deadline:  # the next check would be too late
+            return f"the lease of {self.holder} was not renewed for {now - self.deadline + self.timeout_s:.1f} s " \
+                   f"(its campaign stalled or cannot reach the lease file): renew deadline reached"
+        return None
+
+    def watch(self) -> "Fence":
+        """Check now (a launch on a lost lease ends at once), then from a daemon thread."""
+        if (problem := self.check()) is not None:
+            _stop(problem, FENCED)
+        threading.Thread(target=self._run, name="lease-fence", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.every_s):
+            if (problem := self.check()) is not None:
+                _stop(problem, None)
+
+    def close(self) -> None:
+        """The trial is over in this process (a warm worker goes on to the next one)."""
+        self._closed.set()
+
+
+def _stop(problem: str, code: int | None) -> None:
+    print(f"fenced: {problem}; this process stops now (its trial resumes from its last checkpoint)", file=sys.stderr, flush=True)
+    if code is not None:
+        os._exit(code)
+    os.kill(os.getpid(), signal.SIGKILL)  # nothing more may run on the device: no cleanup, no save
+
+
+def watch_lease(lease: dict[str, Any] | None) -> Fence | None:
+    """Start fencing this process on `lease` (TrialConfig.lease); None when there is none
+    (a trial run by hand, without a campaign)."""
+    return Fence(lease).watch() if lease else None
+
+
+def lease_problem(lease: dict[str, Any] | None) -> str | None:
+    """Why a launch on `lease` must not start (gone, granted again, past its deadline), or None."""
+    return Fence(lease).check() if lease else None

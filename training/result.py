@@ -1,0 +1,65 @@
+"""A trial's result record, and what makes a trial finished.
+
+The trainer writes `result.json` once, after its final checkpoint is durable, so a result
+on disk means the trial ran to its end. It stays finished whatever becomes of its
+checkpoints: one that no longer verifies (resumed under another checkpoint key: a reset
+home folder, another user, a node without the key) is reported by `campaign status`, never
+a reason to train the trial again. `campaign resume --rerun TRIAL` is how a person asks for
+that (`set_aside`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from training.files import InputError, read_json
+
+RESULT = "result.json"
+MAX_RESULT_BYTES = 1 << 20  # a dict of final metrics
+
+
+def result_problem(result: Any) -> str | None:
+    """None if `result` has the shape the trainer writes, else what is wrong with it."""
+    if not isinstance(result, dict):
+        return "not a JSON object"
+    if not isinstance(result.get("checkpoint"), str):
+        return "no checkpoint path"
+    if not isinstance(result.get("metrics"), dict):
+        return "no metrics"
+    return None
+
+
+def read_result(trial_dir: str | Path) -> dict[str, Any] | None:
+    """The trial's result if it has one, else None. A result.json that is not one (junk, a
+    FIFO, the wrong shape) is warned about and read as no result: the trial runs again and
+    its trainer replaces the file."""
+    path = Path(trial_dir) / RESULT
+    try:
+        result = read_json(path, limit=MAX_RESULT_BYTES)
+    except InputError as e:
+        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
+        return None
+    if result is None:
+        return None
+    if (problem := result_problem(result)) is not None:
+        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
+        return None
+    return result
+
+
+def set_aside(trial_dir: str | Path) -> Path | None:
+    """Move a finished trial's result, progress and checkpoints to `rerun-<time>/` in its
+    folder, so that the next launch trains it from scratch; nothing is deleted. None when
+    there was nothing to move."""
+    trial_dir = Path(trial_dir)
+    moving = [trial_dir / name for name in (RESULT, "progress.json", "checkpoints") if (trial_dir / name).exists()]
+    if not moving:
+        return None
+    aside = trial_dir / time.strftime("rerun-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for path in moving:
+        path.rename(aside / path.name)
+    return aside
