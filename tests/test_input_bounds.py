@@ -125,15 +125,7 @@ hostile = st.one_of(
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(make=hostile)
 def test_the_spec_loader_refuses_any_file_by_name_in_bounded_time_and_memory(tmp_path_factory, make):
-    folder = tmp_path_factory.mktemp("spec")
-    path = folder / "params.yaml"
-    make(path)
-    before = listing(folder)
-    error, seconds, peak = bounded_call(load_spec, path)
-    assert isinstance(error, SpecError), f"{type(error).__name__}: {error}"
-    assert str(path) in str(error), str(error)
-    assert seconds < TIME_LIMIT_S and peak < MEMORY_LIMIT, (seconds, peak)
-    assert listing(folder) == before  # nothing written, nothing consumed
+    assert_refused(tmp_path_factory, "params.yaml", make, load_spec, SpecError, MEMORY_LIMIT)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -145,15 +137,21 @@ def test_the_spec_loader_refuses_any_file_by_name_in_bounded_time_and_memory(tmp
     st.integers(MAX_DEPTH + 1, 100000).map(lambda n: _junk(b'{"a":' * n + b"1" + b"}" * n)),
 ))
 def test_a_record_that_is_not_a_record_is_refused_by_name(tmp_path_factory, make):
-    folder = tmp_path_factory.mktemp("record")
-    path = folder / "record.json"
+    assert_refused(tmp_path_factory, "record.json", make, read_json, InputError, 4 * MAX_RECORD_BYTES)
+
+
+def assert_refused(tmp_path_factory, name: str, make, loader, error_type: type, memory: int) -> None:
+    """`loader` refuses the file `make` writes with `error_type`, naming it, within the time
+    and memory bounds, and writes or consumes nothing."""
+    folder = tmp_path_factory.mktemp(name.split(".")[0])
+    path = folder / name
     make(path)
     before = listing(folder)
-    error, seconds, peak = bounded_call(read_json, path)
-    assert isinstance(error, InputError), f"{type(error).__name__}: {error}"
-    assert str(path) in str(error)
-    assert seconds < TIME_LIMIT_S and peak < 4 * MAX_RECORD_BYTES, (seconds, peak)
-    assert listing(folder) == before
+    error, seconds, peak = bounded_call(loader, path)
+    assert isinstance(error, error_type), f"{type(error).__name__}: {error}"
+    assert str(path) in str(error), str(error)
+    assert seconds < TIME_LIMIT_S and peak < memory, (seconds, peak)
+    assert listing(folder) == before  # nothing written, nothing consumed
 
 
 def _is_json(data: bytes) -> bool:
