@@ -50,7 +50,7 @@ from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, ru
 from training.config import TrialConfig
 from training.elastic import clear_commands
 from training.errors import CampaignError
-from training.files import read_json
+from training.files import read_json, write_json_atomic
 from training.metrics import format_metrics
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
@@ -118,7 +118,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     return TrialConfig(pruning=pruning, hold_at_step=int(hold) if hold else None,
         trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
         precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
-        logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, reduction=t.reduction, max_device_batch=t.max_device_batch,
+        logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, max_batch_size=t.max_batch_size, reduction=t.reduction, max_device_batch=t.max_device_batch,
         schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
         log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
@@ -182,7 +182,9 @@ class CampaignRun:
             prior = load_prior(profile_dir(self.spec.tracking.runs_dir, self.name, trial.id))  # `campaign profile` ran on it
             if prior is not None:
                 self.logger.info(f"trial {trial.id}: the scheduler starts from its profile's step-time prior")
-            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior)
+            t = trial.spec.training
+            growth = t.max_batch_size / t.batch_size if t.scaling == "goodput" and t.max_batch_size else 1.0
+            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior, max_batch_scale=growth)
 
     # --- starting trials -------------------------------------------------------------
     def start(self, trial: Trial, placement: Placement) -> bool:
@@ -296,6 +298,8 @@ class CampaignRun:
                 batch = progress.get("batch_size") or job.trial.spec.training.batch_size
                 per_reference_step = progress["metrics"]["step_time_s"] * job.trial.spec.training.batch_size / batch
                 self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step)
+            if noise := progress.get("metrics", {}).get("grad_noise_scale"):  # samples, measured by the trainer
+                self.scheduler.observe_noise(job.trial.id, noise / job.trial.spec.training.batch_size)
             self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)
             if job.pinned_by_person:
                 self.scheduler.pin(job.trial.id, len(job.devices))
@@ -305,12 +309,23 @@ class CampaignRun:
         for job in self.running.values():
             target = actions.resize.get(job.trial.id)
             if target is not None and job.awaiting is None and pending_request(job.trial_dir, job.handled) is None:
+                self.choose_batch(job.trial, job.trial_dir, target, actions.batch.get(job.trial.id))
                 request_resize(job.trial_dir, target, by="policy")  # served like a person's, in serve_resizes
         packer = self.packer()
         for trial in [t for t in self.pending if t.id in actions.start]:
+            self.choose_batch(trial, self.root / trial.id, actions.start[trial.id], actions.batch.get(trial.id))
             placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
             if placement is not None and not self.start(trial, placement):
                 packer.release(placement)
+
+    def choose_batch(self, trial: Trial, trial_dir: Path, devices: int, scale: float | None) -> None:
+        """A goodput trial with max_batch_size trains its next size at the batch the policy
+        chose for goodput (`scale` x batch_size): the trainer reads it when it attaches."""
+        t = trial.spec.training
+        if scale is None or t.scaling != "goodput" or not t.max_batch_size:
+            return
+        write_json_atomic(trial_dir / "batch.json", {"devices": devices, "batch_size": min(t.max_batch_size, round(scale * t.batch_size)),
+                                                     "scale": scale, "at": time.time()})
 
     # --- running trials --------------------------------------------------------------
     def serve(self) -> None:

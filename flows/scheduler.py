@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from cluster.goodput import GoodputView
 from cluster.jobs import Cluster, Job, Node, validate_allocation
 from cluster.policy import ElasticPolicy, Policy
 from cluster.throughput import OnlineStepTime, prior_from_size
@@ -31,12 +32,23 @@ class Tracked:
     last_update: float | None = None
     pinned: int | None = None  # a person resized it by hand: the policy keeps it at that size
     preemptions: int = 0  # times it was stopped on all its devices (the policy bounds how often)
+    max_batch_scale: float = 1.0  # a goodput trial's batch may grow to this many times batch_size
+    noise_scale: float | None = None  # its gradient noise scale, in batch_size units, as last measured
+
+    @property
+    def view(self) -> StepTimeModel:
+        """What the policy reads: time per reference step, at the best batch for a goodput
+        trial that may choose its batch (once its noise scale was measured)."""
+        if self.max_batch_scale > 1.0 and self.noise_scale is not None:
+            return GoodputView(self.model, self.noise_scale, self.max_batch_scale)
+        return self.model
 
 
 @dataclass(frozen=True)
 class Actions:
     start: dict[str, int] = field(default_factory=dict)  # trial -> devices to start with
     resize: dict[str, int] = field(default_factory=dict)  # running trial -> new device count (0 preempts)
+    batch: dict[str, float] = field(default_factory=dict)  # trial started or resized -> its batch, in batch_size units
 
 
 class LiveScheduler:
@@ -45,13 +57,15 @@ class LiveScheduler:
         self.devices_per_node = devices_per_node
         self.tracked: dict[str, Tracked] = {}
 
-    def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None) -> None:
+    def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None,
+               max_batch_scale: float = 1.0) -> None:
         """A trial to schedule; `prior`: its step-time model from a profile, if it has one
-        (else a guess from its size). Either way, its own step times refine it."""
+        (else a guess from its size). Either way, its own step times refine it.
+        `max_batch_scale` > 1: a goodput trial whose batch the policy may grow that far."""
         if trial_id not in self.tracked:
             prior = prior or prior_from_size(max_devices, self.devices_per_node)
             model = OnlineStepTime(prior, max_devices=max_devices, devices_per_node=self.devices_per_node)
-            self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model)
+            self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model, max_batch_scale=max_batch_scale)
 
     def running(self, trial_id: str, node: str, devices: int, now: float) -> None:
         """The trial now runs on `devices` devices of `node` (0: it stopped)."""
@@ -81,6 +95,11 @@ class LiveScheduler:
         """A step time the trial reported at a size: refines its model."""
         if devices > 0 and step_time_s > 0:
             self.tracked[trial_id].model.observe(devices, 1, step_time_s)
+
+    def observe_noise(self, trial_id: str, noise_scale: float) -> None:
+        """The trial's gradient noise scale (in batch_size units), as its trainer measured it."""
+        if noise_scale > 0:
+            self.tracked[trial_id].noise_scale = noise_scale
 
     def finish(self, trial_id: str) -> None:
         self.tracked.pop(trial_id, None)
@@ -112,14 +131,14 @@ class LiveScheduler:
             if t.min_devices > high:
                 continue  # it cannot run on what is usable now: it waits
             placement = {t.node: t.devices} if t.devices else {}
-            jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.model,
+            jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.view,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
                             preemptions=t.preemptions))
         if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now)
         validate_allocation(cluster, jobs, allocation)  # a policy bug is raised, never fixed up
-        start, resize = {}, {}
+        start, resize, batch = {}, {}, {}
         for t in self.tracked.values():
             if t.pinned is not None or not any(j.id == t.trial_id for j in jobs):
                 continue
@@ -128,7 +147,11 @@ class LiveScheduler:
                 start[t.trial_id] = target
             elif t.devices > 0 and target != t.devices:
                 resize[t.trial_id] = target
-        return Actions(start, resize)
+            else:
+                continue
+            if target and isinstance(t.view, GoodputView):  # its batch changes only when its processes restart
+                batch[t.trial_id] = t.view.batch_scale(target, 1)
+        return Actions(start, resize, batch)
 
 
 def live_policy(resize_pause_s: float, min_run_s: float) -> ElasticPolicy:

@@ -156,6 +156,10 @@ class TrainingSection(Strict):
                     "batch follows its devices (batch_size is the batch at its most devices) and lr is scaled with it")
     lr_scaling: Literal["linear", "sqrt"] = Field(
         default="linear", description="goodput: how lr follows the batch (linear for SGD, sqrt for Adam-like optimizers)")
+    max_batch_size: int | None = Field(
+        default=None, ge=1, le=2**24,
+        description="goodput: the scheduler may grow the batch up to this when the measured gradient noise scale makes "
+                    "it pay (Pollux); unset: the batch follows the devices")
     reduction: Literal["fast", "exact"] = Field(
         default="fast", description="fast: DDP's all-reduce, equal to float rounding at any device count; "
                                     "exact: gradients summed in logical order, bit for bit at any device count")
@@ -413,6 +417,12 @@ class CampaignSpec(Strict):
             raise ValueError(f"training.logical_ranks ({logical}) is smaller than the {most} devices of resources.devices: "
                              "every process holds at least one logical rank; raise logical_ranks or lower the devices")
         goodput = self.training.scaling == "goodput" or "goodput" in self.varies.get("training.scaling", [])
+        if self.training.max_batch_size is not None and not goodput:
+            raise ValueError("training.max_batch_size lets the scheduler choose a goodput trial's batch; this campaign has "
+                             "scaling: reproducible (the batch is fixed): remove max_batch_size or use scaling: goodput")
+        if self.training.max_batch_size is not None and self.training.max_batch_size < self.training.batch_size:
+            raise ValueError(f"training.max_batch_size ({self.training.max_batch_size}) is below training.batch_size "
+                             f"({self.training.batch_size}): the batch may only grow from batch_size; raise max_batch_size")
         if goodput and not (isinstance(self.resources.devices, tuple) and self.resources.devices[0] < self.resources.devices[1]):
             raise ValueError(f"training.scaling: goodput changes the batch when a trial is resized, and resources.devices "
                              f"({self.resources.devices!r}) is one size: give a range [min, max] or use scaling: reproducible")

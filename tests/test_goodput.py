@@ -25,8 +25,9 @@ from training.trainer import lr_factor
 pytestmark = pytest.mark.slow  # real elastic trials
 
 
-def resized_at_hold(cfg: TrialConfig, mode: str) -> None:
-    """Start `cfg` on 2 processes, held at its hold step; ask for 1; let it go on to the end."""
+def resized_at_hold(cfg: TrialConfig, mode: str, chosen_batch: int | None = None) -> None:
+    """Start `cfg` on 2 processes, held at its hold step; ask for 1 (at `chosen_batch`, as the
+    campaign's scheduler writes it, if given); let it go on to the end."""
     hold = Path(cfg.trial_dir) / "hold"
     hold.parent.mkdir(parents=True, exist_ok=True)
     hold.touch()
@@ -35,6 +36,8 @@ def resized_at_hold(cfg: TrialConfig, mode: str) -> None:
     while (json.loads(cfg.progress_path.read_text()) if cfg.progress_path.exists() else {}).get("state") != "held":
         assert proc.poll() is None and time.time() < deadline, (Path(cfg.trial_dir) / "agent.log").read_text()[-2000:]
         time.sleep(0.02)
+    if chosen_batch is not None:
+        cfg.batch_path.write_text(json.dumps({"devices": 1, "batch_size": chosen_batch}))
     resize(cfg, 1, 1, mode)
     hold.unlink()
     finish(proc, cfg)
@@ -87,3 +90,28 @@ def test_reproducible_trial_keeps_its_batch_through_the_same_resize(tmp_path, di
     (event,) = resizes(cfg)
     assert event["batch_size"] == 30 and event["samples_seen"] % 30 == 0
     assert math.isclose(event["lr"], cfg.lr * lr_factor("cosine", 0, cfg.steps, event["samples_seen"] // 30), rel_tol=1e-6)
+
+
+def test_a_goodput_trial_trains_its_next_size_at_the_batch_the_scheduler_chose(tmp_path, digits_npz):
+    """With max_batch_size, the batch at a size is the scheduler's choice for goodput (here
+    45 at one process, where it would follow the size to 15), within [batch_at, max]; every
+    sample is still trained once, and the learning rate follows that batch."""
+    cfg = trial_config(tmp_path / "chosen", digits_npz, steps=120, scaling="goodput", warmup_steps=0, hold_at_step=30,
+                       max_batch_size=45)
+    assert cfg.chosen_batch(1, 200) == 45 and cfg.chosen_batch(1, 3) == 15 and cfg.chosen_batch(2, None) == 30
+    resized_at_hold(cfg, "resize", chosen_batch=45)
+
+    steps = trace(cfg)
+    sizes = [len(steps[s][0]) for s in sorted(steps)]
+    switch = sizes.index(45)
+    assert set(sizes[:switch]) == {30} and set(sizes[switch:]) == {45} and switch >= 30
+    trained = np.concatenate([steps[s][0] for s in sorted(steps)])
+    order = SampleOrder(len(load_digits_npz(digits_npz).train_y), cfg.seed)
+    # The samples of the global order, each once, in order; a batch that does not divide the
+    # samples left ends up to one batch past steps x batch_size (the order goes on there).
+    assert cfg.total_samples <= len(trained) < cfg.total_samples + 45
+    assert np.array_equal(trained, order.batch_at(0, len(trained)))
+    (event,) = resizes(cfg)
+    assert event["batch_size"] == 45
+    expected_lr = cfg.lr * 1.5 * lr_factor("cosine", 0, cfg.total_samples, event["samples_seen"])
+    assert math.isclose(event["lr"], expected_lr, rel_tol=1e-6)

@@ -93,3 +93,17 @@ def test_a_trial_preempted_its_budget_of_times_is_not_pushed_off_again():
     s.running("old", "n", 1, now=now)
     s.arrive("new", 1, 1, now=now + 1000.0)  # least attained service would put the new one first
     assert s.decide(one, now=now + 1000.0).resize == {}  # the budget is spent: old keeps its device
+
+
+def test_a_goodput_trial_that_may_grow_its_batch_gets_one_sized_by_its_measured_noise_scale():
+    """Pollux's lever, live: the batch the trial's next size trains with, chosen from its
+    measured gradient noise scale; none before one was measured, none for a fixed batch."""
+    s = scheduler()
+    for trial in ("noisy", "quiet", "unmeasured"):
+        s.arrive(trial, 1, 4, now=0.0, max_batch_scale=8.0)
+    s.arrive("fixed", 1, 4, now=0.0)
+    for trial in ("noisy", "quiet", "fixed"):
+        s.observe_noise(trial, {"noisy": 50.0, "quiet": 1e-3, "fixed": 50.0}[trial])
+    batch = s.decide({"n": NODE["n"], "m": ["m/gpu0", "m/gpu1", "m/gpu2", "m/gpu3"]}, now=0.0).batch
+    assert 1.0 < batch["noisy"] <= 8.0 and batch["quiet"] == 1.0
+    assert "unmeasured" not in batch and "fixed" not in batch

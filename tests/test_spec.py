@@ -82,6 +82,8 @@ BAD = [
     ("training/lr_scaling", "log", ["training.lr_scaling", "linear", "sqrt"]),
     ("training/scaling", "goodput", ["training.scaling: goodput", "resources.devices (1) is one size", "range [min, max]"]),
     ("grid", {"training.scaling": ["reproducible", "goodput"]}, ["training.scaling: goodput", "range [min, max]"]),
+    ("training/max_batch_size", 64, ["training.max_batch_size", "scaling: reproducible", "use scaling: goodput"]),
+    ("training/max_batch_size", 0, ["training.max_batch_size", "greater than or equal to 1"]),
     ("resources/memory_gb", -1, ["resources.memory_gb"]),
     ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
     ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),

@@ -43,6 +43,9 @@ class TrialConfig:
     # when the trial was resized, and each resize's batch and lr are in resizes.jsonl.
     scaling: str = "reproducible"
     lr_scaling: str = "linear"
+    # goodput: the batch may grow to this for goodput, as the scheduler chooses from the
+    # measured noise scale (batch.json in the trial folder); None: the batch follows the size.
+    max_batch_size: int | None = None
     reduction: str = "fast"  # fast: DDP's all-reduce (equal to rounding); exact: summed in logical order (bit for bit)
     schedule: str = "cosine"  # "cosine" or "constant"
     warmup_steps: int = 0
@@ -104,6 +107,19 @@ class TrialConfig:
     @property
     def progress_path(self) -> Path:
         return Path(self.trial_dir) / "progress.json"
+
+    @property
+    def batch_path(self) -> Path:
+        """The batch the scheduler chose for the trial's next size (goodput with max_batch_size)."""
+        return Path(self.trial_dir) / "batch.json"
+
+    def chosen_batch(self, world_size: int, chosen: int | None) -> int:
+        """The global batch at `world_size`: `batch_at`, or the batch the scheduler chose for
+        goodput, kept within [batch_at(world_size), max_batch_size]."""
+        batch = self.batch_at(world_size)
+        if not self.goodput or not self.max_batch_size or not chosen:
+            return batch
+        return max(batch, min(int(chosen), self.max_batch_size))
 
     @property
     def result_path(self) -> Path:

@@ -47,7 +47,8 @@ from training.checkpoint import Checkpointer
 from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
-from training.files import write_json_atomic
+from training.errors import CampaignError
+from training.files import read_json, write_json_atomic
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger
 from training.noise_scale import LocalNorm, NoiseScale, decay_for, harmonic_mean, squared_norm
@@ -153,8 +154,8 @@ class Trainer(Stateful):
             trace_dir = Path(self.cfg.trial_dir) / "trace"
             trace_dir.mkdir(parents=True, exist_ok=True)
             self.trace = open(trace_dir / f"{trace_name or f'rank{env.rank}'}.jsonl", "a", buffering=1)
-        if self.cfg.goodput:  # the batch follows the size: one logical rank per process
-            self.batch_size, self.width = self.cfg.batch_at(env.world_size), env.world_size
+        if self.cfg.goodput:  # the batch follows the size (or the scheduler's choice): one logical rank per process
+            self.batch_size, self.width = self.cfg.chosen_batch(env.world_size, self._scheduled_batch(env)), env.world_size
         self.ddp = self.local_norm = None  # one process: nothing to all-reduce, no wrapper on the step's path
         if self.cfg.reduction == "exact":  # summed in logical order by OrderedReduction, not all-reduced
             self.ordered = OrderedReduction(self.model.parameters(), self.width, env.world_size, env.rank, self.device)
@@ -178,6 +179,26 @@ class Trainer(Stateful):
         elif env.rank != 0:
             self.metrics.close()
             self.metrics = MetricsLogger(None, None)
+
+    def _scheduled_batch(self, env: DistEnv) -> int | None:
+        """The batch the scheduler chose for this size (goodput with max_batch_size): rank 0
+        reads the trial's batch.json and every rank takes its answer, so all train one batch
+        even if the file changes meanwhile (collective)."""
+        if not (self.cfg.goodput and self.cfg.max_batch_size):
+            return None
+        chosen = 0
+        if env.rank == 0:
+            try:
+                record = read_json(self.cfg.batch_path) or {}
+            except CampaignError:
+                record = {}  # unreadable: the batch follows the size
+            if isinstance(record, dict) and record.get("devices") == env.world_size and isinstance(record.get("batch_size"), int):
+                chosen = record["batch_size"]
+        if env.world_size > 1:
+            value = torch.tensor([chosen], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+            dist.broadcast(value, 0)
+            chosen = int(value.item())
+        return chosen or None
 
     def _noise_sizes(self, env: DistEnv) -> tuple[str, float, int, Any] | None:
         """Where a step gives a small-batch gradient beside the step's (b_big = the batch),
