@@ -224,19 +224,35 @@ class TiresiasPolicy:
                 out[job.id] = dict(job.placement)
                 for node, count in job.placement.items():
                     free[node] -= count
+        # The node with the most free devices first (ties: the last name, as max() would pick),
+        # from a heap: a decision over thousands of nodes must not scan them all per device.
+        heap = [(-count, _Desc(node)) for node, count in free.items()]
+        heapq.heapify(heap)
         for job in chosen:
             if job.running:
                 continue
             placed: dict[str, int] = {}
             need = _fixed_size(job)
             while need:
-                node = max(free, key=lambda n: (free[n], n))
+                _, key = heapq.heappop(heap)
+                node = key.name
                 take = min(free[node], need)
                 placed[node] = placed.get(node, 0) + take
                 free[node] -= take
                 need -= take
+                heapq.heappush(heap, (-free[node], key))
             out[job.id] = placed
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Desc:
+    """A node name that sorts in reverse, for the heap's ties."""
+
+    name: str
+
+    def __lt__(self, other: "_Desc") -> bool:
+        return self.name > other.name
 
 
 def _by_queue(cluster: Cluster, jobs: Sequence[Job], thresholds: Sequence[float]) -> list[Job]:
