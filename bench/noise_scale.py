@@ -42,7 +42,7 @@ OUT = REPO / "cluster" / "noise_scales.json"
 
 
 def trial_config(name: str, spec_path: Path, steps: int, work: Path, digits: Path, tracking_uri: str, run_id: str):
-    from flows.spec import load_spec
+    from training.spec import load_spec
     from tasks.grid import make_trial
     from tasks.workload import trial_workload
     from training.config import TrialConfig

@@ -634,22 +634,6 @@ def _next_epoch(conn: sqlite3.Connection, at_least: int = 0) -> int:
     return epoch
 
 
-def read_fence(path: str | Path, holder: str, epoch: int) -> tuple[float | None, str | None]:
-    """(when the holder's leases were last renewed, None) or (None, why they are no longer
-    its grant), read-only: for a trial's workers watching their holder (training.fence).
-    sqlite3.Error when the file cannot be read now (the caller keeps what it knew)."""
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.5)
-    try:
-        rows = conn.execute("SELECT epoch, heartbeat_at FROM leases WHERE holder = ?", (holder,)).fetchall()
-    finally:
-        conn.close()
-    if not rows:
-        return None, f"the leases of {holder} are gone (reclaimed or released)"
-    if any(int(e) != epoch for e, _ in rows):
-        return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})"
-    return min(float(h) for _, h in rows), None
-
-
 def _generation(conn: sqlite3.Connection) -> str:
     """A random id given to each new file: a change tells holders the file was rebuilt."""
     try:

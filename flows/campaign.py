@@ -27,7 +27,7 @@ from cluster.leases import LeaseStore, LeaseStoreBusy
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
 from cluster.types import Inventory, Placement
-from flows.spec import CampaignSpec, check_data, load_spec, tracking_uri
+from training.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.profile import load_prior, profile_dir
 from tasks.search import Drawn, Search

@@ -44,7 +44,7 @@ def _bad_input():
 def _validated(params: Path, pool: str | None = None):
     """Parse and check everything that can be checked before a flow starts."""
     from flows.campaign import checked_requests, inventory_for
-    from flows.spec import check_data, check_tracking, load_spec
+    from training.spec import check_data, check_tracking, load_spec
     from tasks.grid import expand_grid
     from training.errors import CampaignError
 
@@ -117,7 +117,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     from flows.campaign import campaign_flow
-    from flows.spec import tracking_uri
+    from training.spec import tracking_uri
     from flows.warden import start_warden
     from tasks.records import campaign_dir
 
@@ -190,7 +190,7 @@ def plan(params: Path = PARAMS) -> None:
     """Show how the campaign's trials would be sized and placed (on cluster.nodes if declared)."""
     from cluster.packing import Packer, workload_of
     from flows.campaign import checked_requests, planning_inventory
-    from flows.spec import load_spec
+    from training.spec import load_spec
     from tasks.grid import expand_grid
     from training.errors import CampaignError
 
@@ -221,7 +221,7 @@ def profile(
     """Profile one trial on this host: per-layer table, roofline, DDP buckets and all-reduce, predicted step times."""
     from flows.campaign import checked_requests, inventory_for
     from flows.profile import profile_flow, select_trial
-    from flows.spec import load_spec
+    from training.spec import load_spec
     from tasks.grid import expand_grid
     from tasks.profile import PREDICTION_COLUMNS, prediction_rows
     from training.errors import CampaignError
@@ -400,7 +400,7 @@ def ui(
     mlflow_port: int = typer.Option(0, help="the MLflow UI's port (0: a free one)"),
 ) -> None:
     """Start a Prefect server and the MLflow UI on 127.0.0.1 until Ctrl-C; launches from this folder report to it."""
-    from flows.spec import load_spec, tracking_uri
+    from training.spec import load_spec, tracking_uri
     from flows.ui import clear_state, describe, main_loop, reporting_campaigns, running_ui, start_servers, stop_servers, write_state
     from training.errors import CampaignError
 

@@ -23,7 +23,7 @@ from cluster.packing import Packer
 from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory, Request
 from flows.campaign import checked_requests, inventory_for
-from flows.spec import load_spec, tracking_uri
+from training.spec import load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.profile import ProfileResult, log_profile, profile_dir, profile_job, profile_trial, restore_run_states, run_states
 from tasks.tracking import open_campaign_run, open_trial_run

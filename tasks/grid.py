@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flows.spec import CampaignSpec, TrialSpec, set_path
+from training.spec import CampaignSpec, TrialSpec, set_path
 from training.config import LOADER_FIELDS
 
 

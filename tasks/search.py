@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.spec import Choice, CampaignSpec, IntUniform, LogUniform, Uniform
+from training.spec import Choice, CampaignSpec, IntUniform, LogUniform, Uniform
 from tasks.grid import Trial, grid_points, make_trial
 from training.pruning import build_pruner, storage
 

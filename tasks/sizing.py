@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.sizing import MemoryEstimate, SizedRequest, SizingError, measure_memory, size_request
 from cluster.types import Inventory
-from flows.spec import CampaignSpec, TrialSpec
+from training.spec import CampaignSpec, TrialSpec
 from tasks.grid import Trial
 
 def optimizer_slots(optimizer: dict, lr: float) -> int:

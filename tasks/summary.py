@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.spec import CampaignSpec
+from training.spec import CampaignSpec
 from tasks.grid import Trial
 from training.files import write_json_atomic
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flows.spec import TrialSpec
+from training.spec import TrialSpec
 from tasks.grid import Trial
 from training.errors import CampaignError
 

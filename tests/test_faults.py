@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flows.spec import SpecError, load_spec
+from training.spec import SpecError, load_spec
 from training.checkpoint import Checkpointer
 from training.files import write_json_atomic
 from training.manifest import MANIFEST, latest_valid_checkpoint, list_checkpoints, verify
@@ -310,7 +310,7 @@ def test_a_finished_trial_left_running_in_mlflow_is_settled_on_resume(tmp_path):
     launch skips the trial and finishes the run, with its final metrics."""
     from mlflow import MlflowClient
 
-    from flows.spec import parse_spec
+    from training.spec import parse_spec
     from tasks.grid import expand_grid
     from tasks.tracking import open_campaign_run, open_trial_run, settle_finished_run
 

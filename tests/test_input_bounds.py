@@ -1,6 +1,6 @@
 """Every file the product reads is bounded: type, size, nesting, time; bad input exits 2.
 
-The loader (flows.spec.load_spec) and the record reader (training.files.read_json) are
+The loader (training.spec.load_spec) and the record reader (training.files.read_json) are
 thrown generated files of every kind: junk bytes, deep nesting, files over the limit,
 character devices behind a symlink, FIFOs, directories, sockets. Each must be refused with
 the project's error naming the file, within a bounded time and memory, writing nothing.
@@ -21,7 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flows.spec import MAX_SPEC_BYTES, SpecError, load_spec
+from training.spec import MAX_SPEC_BYTES, SpecError, load_spec
 from training.files import MAX_DEPTH, MAX_RECORD_BYTES, InputError, read_json
 
 TIME_LIMIT_S = 5.0  # generous under a loaded 2-core machine; a blocking open or an endless read never ends

@@ -418,7 +418,7 @@ def test_a_silent_or_dead_waiter_does_not_block_anyone(tmp_path):
 
 
 def test_every_grant_has_a_new_epoch_kept_while_its_holder_renews_or_grows(tmp_path):
-    from cluster.leases import read_fence
+    from training.fence import read_fence
 
     clock = Clock()
     store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=10, clock=clock)

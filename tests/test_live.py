@@ -9,7 +9,7 @@ from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from cluster.sizing import SizedRequest
 from flows.live import Running, serve_resizes
-from flows.spec import parse_spec
+from training.spec import parse_spec
 from tasks.grid import expand_grid
 from tasks.resize import RESULT, request_resize
 from training.files import read_json, write_json_atomic

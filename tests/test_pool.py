@@ -24,7 +24,7 @@ from conftest import wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
-from flows.spec import load_spec
+from training.spec import load_spec
 from flows.ui import start_servers, stop_servers
 from tasks.grid import expand_grid
 from training.files import read_json

@@ -17,7 +17,7 @@ from torch import nn
 from cluster.leases import LeaseStore
 from cluster.types import Device, Inventory
 from flows.profile import TrialNotFoundError, profile_flow
-from flows.spec import load_spec
+from training.spec import load_spec
 from tasks.grid import expand_grid
 from tasks.tracking import open_campaign_run, open_trial_run
 from training.models import MODELS

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import campaign_cli
-from flows.spec import parse_spec
+from training.spec import parse_spec
 from tasks.search import Search
 
 BASE = {"campaign": {"name": "s"}, "model": {"name": "mlp", "width": 16},

@@ -10,7 +10,7 @@ from torch import nn
 from cluster.inventory import DeclaredNode, declared_inventory
 from cluster.packing import pack
 from cluster.sizing import MemoryEstimate, SizingError, measure_memory, size_request, start_size
-from flows.spec import parse_spec
+from training.spec import parse_spec
 from tasks.grid import expand_grid
 from tasks.sizing import size_trials
 

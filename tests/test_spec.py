@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from flows.spec import SpecError, load_spec, parse_spec
+from training.spec import SpecError, load_spec, parse_spec
 from tasks.grid import expand_grid
 
 GOOD = {

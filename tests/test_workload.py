@@ -230,7 +230,7 @@ def test_precision_and_micro_batches_train(tmp_path, user_root, digits_npz):
 def test_the_examples_are_checked_workloads(example, monkeypatch):
     """Each example spec builds and trains a step on its real data (the pre-flight check)."""
     from conftest import REPO
-    from flows.spec import load_spec
+    from training.spec import load_spec
     from tasks.grid import expand_grid
     from tasks.workload import check_trials
 

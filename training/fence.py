@@ -19,11 +19,30 @@ import sqlite3
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from cluster.leases import read_fence
 
 FENCED = 75  # exit code of a launch refused for a lost lease (EX_TEMPFAIL: the campaign queues the trial again)
+
+
+def read_fence(path: str | Path, holder: str, epoch: int) -> tuple[float | None, str | None]:
+    """(when the holder's leases were last renewed, None) or (None, why they are no longer
+    its grant), read-only: for a trial's workers watching their holder (Fence).
+    sqlite3.Error when the file cannot be read now (the caller keeps what it knew).
+
+    The file and its schema are cluster/leases.py's (a worker is below the cluster layer:
+    it reads just these three columns of its table, never writes)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.5)
+    try:
+        rows = conn.execute("SELECT epoch, heartbeat_at FROM leases WHERE holder = ?", (holder,)).fetchall()
+    finally:
+        conn.close()
+    if not rows:
+        return None, f"the leases of {holder} are gone (reclaimed or released)"
+    if any(int(e) != epoch for e, _ in rows):
+        return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})"
+    return min(float(h) for _, h in rows), None
 
 
 class Fence:
