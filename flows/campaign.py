@@ -214,10 +214,11 @@ class CampaignRun:
             node_devices = [d for d in self.inventory.devices if d.node == devices[0].node] if elastic else []
             if elastic:  # the campaign's command folder starts empty: the node relays from sequence 1
                 clear_commands(self.root / trial.id / "control")
-            future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}").submit(
+            future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices)
         else:
-            future = run_trial.with_options(name=f"trial {trial.label}").submit(config, devices, str(Path.cwd()), elastic, warm)
+            future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
+                config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
         if stale := pending_request(job.trial_dir, set()):  # made for an earlier run of this trial
             job.handled.add(stale["id"])
@@ -317,6 +318,10 @@ class CampaignRun:
             placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
             if placement is not None and not self.start(trial, placement):
                 packer.release(placement)
+
+    def task_names(self, trial: Trial) -> dict[str, Any]:
+        """A trial's task run is found in Prefect by its id, and by its campaign's tag."""
+        return {"task_run_name": trial.id, "tags": {f"campaign:{self.name}", f"trial:{trial.id}"}}
 
     def choose_batch(self, trial: Trial, trial_dir: Path, devices: int, scale: float | None) -> None:
         """A goodput trial with max_batch_size trains its next size at the batch the policy
@@ -553,7 +558,21 @@ class CampaignRun:
             self.logger.error(f"could not mark the MLflow runs KILLED ({e.__class__.__name__}: {e})")
 
 
-@flow(name="campaign", log_prints=True)
+def flow_run_name() -> str:
+    """`<campaign> · launch <n>`: a campaign's runs, told apart in Prefect's list (n counts
+    the launches recorded in its campaign.json, this one included)."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    try:
+        spec = load_spec(params.get("params_path", "params.yaml"), pool=params.get("pool"))
+        record = read_json(campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.json") or {}
+        return f"{spec.campaign.name} · launch {int(record.get('launches', 0)) + 1}"
+    except Exception:  # the flow itself says what is wrong with the spec, with its field
+        return "campaign"
+
+
+@flow(name="campaign", flow_run_name=flow_run_name, log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None, pool: str | None = None) -> dict[str, Any]:
     logger = CampaignLog(get_run_logger())
     spec = load_spec(params_path, pool=pool)
@@ -567,8 +586,10 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
 
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
+    before = read_json(campaign_dir(spec.tracking.runs_dir, name) / "campaign.json") or {}
     write_campaign(spec.tracking.runs_dir, name, {
-        **(read_json(campaign_dir(spec.tracking.runs_dir, name) / "campaign.json") or {}),  # a search's trials so far
+        **before,  # a search's trials so far
+        "launches": int(before.get("launches", 0)) + 1,  # the flow run's name counts them
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
         "owner": process_identity(), "state": "running", "started": time.time(),
         "prefect_api": os.environ.get("PREFECT_API_URL") or None,  # a `campaign ui` waits for campaigns reporting to it

@@ -42,6 +42,13 @@ def write_params(root: Path, data: Path) -> Path:
     return path
 
 
+def prefect_flow_run_name(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        return prefect.read_flow_run(flow_run_id).name
+
+
 def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect_backend, monkeypatch):
     from flows.campaign import campaign_flow
 
@@ -74,6 +81,11 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     assert len(timeline) == 4 and {row["ended_by"] for row in timeline} == {"end"}
     # One task run per trial, and the trial's own log on it (train.log, line by line).
     assert len(task_runs) == 4
+    # Runs told apart in Prefect's lists: the flow run by its campaign and launch, a task run by its trial.
+    assert prefect_flow_run_name(flow_run_id) == "flow-test · launch 1"
+    trial_ids = {t["id"] for t in json.loads((tmp_path / "runs" / "flow-test" / "campaign.json").read_text())["trials"]}
+    assert {t.name for t in task_runs} == trial_ids
+    assert all({"campaign:flow-test", f"trial:{t.name}"} <= set(t.tags) for t in task_runs)
     for name, messages in logs.items():
         assert any(": world size 1, fresh start" in m for m in messages), (name, messages)
         assert any(": finished 30 steps: " in m for m in messages), (name, messages)
