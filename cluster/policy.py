@@ -321,8 +321,6 @@ class ElasticPolicy:
     grow_after_s: float = 3600.0
     repack: bool = True
     fill_idle: bool = True
-    fill_above_request: bool = True
-    protect_request_only: bool = False
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -364,10 +362,7 @@ class ElasticPolicy:
         if protected and _last_node_lost(cluster, job):
             protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
-        # Protection keeps what a job asked for; devices above its request (grown into idle
-        # ones) go back to a newcomer at the next decision.
-        floor = (min(job.devices, job.requested) if self.protect_request_only else job.devices) if protected else 0
-        return _JobPlan(job, weight, starving, floor=floor)
+        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
 
     def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
         """Starving jobs, longest waiting first, get their minimum before any greedy choice."""
@@ -551,9 +546,8 @@ class ElasticPolicy:
         step at a time, to the job that gains most from it (weighted speed-up per device):
         a waiting job starts, a job below its request grows toward it, one at its request
         grows toward its max when that pays for the pause. The freeze timers limit changes
-        that move or shrink running jobs, not growth into devices nobody holds; devices
-        above a job's request are not protected (`_plan`), so a newcomer gets them back.
-        A starving job's hold is the exception: it waits for these devices."""
+        that move or shrink running jobs, not growth into devices nobody holds. A starving
+        job's hold is the exception: it waits for these devices."""
         if any(p.cap is not None for p in plans):
             return
         pool = NodePool(cluster)
@@ -569,8 +563,7 @@ class ElasticPolicy:
                 if job.id in changed:
                     continue
                 current = devices_of(held)
-                limit = job.max_devices if self.fill_above_request else max(job.requested, job.min_devices)
-                top = min(limit, current + pool.total_free)
+                top = min(job.max_devices, current + pool.total_free)
                 if top < max(current + 1, job.min_devices):
                     continue
                 before = _speedup_packed(cluster, job, current) if not held else speedup(job.model, current, nodes_of(held))
