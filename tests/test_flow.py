@@ -88,6 +88,7 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     assert all({"campaign:flow-test", f"trial:{t.name}"} <= set(t.tags) for t in task_runs)
     for name, messages in logs.items():
         assert any(": world size 1, fresh start" in m for m in messages), (name, messages)
+        assert any(": step 15/30: train_loss " in m for m in messages), (name, messages)  # the log follows training
         assert any(": finished 30 steps: " in m for m in messages), (name, messages)
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -41,6 +41,12 @@ def result_line(trial_id: str, result: dict[str, Any]) -> str:
     ended = f"pruned at step {result['steps']}" if result.get("pruned") else f"finished {result['steps']} steps"
     return f"trial {trial_id}: {ended}: {format_metrics(result['metrics'])}"
 
+def progress_line(trial_id: str, step: int, steps: int, metrics: dict[str, Any]) -> str:
+    """A trial's line at each log step, so its log follows training ('campaign logs -f'):
+    'trial t: step 120/300: train_loss 0.41, ...'."""
+    return f"trial {trial_id}: step {step}/{steps}: {format_metrics(metrics)}"
+
+
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 

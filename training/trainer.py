@@ -50,7 +50,7 @@ from training.exact import OrderedReduction
 from training.errors import CampaignError
 from training.files import read_json, write_json_atomic
 from training.hashing import GAMMA, MIX1, MIX2, mix64
-from training.metrics import MetricsLogger
+from training.metrics import MetricsLogger, progress_line
 from training.noise_scale import LocalNorm, NoiseScale, decay_for, harmonic_mean, squared_norm
 from training.pruning import Pruning
 from training.workload import build_loss, build_model, build_optimizer, datasets
@@ -525,6 +525,7 @@ class Trainer(Stateful):
                         self.latest.update(self.evaluate())
                         stop_here = self.pruning is not None and not self.done and self.pruning.should_stop(self.progress_step, self.latest)
                     self.metrics.log(self.progress_step, **self.latest)
+                    print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)  # the log follows training
                     window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and not self.done and self._agree(stop_here):
                 self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
