@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -275,6 +276,34 @@ def _trial_entry(record: dict, name: str, trial: str) -> dict:
     return entry
 
 
+def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str) -> tuple[str, dict]:
+    """The campaign that has `trial` and its entry: the named one, else the latest launched,
+    else any campaign under runs_dir that lists it (the most recently started); exits 2
+    naming where it looked and what to pass."""
+    from tasks.records import campaign_dir
+    from training.files import read_json
+
+    name = _campaign_name(campaign, runs_dir)
+    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
+    if campaign is not None or any(t["id"] == trial for t in record.get("trials", [])):
+        return name, _trial_entry(record, name, trial)
+    found = []
+    for path in sorted(Path(runs_dir).glob("*/campaign.json")):
+        other = read_json(path) or {}
+        entry = next((t for t in other.get("trials", []) if t.get("id") == trial), None)
+        if entry is not None:
+            found.append((float(other.get("started") or 0.0), path.parent.name, entry))
+    if not found:
+        trials = ", ".join(t["id"] for t in record.get("trials", [])) or "none"
+        _fail(f"no campaign under {runs_dir}/ has a trial {trial!r}; the latest, {name}, has: {trials} "
+              f"(`campaign status NAME` lists another campaign's; `--campaign NAME` picks it)")
+    _, other_name, entry = max(found)
+    if len(found) > 1:
+        print(f"trial {trial} is in campaigns {', '.join(sorted(n for _, n, _ in found))}: showing {other_name}'s "
+              "(--campaign NAME picks another)", file=sys.stderr)
+    return other_name, entry
+
+
 def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
     """The campaign's trials as a table, whether every one has ended, and the checkpoints refused."""
     from flows.live_view import trials_table
@@ -333,9 +362,7 @@ def logs(
     from training.files import read_json
 
     with _bad_input():
-        name = _campaign_name(campaign, runs_dir)
-        record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
-    entry = _trial_entry(record, name, trial)
+        name, entry = _find_trial(campaign, runs_dir, trial)
     trial_dir = campaign_dir(runs_dir, name) / trial
     log = trial_dir / "train.log"
     position = 0

@@ -49,9 +49,23 @@ def test_logs_name_the_trials_when_the_trial_is_unknown(tmp_path):
     runs = tmp_path / "runs"
     a_campaign(runs)
     done = campaign_cli("logs", "nope", "--runs-dir", str(runs))
-    assert done.returncode == 2 and "its trials: t1" in done.stderr
+    assert done.returncode == 2 and "has: t1" in done.stderr and "--campaign NAME" in " ".join(done.stderr.split())
     done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
     assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n"
+    done = campaign_cli("logs", "nope", "--campaign", "w", "--runs-dir", str(runs))
+    assert done.returncode == 2 and "its trials: t1" in done.stderr
+
+
+def test_logs_find_a_trial_of_an_earlier_campaign(tmp_path):
+    """The latest campaign is not the only one: a trial id from another is found there."""
+    from tasks.records import write_campaign
+
+    runs = tmp_path / "runs"
+    a_campaign(runs)  # campaign w, trial t1
+    write_campaign(runs, "later", {"name": "later", "trials": [{"id": "t9", "label": "lr=1", "steps": 1, "devices": [1, 1]}]})
+    (runs / "latest").write_text("later")  # the campaign launched last
+    done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
+    assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n", done.stderr
 
 
 def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
