@@ -84,16 +84,21 @@ def format_seconds(seconds: float | None) -> str:
 
 def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None) -> Table:
     """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when given)."""
-    table = Table(title=f"campaign {name}")
-    table.add_column("trial", no_wrap=True)
-    for col in ("state", "steps", "devices", "val acc", "loss", "ckpt"):
-        table.add_column(col)
+    # Values are never cut (at 80 columns "finished" read "finis…"): the trial id and the
+    # devices fold onto more lines, every other cell keeps its whole value.
+    table = Table(title=f"campaign {name}", pad_edge=False)
+    table.add_column("trial", overflow="fold", ratio=2)
+    for col in ("state", "steps"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("devices", overflow="fold", ratio=1)
+    for col in ("val acc", "loss", "ckpt"):
+        table.add_column(col, no_wrap=True)
     if etas is not None:
-        table.add_column("eta", justify="right")
+        table.add_column("eta", justify="right", no_wrap=True)
     for r in rows:
         fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
         checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
-        cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", ",".join(r.devices) or "-", fmt("val_accuracy"), fmt("train_loss"), checkpoint]
+        cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", " ".join(r.devices) or "-", fmt("val_accuracy"), fmt("train_loss"), checkpoint]
         if etas is not None:
             cells.append(format_seconds(etas.get(r.trial_id)) if r.state == "running" else "-")
         table.add_row(*cells)

@@ -148,3 +148,21 @@ def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_p
     plain = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"})
     linked = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"}, "http://127.0.0.1:5001", "7")
     assert "| abc |" in plain and "| [abc](http://127.0.0.1:5001/#/experiments/7/runs/abc) |" in linked
+
+
+def test_the_trials_table_fits_80_columns_without_cutting_a_value():
+    """At 80 columns the state read "finis…": values stay whole, ids and devices fold."""
+    from rich.console import Console
+
+    from flows.live_view import trials_table
+    from tasks.records import TrialStatus
+
+    rows = [TrialStatus(f"lr=0.05-width=16-{i}a3f9c2", "lr=0.05", state, 1200, 1500, ["vm/cpu0", "vm/cpu1"],
+                        {"val_accuracy": 0.98333, "train_loss": 0.04121}, "/runs/t/checkpoints/step-00001200")
+            for i, state in enumerate(["finished", "interrupted", "running"])]
+    console = Console(width=80, record=True)
+    console.print(trials_table("digits-cnn", rows, {r.trial_id: 3960.0 for r in rows}))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert all(word in text for word in ("finished", "interrupted", "running", "1200/1500", "0.9833", "0.0412", "1h06m"))
+    assert "…" not in text
