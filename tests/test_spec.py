@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import yaml
@@ -195,3 +196,11 @@ def test_launch_pool_option_is_checked_as_if_written_in_the_spec(tmp_path):
     params.write_text(yaml.safe_dump(with_change("resources/devices", [1, 4])))
     assert load_spec(params, pool="lab").cluster.pool == "lab" and load_spec(params).cluster.pool is None
     assert "cluster.pool" in str(pytest.raises(SpecError, load_spec, params, pool="Lab A").value)
+
+
+def test_each_campaign_writes_its_own_summary_unless_the_spec_names_one():
+    """An example's campaign must not overwrite the file the default campaign's DVC stage tracks."""
+    raw = with_change("tracking", {})
+    assert parse_spec(raw).tracking.summary == Path(f"metrics/{raw['campaign']['name']}.json")
+    assert parse_spec(with_change("tracking/summary", "out/s.json")).tracking.summary == Path("out/s.json")
+    assert parse_spec(with_change("campaign/name", "other", with_change("tracking", {}))).tracking.summary == Path("metrics/other.json")

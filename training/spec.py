@@ -309,7 +309,8 @@ class TrackingSection(Strict):
     mlflow_uri: str = Field(default="sqlite:///mlflow.db", description="overridden by $MLFLOW_TRACKING_URI")
     experiment: str = Field(default="campaigns", min_length=1)
     runs_dir: Path = Path("checkpoints")
-    summary: Path = Field(default=Path("metrics/campaign.json"), description="campaign summary, DVC metrics")
+    summary: Path | None = Field(default=None, description="campaign summary, DVC metrics (default: metrics/<campaign name>.json, "
+                                                           "so one campaign never overwrites another's)")
     keep_checkpoints: int = Field(default=2, ge=1)
     system_metrics_every_s: float = Field(default=10.0, ge=0, description="per-trial device metrics period; 0: none")
 
@@ -347,6 +348,17 @@ class CampaignSpec(Strict):
     cluster: ClusterSection = ClusterSection()
     scheduling: SchedulingSection = SchedulingSection()
     tracking: TrackingSection = TrackingSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _summary_per_campaign(cls, raw: Any) -> Any:
+        """Each campaign's summary in a file of its own unless the spec names one (an example
+        must not write the file the default campaign's DVC stage tracks)."""
+        if isinstance(raw, dict) and isinstance(raw.get("campaign"), dict) and isinstance(raw["campaign"].get("name"), str):
+            tracking = raw.get("tracking") if isinstance(raw.get("tracking"), dict) else {}
+            if tracking.get("summary") is None and (raw.get("tracking") is None or isinstance(raw.get("tracking"), dict)):
+                raw = {**raw, "tracking": {**tracking, "summary": f"metrics/{raw['campaign']['name']}.json"}}
+        return raw
 
     @field_validator("grid")
     @classmethod
