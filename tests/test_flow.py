@@ -112,6 +112,8 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
         # Metrics arrived from rank 0, batched: one point every log_every (5) steps.
         history = client.get_metric_history(child.info.run_id, "train_loss")
         assert sorted(m.step for m in history) == list(range(5, 31, 5))
+        # Evaluations at the steps they ran (eval_every 10), not repeated at each log step.
+        assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "val_accuracy")) == [10, 20, 30]
         # System metrics of exactly its own CPU slot, under MLflow's names.
         system = {k for k in child.data.metrics if k.startswith("system/")}
         cores = {"system/cpu_utilization_percentage", "system/cpu_0_utilization_percentage"}  # one slot, no GPU

@@ -524,7 +524,9 @@ class Trainer(Stateful):
                     if evaluate:
                         self.latest.update(self.evaluate())
                         stop_here = self.pruning is not None and not self.done and self.pruning.should_stop(self.progress_step, self.latest)
-                    self.metrics.log(self.progress_step, **self.latest)
+                    # Evaluation metrics go to MLflow at the steps they were measured, not again at
+                    # each log step (a curve of repeats); the latest stay in progress.json and the log.
+                    self.metrics.log(self.progress_step, **{k: v for k, v in self.latest.items() if evaluate or not k.startswith("val_")})
                     print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)  # the log follows training
                     window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and not self.done and self._agree(stop_here):
