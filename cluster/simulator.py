@@ -313,13 +313,27 @@ class _Simulation:
             self.idle_decisions += 1
 
     def _left_idle(self) -> bool:
-        """Devices stay free while a job below its request could have started or grown into them."""
-        free = self.cluster.total - sum(devices_of(live.placement) for live in self.active.values())
-        if free <= 0:
+        """Devices stay free while a job below its request could have used them: a waiting job
+        that fits in them, or a running one that could grow without spreading (free devices
+        on a node it runs on, or a node that would hold it whole with more). Devices that a
+        job could only reach across one more node, slower, are not counted."""
+        used: dict[str, int] = {}
+        for live in self.active.values():
+            for node, count in live.placement.items():
+                used[node] = used.get(node, 0) + count
+        free = {n.name: n.size - used.get(n.name, 0) for n in self.cluster.nodes}
+        total = sum(free.values())
+        if total <= 0:
             return False
+        widest = max(free.values())
         for live in self.active.values():
             held = devices_of(live.placement)
-            if held < live.spec.requested and (held or live.spec.min_devices <= free):
+            if held >= live.spec.requested:
+                continue
+            if not held and live.spec.min_devices <= total:
+                return True
+            if held and (any(free[node] for node, count in live.placement.items() if count)
+                         or (nodes_of(live.placement) == 1 and widest > held)):
                 return True
         return False
 

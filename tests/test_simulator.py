@@ -150,6 +150,34 @@ def test_simulator_raises_on_a_broken_gang_and_on_an_idle_cluster():
         simulate(cluster, [WorkloadJob("w", 0.0, 100.0, 1, 1, 1, "small")], _Idle())
 
 
+class _FirstOnOne:
+    """Runs the first job on one device and lets the rest wait."""
+
+    name = "first-on-one"
+
+    def decide(self, cluster, jobs, now):
+        first = min(jobs, key=lambda j: (j.arrival, j.id))
+        return {first.id: {cluster.nodes[0].name: 1}}
+
+
+def test_the_simulator_counts_decisions_that_leave_devices_idle_beside_a_job_that_could_use_them():
+    cluster = Cluster.uniform(1, 4)
+    workload = [WorkloadJob(f"j{i}", 0.0, 600.0, 2, 1, 2, "small") for i in range(2)]
+    assert simulate(cluster, workload, _FirstOnOne()).summary()["idle_share"] == 1.0  # every decision did
+    assert simulate(cluster, workload, ElasticPolicy()).summary()["idle_share"] == 0.0
+    # Free devices a running job could only reach across one more node (slower) do not count.
+    two = Cluster.uniform(2, 2)
+    spread_only = simulate(two, [WorkloadJob("a", 0.0, 600.0, 4, 2, 4, "small")], _TwoOnFirstNode())
+    assert spread_only.summary()["idle_share"] == 0.0
+
+
+class _TwoOnFirstNode:
+    name = "two-on-first-node"
+
+    def decide(self, cluster, jobs, now):
+        return {jobs[0].id: {cluster.nodes[0].name: 2}}
+
+
 # ---------------------------------------------------------------- workloads
 
 
