@@ -397,6 +397,10 @@ class CampaignRun:
                     self.scheduler.unpin(job.trial.id)
             return
         self.results[job.trial.id] = result
+        if job.awaiting is not None:  # it reached its end before a resize (a preemption) landed: say so
+            answer(job.trial_dir, job.awaiting[2], "finished",
+                   f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
+            job.awaiting = None
         if self.scheduler is not None:
             self.scheduler.finish(job.trial.id)
         if job.trial.id in self.drawn:

@@ -108,29 +108,43 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
 
 def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_npz, prefect_backend, monkeypatch):
     """`campaign resize TRIAL 0` stops the trial at once and says so; with nothing else to
-    run, the campaign resumes it from its checkpoint instead of sitting on free devices."""
-    from flows.campaign import campaign_flow
+    run, the campaign resumes it from its checkpoint instead of sitting on free devices.
+    The trial is held at step 300 until the preemption's command reached its agent: under
+    load it once ran to its end (3,000 fast steps) before the preemption landed."""
+    from flows.campaign import HOLD_ENV, campaign_flow
+    from training.elastic import command_path
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(HOLD_ENV, "300")
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "park", {"steps": 3000, "checkpoint_every": 100, "eval_every": 3000})
-    outcome: list[subprocess.CompletedProcess] = []
+    outcome: list[tuple[int, str, str]] = []
 
     def drive():
         deadline = time.time() + 120
         while (record := read_json(runs / "park" / "campaign.json")) is None and time.time() < deadline:
             time.sleep(0.1)
         trial_dir = runs / "park" / record["trials"][0]["id"]
-        while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        (trial_dir / "hold").touch()
+        while (read_json(trial_dir / "progress.json") or {}).get("state") != "held" and time.time() < deadline:
             time.sleep(0.05)
-        outcome.append(resize(runs, record["trials"][0]["id"], 0))
+        asked = subprocess.Popen([sys.executable, "-m", "flows.cli", "resize", record["trials"][0]["id"], "0", "--runs-dir", str(runs),
+                                  "--wait-s", "90"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The preemption reached the agent's folder: a command to run on no device.
+        preempt = lambda: any((read_json(command_path(trial_dir / "control", seq)) or {}).get("devices") == [] for seq in range(1, 4))
+        while not preempt() and time.time() < deadline:
+            time.sleep(0.05)
+        (trial_dir / "hold").unlink()
+        out, err = asked.communicate(timeout=120)
+        outcome.append((asked.returncode, out, err))
 
     driver = threading.Thread(target=drive)
     driver.start()
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     driver.join()
-    assert outcome[0].returncode == 0, outcome[0].stderr
-    assert "preempted" in outcome[0].stdout
+    assert outcome[0][0] == 0, outcome[0][2]
+    assert "preempted" in outcome[0][1]
     assert summary["finished"] == 1
     (trial,) = json.loads((runs / "park" / "campaign.json").read_text())["trials"]
     reasons = [json.loads(l)["reason"] for l in (runs / "park" / "allocations.jsonl").read_text().splitlines()]

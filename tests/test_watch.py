@@ -125,7 +125,7 @@ def test_launch_shows_trials_live_and_sends_prefect_chatter_to_a_file(tmp_path, 
     ids = [t["id"] for t in json.loads((tmp_path / "runs" / "live" / "campaign.json").read_text())["trials"]]
     for trial in ids:  # an event line when each starts and ends, its row in the final table
         assert f"trial {trial} (lr=" in out and f"trial {trial} finished: " in out, out
-        assert any(line.startswith(f"│ {trial}") and "finished" in line and "20/20" in line for line in out.splitlines()), out
+        assert any(line.startswith(f"│{trial}") and "finished" in line and "20/20" in line for line in out.splitlines()), out
     assert "val_accuracy 0." in out and "{'" not in out  # metrics in words
     assert "2/2 trials ended" in out and "finished 2/2 trials" in out
     chatter = ("Beginning flow run", "Finished in state", "temporary server", "Created task run")
