@@ -1,8 +1,9 @@
 """Pollux (Qiao et al., OSDI'21) as a baseline: goodput speed-ups and a genetic search.
 
 Written from the paper (sections 3-4) and its artifact's simulator policy (petuum/adaptdl,
-`simulator/pollux.py`), whose packages do not install on this Python (pymoo 0.4, autograd,
-kubernetes). What it does, and where it differs:
+`simulator/pollux.py`): adaptdl-sched 0.2.11 installs from the registry, but its policy
+module does not import with the pymoo it gets (0.6: `pymoo.operators.crossover.util` is
+gone). What it does, and where it differs:
 
 - Each job's speed-up table: its goodput at (k nodes, r devices), the batch chosen for
   goodput (cluster.goodput: the same throughput model fitted online from the job's step
