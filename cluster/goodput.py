@@ -51,8 +51,8 @@ def best_scale(fixed: float, per_scale: float, noise_scale: float, max_batch: fl
     return min(max(math.sqrt(noise_scale * max(fixed, 0.0) / per_scale), 1.0), max_batch)
 
 
-def compute_term(model: StepTimeModel, devices: int, nodes: int) -> float:
-    """The part of a reference step at (`devices`, `nodes`) that grows with each device's
+def compute_term(model: StepTimeModel, devices: int) -> float:
+    """The part of a reference step on `devices` devices that grows with each device's
     samples: the model's `compute / devices` where it has analytic parameters (analytic and
     online models), else the share of one device's step that two devices halve."""
     params = getattr(model, "params", None)
@@ -65,7 +65,7 @@ def compute_term(model: StepTimeModel, devices: int, nodes: int) -> float:
 def rate(model: StepTimeModel, devices: int, nodes: int, noise_scale: float, max_batch: float = MAX_BATCH) -> tuple[float, float]:
     """(reference steps per second, batch scale) at the best batch on `devices` over `nodes`."""
     step = model.step_time(devices, nodes)
-    per_scale = min(compute_term(model, devices, nodes), step)
+    per_scale = min(compute_term(model, devices), step)
     scale = best_scale(step - per_scale, per_scale, noise_scale, max_batch)
     return gain(scale, noise_scale) / (step + per_scale * (scale - 1.0)), scale
 

@@ -60,8 +60,6 @@ class PolluxPolicy:
     _rng: np.random.Generator = field(init=False, repr=False)
     _previous: tuple[list[str], list[str], np.ndarray] | None = field(default=None, init=False, repr=False)
     _tables: dict[str, tuple[tuple, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
-    _capacity: np.ndarray = field(default=None, init=False, repr=False)
-    _low: np.ndarray = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
@@ -75,10 +73,9 @@ class PolluxPolicy:
         nodes = [n.name for n in cluster.nodes]
         capacity = np.array([n.size for n in cluster.nodes], dtype=np.int64)
         problem = _Problem(self, cluster, jobs, nodes, capacity, now)
-        self._capacity, self._low = capacity, problem.low
         cells = len(jobs) * len(nodes)
         size = max(4, min(self.population, self.max_cells // max(cells, 1)))
-        population = problem.repair(self._seed_population(jobs, nodes, problem.base, size))
+        population = problem.repair(self._seed_population(jobs, nodes, problem, size))
         fitness = problem.fitness(population)
         for _ in range(self.generations):
             if time.perf_counter() - started > self.budget_s:
@@ -97,11 +94,12 @@ class PolluxPolicy:
                 out[job.id] = {nodes[n]: int(c) for n, c in enumerate(row) if c}
         return out
 
-    def _seed_population(self, jobs: Sequence[Job], nodes: list[str], base: np.ndarray, size: int) -> np.ndarray:
+    def _seed_population(self, jobs: Sequence[Job], nodes: list[str], problem: _Problem, size: int) -> np.ndarray:
         """The last decision's population, mapped onto today's jobs and nodes; the current
         allocation fills it up (the artifact seeds NSGA-II the same way)."""
+        base = problem.base
         population = np.repeat(base[None], size, axis=0)
-        population[-1] = _first_fit(base, self._capacity, self._low)  # as adaptdl places an arriving job
+        population[-1] = _first_fit(base, problem.capacity, problem.low)  # as adaptdl places an arriving job
         if self._previous is not None:
             prev_jobs, prev_nodes, prev = self._previous
             if prev_nodes == nodes:
