@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cluster.goodput import GoodputView, NoiseGrowth, best_scale, gain, rate
 from cluster.jobs import Cluster, Job, devices_of, validate_allocation
-from cluster.pollux import PolluxPolicy
+from cluster.pollux import MAX_JOB_NODES, PolluxPolicy, _Problem
 from cluster.simulator import SimConfig, simulate
 from cluster.throughput import AnalyticStepTime, OnlineStepTime
 from cluster.workloads import WorkloadJob, noise_growth
@@ -107,6 +107,31 @@ def test_pollux_decisions_are_legal(scenario):
     cluster, jobs = scenario
     allocation = PolluxPolicy(generations=5).decide(cluster, jobs, 100_000.0)
     validate_allocation(cluster, jobs, allocation)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_repair_leaves_only_allocations_the_artifact_allows(seed):
+    """Random matrices, many of them illegal on purpose (crowded nodes, jobs over their top,
+    spread over more than 16 nodes), come out of the repair legal on every rule."""
+    rng = np.random.default_rng(seed)
+    cluster = Cluster.uniform(24, 4)
+    jobs = [_job(f"j{i}", min_devices=int(rng.integers(1, 3)), max_devices=int(rng.integers(2, 40)),
+                 explored_devices=int(rng.integers(0, 20))) for i in range(30)]
+    policy = PolluxPolicy(seed=seed)
+    capacity = np.full(24, 4)
+    problem = _Problem(policy, cluster, jobs, [n.name for n in cluster.nodes], capacity, 1000.0)
+    states = rng.integers(0, 5, size=(8, 30, 24)) * (rng.random((8, 30, 24)) < 0.3)
+    repaired = problem.repair(states)
+    assert (repaired >= 0).all() and (repaired <= states).all()  # the repair only takes devices away
+    assert (repaired.sum(axis=1) <= capacity).all()
+    replicas, spans = repaired.sum(axis=2), np.count_nonzero(repaired, axis=2)
+    assert (replicas <= problem.top[None, :]).all() and (spans <= MAX_JOB_NODES).all()
+    assert ((replicas == 0) | (replicas >= problem.low[None, :])).all()
+    distributed_on_node = ((repaired > 0) & (spans > 1)[..., None]).sum(axis=1)
+    assert (distributed_on_node <= 1).all()
+    assert (states != repaired).any()  # the case was illegal to begin with
+    legal = problem.repair(repaired)
+    assert (legal == repaired).all()  # and a legal matrix is left as it is
 
 
 def test_pollux_replays_a_workload_with_goodput_jobs_to_the_end():
