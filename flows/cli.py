@@ -355,25 +355,29 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing what the trial writes until it ends"),
 ) -> None:
     """Print a trial's log (train.log: the trainer's output and errors)."""
+    import codecs
     import sys
     import time
 
     from tasks.records import campaign_dir, trial_status
-    from training.files import read_json
+    from training.files import read_chunk
 
     with _bad_input():
         name, entry = _find_trial(campaign, runs_dir, trial)
     trial_dir = campaign_dir(runs_dir, name) / trial
     log = trial_dir / "train.log"
     position = 0
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode  # a character may straddle two pieces
     while True:
         if log.exists():
-            with open(log, "rb") as f:
-                f.seek(position)
-                chunk = f.read()
-            position += len(chunk)
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
+            while True:  # a megabyte at a time: a log of any size streams in bounded memory
+                with _bad_input():
+                    chunk = read_chunk(log, position, fix="it must be the trial's own log file")
+                if not chunk:
+                    break
+                position += len(chunk)
+                sys.stdout.write(decode(chunk))
+                sys.stdout.flush()
         if not follow or trial_status(trial_dir, trial, entry["label"], entry["steps"]).state in TERMINAL:
             if follow and log.exists() and log.stat().st_size > position:
                 continue  # the last lines written as it ended

@@ -3,51 +3,42 @@
 A module may import its own layer and those below it, never one above: the trainer runs
 under plain torchrun without the cluster code, the policy is simulated without Prefect,
 and the spec (training/spec.py, a pure data model) is readable from every layer. The
-check reads every module's imports (function-level ones too), so it fails on the change
-that adds an upward import, naming the file, the line and the import.
+contract lives in pyproject.toml ([tool.importlinter]) and import-linter checks it: every
+import counts, function-level ones too.
 """
 
 from __future__ import annotations
 
-import ast
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LAYERS = ("training", "cluster", "tasks", "flows")  # bottom to top
+LINT = Path(sys.executable).parent / "lint-imports"
 
 
-def imported_packages(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module.split(".")[0]))
-    return found
-
-
-def upward_imports() -> list[str]:
-    found = []
-    for rank, layer in enumerate(LAYERS):
-        for path in sorted((REPO / layer).rglob("*.py")):
-            for line, package in imported_packages(path):
-                if package in LAYERS and LAYERS.index(package) > rank:
-                    found.append(f"{path.relative_to(REPO)}:{line} imports {package} (layer {layer} is below {package})")
-    return found
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_no_layer_imports_one_above_it():
-    assert upward_imports() == []
+    done = lint_imports(REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 kept, 0 broken" in done.stdout
 
 
-def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
-    """The check itself can fail: a module of training/ that imports flows is reported."""
-    fake = tmp_path / "training"
-    fake.mkdir()
-    (fake / "bad.py").write_text("def f():\n    from flows.cli import main\n")
-    for layer in LAYERS[1:]:
+def test_the_contract_catches_an_upward_import(tmp_path):
+    """The same contract on a tree where training/ imports flows, inside a function: broken,
+    naming the module and the import."""
+    for layer in ("flows", "tasks", "cluster", "training"):
         (tmp_path / layer).mkdir()
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert upward_imports() == ["training/bad.py:2 imports flows (layer training is below flows)"]
+        (tmp_path / layer / "__init__.py").write_text("")
+    (tmp_path / "flows" / "cli.py").write_text("def main():\n    pass\n")
+    (tmp_path / "training" / "bad.py").write_text("def f():\n    from flows.cli import main\n    return main\n")
+    text = (REPO / "pyproject.toml").read_text()
+    (tmp_path / "pyproject.toml").write_text(text[text.index("[tool.importlinter]"):])
+    done = lint_imports(tmp_path)
+    assert done.returncode != 0 and "BROKEN" in done.stdout, done.stdout[-3000:]
+    assert "training.bad -> flows.cli" in done.stdout, done.stdout[-3000:]

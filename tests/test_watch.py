@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,14 +32,16 @@ def test_logs_follow_a_trial_until_it_ends_and_watch_ends_with_it(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watch = subprocess.Popen([sys.executable, "-m", "flows.cli", "status", "--watch", "--interval", "0.2", "--runs-dir", str(runs)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
-    assert follow.poll() is None and watch.poll() is None  # the trial runs: both keep going
+    # `logs -f` has printed what there is so far and, the trial running, both keep going
+    # (`status --watch` draws only at its end when its output is not a terminal).
+    assert follow.stdout.readline() == "trial t1: world size 1, fresh start\n"
+    assert follow.poll() is None and watch.poll() is None
     with open(trial / "train.log", "a") as log:
         log.write("trial t1: finished 10 steps\n")
     write_json_atomic(trial / "result.json", {"checkpoint": str(trial / "none"), "steps": 10, "metrics": {"val_accuracy": 0.5}})
     out, err = follow.communicate(timeout=30)
     assert follow.returncode == 0, err
-    assert out == "trial t1: world size 1, fresh start\ntrial t1: finished 10 steps\n"
+    assert out == "trial t1: finished 10 steps\n"  # the rest of the log, after the first line read above
     out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0 and "finished" in out and "0.5000" in out, err
 
@@ -54,6 +55,19 @@ def test_logs_name_the_trials_when_the_trial_is_unknown(tmp_path):
     assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n"
     done = campaign_cli("logs", "nope", "--campaign", "w", "--runs-dir", str(runs))
     assert done.returncode == 2 and "its trials: t1" in done.stderr
+
+
+def test_logs_stream_a_large_log_whole_and_refuse_a_log_that_is_a_device(tmp_path):
+    runs = tmp_path / "runs"
+    trial = a_campaign(runs)
+    text = "".join(f"step {i}: loss 0.5 · λ ✓\n" for i in range(120_000))  # ~3 MB, multi-byte characters across pieces
+    (trial / "train.log").write_text(text)
+    done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
+    assert done.returncode == 0 and done.stdout == text, done.stderr[-2000:]
+    (trial / "train.log").unlink()
+    (trial / "train.log").symlink_to("/dev/zero")  # read whole, it would never end
+    done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
+    assert done.returncode == 2 and "train.log is a character device" in " ".join(done.stderr.split()), done.stderr[-2000:]
 
 
 def test_logs_find_a_trial_of_an_earlier_campaign(tmp_path):

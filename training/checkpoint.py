@@ -13,7 +13,7 @@ import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from training.fence import Fenced
 from training.files import fsync_dir
 from training.manifest import TMP_PREFIX, checkpoint_step, latest_valid_checkpoint, list_checkpoints, step_dir_name, write_manifest
 
@@ -35,8 +36,13 @@ class Checkpointer:
     only then). One save is in flight at a time.
     """
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None):
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None,
+                 guard: Callable[[], str | None] | None = None, grant: dict[str, Any] | None = None):
         self.root = Path(root)
+        # Asked on rank 0 just before a checkpoint becomes visible (training.fence.commit_guard);
+        # the grant goes into its manifest, so a late write under an old grant is not trusted.
+        self.guard = guard
+        self.grant = grant
         self.keep = max(1, keep)
         self.rank = rank
         self.world_size = world_size
@@ -93,7 +99,10 @@ class Checkpointer:
             finalized.set_exception(e)
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
-        write_manifest(tmp, step, self.world_size)
+        if self.guard is not None and (problem := self.guard()) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # written by a holder that lost its lease: never in view
+            raise Fenced(problem)
+        write_manifest(tmp, step, self.world_size, self.grant)
         if final.exists():  # the same step saved again after a resume: replace it whole
             shutil.rmtree(final)
         tmp.rename(final)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
-from training.fence import watch_lease
+from training.fence import stops_when_fenced, watch_lease
 from training.files import read_json, write_json_atomic
 from training.metrics import result_line
 from training.process import die_with_parent
@@ -166,47 +166,53 @@ def main(argv: list[str] | None = None) -> None:
     backend = "nccl" if trainer.device.type == "cuda" else "gloo"
     store.set(f"ready/{wid}", str(time.time()))
     try:
-        for k in range(10**9):
-            key = f"assign/{wid}/{k}"
-            store.wait([key])
-            assignment = json.loads(store.get(key))
-            if assignment.get("exit"):
-                return
-            timings = {"assigned": time.time()}
-            gen, members = assignment["gen"], assignment["members"]
-            rank = members.index(wid)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
-            trainer.attach(DistEnv(rank, len(members), 0), trace_name=f"{wid}-gen{gen}")
-            timings["attached"] = time.time()
-            if assignment["source"] == "disk":
-                trainer.resume()
-            else:
-                share_state(trainer, rank, joiner=wid in assignment["joiners"])
-            timings["state"] = time.time()
-            if rank == 0:  # the trial's log says what happened to it (train.log, like a torchrun trial's)
-                print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
-                      f"step {trainer.step}, state from {assignment['source']}", flush=True)
-            stop_path = Path(assignment["stop_path"])
-            report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
-            should_stop = StopFlag(stop_path, rank, cfg.control_every, trainer.device)
-            result = trainer.train(should_stop, after_first_step=report)
-            if result is not None:  # finished: the result is written, nothing more to do
-                if rank == 0:
-                    print(result_line(cfg.trial_id, result), flush=True)
-                trainer.detach()
-                dist.destroy_process_group()
-                return
-            stop = read_json(stop_path)
-            if stop["save"]:
-                trainer.save_checkpoint(blocking=True)
-            trainer.detach()
-            if rank == 0:
-                print(f"trial {cfg.trial_id}: stopped at step {trainer.step} for a resize" + (" (checkpoint saved)" if stop["save"] else ""), flush=True)
-                trainer.write_progress("resizing")
-                store.set(f"stopped/{gen}", json.dumps({"step": trainer.step, "last_step_at": trainer.last_step_at, "time": time.time()}))
-            dist.destroy_process_group()
+        with stops_when_fenced():
+            _serve(cfg, wid, store, trainer, backend)
     finally:
         trainer.close()
+
+
+def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, backend: str) -> None:
+    """Train each generation the agent assigns this worker, until it says exit or the trial ends."""
+    for k in range(10**9):
+        key = f"assign/{wid}/{k}"
+        store.wait([key])
+        assignment = json.loads(store.get(key))
+        if assignment.get("exit"):
+            return
+        timings = {"assigned": time.time()}
+        gen, members = assignment["gen"], assignment["members"]
+        rank = members.index(wid)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
+        trainer.attach(DistEnv(rank, len(members), 0), trace_name=f"{wid}-gen{gen}")
+        timings["attached"] = time.time()
+        if assignment["source"] == "disk":
+            trainer.resume()
+        else:
+            share_state(trainer, rank, joiner=wid in assignment["joiners"])
+        timings["state"] = time.time()
+        if rank == 0:  # the trial's log says what happened to it (train.log, like a torchrun trial's)
+            print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
+                  f"step {trainer.step}, state from {assignment['source']}", flush=True)
+        stop_path = Path(assignment["stop_path"])
+        report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
+        should_stop = StopFlag(stop_path, rank, cfg.control_every, trainer.device)
+        result = trainer.train(should_stop, after_first_step=report)
+        if result is not None:  # finished: the result is written, nothing more to do
+            if rank == 0:
+                print(result_line(cfg.trial_id, result), flush=True)
+            trainer.detach()
+            dist.destroy_process_group()
+            return
+        stop = read_json(stop_path)
+        if stop["save"]:
+            trainer.save_checkpoint(blocking=True)
+        trainer.detach()
+        if rank == 0:
+            print(f"trial {cfg.trial_id}: stopped at step {trainer.step} for a resize" + (" (checkpoint saved)" if stop["save"] else ""), flush=True)
+            trainer.write_progress("resizing")
+            store.set(f"stopped/{gen}", json.dumps({"step": trainer.step, "last_step_at": trainer.last_step_at, "time": time.time()}))
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

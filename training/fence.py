@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sqlite3
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
 FENCED = 75  # exit code of a launch refused for a lost lease (EX_TEMPFAIL: the campaign queues the trial again)
+
+
+class Fenced(RuntimeError):
+    """The holder's lease was lost when a checkpoint was about to be committed: it was not."""
 
 
 def read_fence(path: str | Path, holder: str, epoch: int) -> tuple[float | None, str | None]:
@@ -93,6 +99,16 @@ class Fence:
         self._closed.set()
 
 
+@contextmanager
+def stops_when_fenced():
+    """A checkpoint commit refused for a lost lease (Fenced) ends this process at once, as
+    the fence's thread would: no cleanup, no other save, nothing more on the device."""
+    try:
+        yield
+    except Fenced as e:
+        _stop(str(e), None)
+
+
 def _stop(problem: str, code: int | None) -> None:
     print(f"fenced: {problem}; this process stops now (its trial resumes from its last checkpoint)", file=sys.stderr, flush=True)
     if code is not None:
@@ -109,3 +125,19 @@ def watch_lease(lease: dict[str, Any] | None) -> Fence | None:
 def lease_problem(lease: dict[str, Any] | None) -> str | None:
     """Why a launch on `lease` must not start (gone, granted again, past its deadline), or None."""
     return Fence(lease).check() if lease else None
+
+
+def commit_guard(lease: dict[str, Any] | None):
+    """What a checkpoint commit asks just before it makes a checkpoint visible: None while
+    the holder still holds its grant, else why not (None for a trial run by hand). The
+    fence's thread checks twice a heartbeat period; this closes the gap for the one write
+    that matters, the one a resume would trust."""
+    return Fence(lease).check if lease else None
+
+
+def grant_of(lease: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The grant a checkpoint is written under, for its manifest: which lease file (host and
+    path: epochs grow per file) and the epoch."""
+    if not lease:
+        return None
+    return {"lease_file": f"{socket.gethostname()}:{lease['db']}", "epoch": int(lease["epoch"])}

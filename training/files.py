@@ -36,16 +36,9 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_bounded(path: str | Path, limit: int, fix: str = "replace it with a regular file") -> bytes:
-    """The bytes of the regular file at `path` (symlinks followed), at most `limit` of them.
-
-    FileNotFoundError passes through (callers decide what a missing file means); anything
-    else that is not a regular file of at most `limit` bytes raises InputError naming `path`
-    and `fix`. Nothing is written, and nothing blocks: the type is checked before opening
-    (opening some devices has effects) and again on the open descriptor (the path may have
-    been swapped in between), and O_NONBLOCK keeps a FIFO swapped in from blocking the open.
-    """
-    path = Path(path)
+def _open_regular(path: Path, fix: str) -> int:
+    """A read-only descriptor on the regular file at `path`, opened without blocking
+    (FileNotFoundError passes through; anything else that is not a regular file: InputError)."""
     try:
         before = os.stat(path)
     except NotADirectoryError:
@@ -62,10 +55,39 @@ def read_bounded(path: str | Path, limit: int, fix: str = "replace it with a reg
         raise
     except OSError as e:
         raise InputError(f"{path} cannot be opened ({e.strerror}): {fix}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InputError(f"{path} is {_kind(st.st_mode)}, not a regular file: {fix}")
+    return fd
+
+
+def read_chunk(path: str | Path, position: int, limit: int = 1 << 20, fix: str = "replace it with a regular file") -> bytes:
+    """At most `limit` bytes of the regular file at `path` from byte `position` (a log that
+    is followed: read a bounded piece at a time, whatever its size or type)."""
+    path = Path(path)
+    fd = _open_regular(path, fix)
+    try:
+        return os.pread(fd, limit, position)
+    except OSError as e:
+        raise InputError(f"{path} cannot be read ({e.strerror}): {fix}") from None
+    finally:
+        os.close(fd)
+
+
+def read_bounded(path: str | Path, limit: int, fix: str = "replace it with a regular file") -> bytes:
+    """The bytes of the regular file at `path` (symlinks followed), at most `limit` of them.
+
+    FileNotFoundError passes through (callers decide what a missing file means); anything
+    else that is not a regular file of at most `limit` bytes raises InputError naming `path`
+    and `fix`. Nothing is written, and nothing blocks: the type is checked before opening
+    (opening some devices has effects) and again on the open descriptor (the path may have
+    been swapped in between), and O_NONBLOCK keeps a FIFO swapped in from blocking the open.
+    """
+    path = Path(path)
+    fd = _open_regular(path, fix)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{path} is {_kind(st.st_mode)}, not a regular file: {fix}")
         if st.st_size > limit:
             raise InputError(f"{path} is {st.st_size} bytes, more than the {limit} allowed: {fix}")
         chunks, left = [], limit + 1  # one byte over the limit tells a file that grew while read

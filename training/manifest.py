@@ -89,13 +89,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path, step: int, world_size: int) -> None:
+def write_manifest(directory: Path, step: int, world_size: int, grant: dict[str, Any] | None = None) -> None:
     files = {
         p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
     body = {"step": step, "world_size": world_size, "created": time.time(), "files": files}
+    if grant is not None:  # the lease grant it was written under (training.fence.grant_of)
+        body["grant"] = grant
     write_json_atomic(directory / MANIFEST, {**body, "hmac": _signature(body)})
 
 
@@ -128,6 +130,10 @@ def _shape_problem(manifest: Any) -> str | None:
         return "not a mapping"
     if not isinstance(manifest.get("step"), int):
         return "no integer step"
+    grant = manifest.get("grant")
+    if grant is not None and not (isinstance(grant, dict) and isinstance(grant.get("lease_file"), str)
+                                  and isinstance(grant.get("epoch"), int)):
+        return "the grant is not a lease file and an integer epoch"
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "no files listed"
@@ -153,14 +159,43 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def checkpoint_report(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that matches its manifest, and the newer ones refused (with why)."""
+    """The newest checkpoint that matches its manifest, and the newer ones refused (with why).
+
+    A checkpoint written under an older grant of a lease file than an earlier step's is
+    refused too: a fenced holder's late write (its campaign stalled, the trial was granted
+    again and went on) is not trusted as newer than what the new grant wrote."""
     refused = []
-    for directory in list_checkpoints(root):
-        problem = verify(directory)
+    found = list_checkpoints(root)
+    for i, directory in enumerate(found):
+        problem = verify(directory) or _superseded(directory, found[i + 1:])
         if problem is None:
             return directory, refused
         refused.append((directory, problem))
     return None, refused
+
+
+def _superseded(directory: Path, older: list[Path]) -> str | None:
+    grant = _signed_grant(directory)
+    if grant is None:
+        return None
+    for other in older:
+        earlier = _signed_grant(other)
+        if earlier and earlier["lease_file"] == grant["lease_file"] and earlier["epoch"] > grant["epoch"]:
+            return (f"written under lease epoch {grant['epoch']} after {other.name} was written under epoch "
+                    f"{earlier['epoch']}: a late write by a holder that had lost its lease")
+    return None
+
+
+def _signed_grant(directory: Path) -> dict[str, Any] | None:
+    """The grant in a checkpoint's manifest when the manifest is ours (signature only: the
+    files are not hashed for this), else None."""
+    try:
+        manifest = loads_json(read_bounded(directory / MANIFEST, MAX_MANIFEST_BYTES), directory / MANIFEST)
+    except (OSError, InputError):
+        return None
+    if _shape_problem(manifest) or not hmac.compare_digest(str(manifest.get("hmac", "")), _signature(manifest)):
+        return None
+    return manifest.get("grant")
 
 
 def latest_valid_checkpoint(root: Path) -> Path | None:

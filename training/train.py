@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from training.result import read_result
 from training.config import TrialConfig
-from training.fence import watch_lease
+from training.fence import stops_when_fenced, watch_lease
 from training.metrics import result_line
 from training.process import die_with_parent
 from training.trainer import DistEnv, Trainer
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     device = pick_device(env.local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        train_trial(cfg, env, device)
+        with stops_when_fenced():
+            train_trial(cfg, env, device)
     finally:
         dist.destroy_process_group()
 

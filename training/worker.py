@@ -27,7 +27,7 @@ import torch.distributed as dist
 from training.config import TrialConfig
 from training.metrics import share_sink
 from training.process import die_with_parent
-from training.fence import watch_lease
+from training.fence import stops_when_fenced, watch_lease
 from training.train import pick_device, train_trial
 from training.trainer import DistEnv
 
@@ -44,7 +44,8 @@ def run_one(request: dict, device: torch.device) -> int:
     try:
         cfg = TrialConfig.from_file(request["config"])
         fence = watch_lease(cfg.lease)  # this trial's holder: a warm worker serves one after another
-        train_trial(cfg, DistEnv(0, 1, 0), device)
+        with stops_when_fenced():
+            train_trial(cfg, DistEnv(0, 1, 0), device)
         return 0
     except BaseException:
         traceback.print_exc()
