@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,19 +105,19 @@ def lab(tmp_path):
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
-def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int) -> subprocess.Popen:
+def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / f"leases-{node}.db"),
-           "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node}
+           "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node, **extra_env}
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node,
                              "--address", address, "--cpu-slots", str(slots)],
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int) -> subprocess.Popen:
+def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
     """A node's worker, once the pool sees it beating."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    worker = start_worker(api, tmp_path, node, ns, address, slots)
+    worker = start_worker(api, tmp_path, node, ns, address, slots, **extra_env)
     with temporary_settings(updates={PREFECT_API_URL: api}):
         wait_for(lambda: any(n.name == node and n.live for n in nodes_once_made("lab")), 120, f"node {node} live")
     return worker
@@ -412,3 +413,91 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
+
+
+def trial_workers_of(node: str) -> list[int]:
+    """The processes of a node that train (torchrun's workers; torchrun itself holds no device)."""
+    found = []
+    for pid in processes_of(node):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"training.train" in cmdline and b"training.launch" not in cmdline and state not in (b"Z", b"X"):
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digits_npz, lab):
+    """The trial's holder on node a (its segment's flow-run process, which renews the node's
+    lease) is stopped for twice the heartbeat timeout. Another campaign on the node's lease
+    file tries for both devices every 0.1 s: it gets them only once the trial's workers have
+    stopped themselves, and no worker of the trial runs while it holds them."""
+    from cluster.leases import LeaseStore
+
+    timeout_s = 6.0
+    head, api, nodes = lab
+    ns, address = nodes["a"]
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 2, CAMPAIGN_LEASE_TIMEOUT_S=str(timeout_s))
+    launch = None
+    devices = {"a/cpu0": 1, "a/cpu1": 1}
+    try:
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "stalled", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+            "training": {"steps": 10**6, "batch_size": 32, "lr": 0.05, "checkpoint_every": 200},  # stopped by the test
+            "resources": {"devices": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "stalled",
+                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+        }))
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+        node_leases = LeaseStore(tmp_path / "leases-a.db", timeout_s)
+
+        def training() -> bool:
+            if launch.poll() is not None:
+                pytest.fail((tmp_path / "launch.log").read_text()[-3000:])
+            return len(trial_workers_of("a")) == 2
+
+        wait_for(training, 240, "the trial's two workers on node a")
+        (holder_pid,) = {lease.pid for lease in node_leases.leases()}
+        os.kill(holder_pid, signal.SIGSTOP)
+        stalled_at = time.monotonic()
+        taken_at = None
+        overlaps, samples = [], 0
+        try:
+            while time.monotonic() - stalled_at < 2 * timeout_s or taken_at is None:
+                assert time.monotonic() - stalled_at < 6 * timeout_s, "the devices were never freed"
+                if taken_at is None and node_leases.acquire("taker/t@1", devices, devices, pid=os.getpid()):
+                    taken_at = time.monotonic()
+                if taken_at is not None:
+                    node_leases.renew("taker/t@1")  # the taker's own heartbeat
+                    samples += 1
+                    if running := trial_workers_of("a"):
+                        overlaps.append((round(time.monotonic() - stalled_at, 2), running))
+                time.sleep(0.1)  # the sampling period (what is waited for is the loop's condition)
+        finally:
+            os.kill(holder_pid, signal.SIGCONT)
+        assert taken_at - stalled_at > timeout_s  # not before the renew deadline and the store's margin
+        # The holder wakes up to find its leases gone: the other campaign keeps the devices.
+        for _ in range(30):
+            node_leases.renew("taker/t@1")
+            samples += 1
+            if running := trial_workers_of("a"):
+                overlaps.append((round(time.monotonic() - stalled_at, 2), running))
+            time.sleep(0.1)
+        assert {lease.holder for lease in node_leases.leases()} == {"taker/t@1"}
+        assert overlaps == [] and samples >= 40, overlaps[:5]
+        log = next((tmp_path / "runs" / "stalled").glob("*/train.log")).read_text()
+        assert "fenced:" in log, log[-3000:]  # the workers stopped themselves
+        node_leases.release("taker/t@1")
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=30)
