@@ -52,6 +52,8 @@ from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import read_json, write_json_atomic
 from training.metrics import format_metrics
+from training.layout import campaign_files, trial_files
+from prefect.runtime import flow_run as prefect_flow_run
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
 CONTROL_POLL_S = 0.5  # how often running trials are checked for resize requests
@@ -213,7 +215,7 @@ class CampaignRun:
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
             node_devices = [d for d in self.inventory.devices if d.node == devices[0].node] if elastic else []
             if elastic:  # the campaign's command folder starts empty: the node relays from sequence 1
-                clear_commands(self.root / trial.id / "control")
+                clear_commands(trial_files(self.root / trial.id).control)
             future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices)
         else:
@@ -292,7 +294,7 @@ class CampaignRun:
         """Elastic trials: the policy decides who runs on how many devices, now."""
         now = time.time()
         for job in self.running.values():
-            progress = read_json(job.trial_dir / "progress.json") or {}
+            progress = read_json(trial_files(job.trial_dir).progress) or {}
             if progress.get("world_size") == len(job.devices) and "step_time_s" in progress.get("metrics", {}):
                 # The policy compares sizes by time per reference step (the trial's batch_size
                 # samples): a goodput trial's step at another size trains another batch.
@@ -329,7 +331,7 @@ class CampaignRun:
         t = trial.spec.training
         if scale is None or t.scaling != "goodput" or not t.max_batch_size:
             return
-        write_json_atomic(trial_dir / "batch.json", {"devices": devices, "batch_size": min(t.max_batch_size, round(scale * t.batch_size)),
+        write_json_atomic(trial_files(trial_dir).batch, {"devices": devices, "batch_size": min(t.max_batch_size, round(scale * t.batch_size)),
                                                      "scale": scale, "at": time.time()})
 
     # --- running trials --------------------------------------------------------------
@@ -371,7 +373,7 @@ class CampaignRun:
             self.failed[job.trial.id] = str(e)
             if job.trial.id in self.drawn:
                 self.search.tell(self.drawn.pop(job.trial.id).number, None)
-            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(job.trial_dir / "train.log"))
+            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(trial_files(job.trial_dir).log))
             self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
                 self.scheduler.finish(job.trial.id)
@@ -405,7 +407,7 @@ class CampaignRun:
             self.scheduler.finish(job.trial.id)
         if job.trial.id in self.drawn:
             self.search.tell(self.drawn.pop(job.trial.id).number, result)
-        close_trial_run(self.uri, job.run_id, result, job.device_ids, log_path=str(job.trial_dir / "train.log"))
+        close_trial_run(self.uri, job.run_id, result, job.device_ids, log_path=str(trial_files(job.trial_dir).log))
         if result.get("pruned"):  # early stopping: its devices are free for the others now
             self.pruned.add(job.trial.id)
             update_record(job.trial_dir, state="pruned")
@@ -570,7 +572,7 @@ def flow_run_name() -> str:
     params = flow_run.parameters
     try:
         spec = load_spec(params.get("params_path", "params.yaml"), pool=params.get("pool"))
-        record = read_json(campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.json") or {}
+        record = read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, spec.campaign.name)).record) or {}
         return f"{spec.campaign.name} · launch {int(record.get('launches', 0)) + 1}"
     except Exception:  # the flow itself says what is wrong with the spec, with its field
         return "campaign"
@@ -590,13 +592,16 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
 
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
-    before = read_json(campaign_dir(spec.tracking.runs_dir, name) / "campaign.json") or {}
+    before = read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, name)).record) or {}
     write_campaign(spec.tracking.runs_dir, name, {
         **before,  # a search's trials so far
         "launches": int(before.get("launches", 0)) + 1,  # the flow run's name counts them
         "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
         "owner": process_identity(), "state": "running", "started": time.time(),
         "prefect_api": os.environ.get("PREFECT_API_URL") or None,  # a `campaign ui` waits for campaigns reporting to it
+        # Where people look: the live view prints these links (flows/live_view.py: campaign_links).
+        "flow_run_id": str(prefect_flow_run.id) if prefect_flow_run.id else None,
+        "mlflow_ui": mlflow_ui(uri), "mlflow_experiment_id": run_experiment(uri, parent_run_id),
         **({} if search else {"trials": [trial_entry(t, requests[t.id]) for t in trials]}),
     })
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)

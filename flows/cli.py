@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tasks.records import ENDED as TERMINAL  # states nothing changes but a launch
+from training.layout import campaign_files, campaign_records, trial_files
 
 # Prefect phones home unless told not to, and these machines have no network for it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -71,7 +72,7 @@ def _check_records(spec) -> None:
     from tasks.records import campaign_dir
     from training.files import read_json
 
-    read_json(campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.json")
+    read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, spec.campaign.name)).record)
 
 
 def _set_aside_for_rerun(spec, trials, rerun: list[str]) -> None:
@@ -82,7 +83,7 @@ def _set_aside_for_rerun(spec, trials, rerun: list[str]) -> None:
     from training.result import set_aside
 
     root = campaign_dir(spec.tracking.runs_dir, spec.campaign.name)
-    known = {t.id for t in trials} | {t["id"] for t in (read_json(root / "campaign.json") or {}).get("trials", [])}
+    known = {t.id for t in trials} | {t["id"] for t in (read_json(campaign_files(root).record) or {}).get("trials", [])}
     if unknown := [t for t in rerun if t not in known]:
         _fail(f"--rerun {unknown[0]}: campaign {spec.campaign.name} has no such trial; its trials: {', '.join(sorted(known)) or 'none'}")
     for trial in dict.fromkeys(rerun):
@@ -284,11 +285,11 @@ def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str) -> tuple[st
     from training.files import read_json
 
     name = _campaign_name(campaign, runs_dir)
-    record = read_json(campaign_dir(runs_dir, name) / "campaign.json") or {}
+    record = read_json(campaign_files(campaign_dir(runs_dir, name)).record) or {}
     if campaign is not None or any(t["id"] == trial for t in record.get("trials", [])):
         return name, _trial_entry(record, name, trial)
     found = []
-    for path in sorted(Path(runs_dir).glob("*/campaign.json")):
+    for path in campaign_records(runs_dir):
         other = read_json(path) or {}
         entry = next((t for t in other.get("trials", []) if t.get("id") == trial), None)
         if entry is not None:
@@ -365,7 +366,7 @@ def logs(
     with _bad_input():
         name, entry = _find_trial(campaign, runs_dir, trial)
     trial_dir = campaign_dir(runs_dir, name) / trial
-    log = trial_dir / "train.log"
+    log = trial_files(trial_dir).log
     position = 0
     decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode  # a character may straddle two pieces
     while True:
@@ -400,7 +401,7 @@ def resize(
 
     with _bad_input():
         name = campaign or latest_campaign(runs_dir)
-        record = read_json(campaign_dir(runs_dir, name) / "campaign.json") if name else None
+        record = read_json(campaign_files(campaign_dir(runs_dir, name)).record) if name else None
     if record is None:
         _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
               else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
@@ -412,7 +413,7 @@ def resize(
         _fail(f"trial {trial} runs on {low} to {high} devices (0 preempts it): {devices} is outside that range")
     trial_dir = campaign_dir(runs_dir, name) / trial
     with _bad_input():
-        state = (read_json(trial_dir / "control" / "state.json") or {}).get("status")
+        state = (read_json(trial_files(trial_dir).agent_state) or {}).get("status")
     if state != "running":
         _fail(f"trial {trial} is not running (its agent says: {state or 'not started'}): only a running trial can be resized")
     request_id = request_resize(trial_dir, devices)
@@ -427,12 +428,13 @@ def resize(
 @app.command()
 def ui(
     params: Path = PARAMS,
-    prefect_port: int = typer.Option(0, help="the Prefect server's port (0: a free one)"),
-    mlflow_port: int = typer.Option(0, help="the MLflow UI's port (0: a free one)"),
+    prefect_port: int = typer.Option(0, help="the Prefect server's port (0: the one this folder used last, else 4200)"),
+    mlflow_port: int = typer.Option(0, help="the MLflow UI's port (0: the one this folder used last, else 5000)"),
 ) -> None:
     """Start a Prefect server and the MLflow UI on 127.0.0.1 until Ctrl-C; launches from this folder report to it."""
     from training.spec import load_spec, tracking_uri
-    from flows.ui import clear_state, describe, main_loop, reporting_campaigns, running_ui, start_servers, stop_servers, write_state
+    from flows.ui import (clear_state, describe, main_loop, remember_ports, reporting_campaigns, running_ui, stable_ports,
+                          start_servers, stop_servers, write_state)
     from training.errors import CampaignError
 
     try:
@@ -443,11 +445,15 @@ def ui(
     if (other := running_ui(folder)) is not None:
         _fail(f"`campaign ui` already runs for this folder (pid {other['pid']}): {other['prefect_url']}, {other['mlflow_url']}")
     uri = tracking_uri(spec.tracking)
+    ports, notes = stable_ports(folder, {"prefect": prefect_port, "mlflow": mlflow_port})
+    for note in notes:
+        console.print(note, highlight=False)
     try:
-        servers = start_servers(uri, folder / ".campaign", prefect_port, mlflow_port)
+        servers = start_servers(uri, folder / ".campaign", ports["prefect"], ports["mlflow"])
     except RuntimeError as e:
         _fail(str(e), code=1)
     write_state(folder, servers)
+    remember_ports(folder, servers)
     try:
         for line in describe(servers, uri):
             console.print(line, highlight=False)

@@ -22,6 +22,7 @@ from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.elastic import refused_path, write_command
 from training.files import read_json
+from training.layout import agent_state_in, trial_files
 
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def claims(job: Running, devices: list[Device]) -> dict[str, int]:
 
 def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int]) -> str | None:
     """Move a running elastic trial's pending resize one step on; a line to log, if any."""
-    control = job.trial_dir / "control"
+    control = trial_files(job.trial_dir).control
     if job.awaiting is not None:
         seq, devices, request_id = job.awaiting
         if (refused := read_json(refused_path(control, seq))) is not None:  # a pool node's lease file said no
@@ -137,7 +138,7 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
             answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {refused['reason']}")
             return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused on its node ({refused['reason']})"
-        state = read_json(control / "state.json") or {}
+        state = read_json(agent_state_in(control)) or {}
         if state.get("seq", -1) < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
         job.awaiting = None

@@ -24,6 +24,7 @@ from pathlib import Path
 from cluster.leases import LeaseStore
 from training.elastic import clear_commands, command_path, refused_path
 from training.files import read_json, write_json_atomic
+from training.layout import agent_state_in
 
 POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
 
@@ -74,7 +75,7 @@ class CommandRelay:
             self.next_inner += 1
 
     def relay_state(self) -> None:
-        state = read_json(self.inner / "state.json")
+        state = read_json(agent_state_in(self.inner))
         if state is None or state == self.last_state:
             return
         self.last_state = state
@@ -82,4 +83,4 @@ class CommandRelay:
             if left := [d for d in self.held if d not in state.get("devices", [])]:  # a shrink the agent has applied
                 self.store.release_devices(self.holder, left)
                 self.held -= set(left)
-        write_json_atomic(self.outer / "state.json", {**state, "seq": self.to_outer.get(state.get("seq", 0), state.get("seq", 0))})
+        write_json_atomic(agent_state_in(self.outer), {**state, "seq": self.to_outer.get(state.get("seq", 0), state.get("seq", 0))})

@@ -26,6 +26,7 @@ from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call
 from tasks.records import completed_result
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
+from training.layout import trial_files
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 
@@ -154,4 +155,4 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         return {"preempted": True}  # its segment ended in order without a result: its agent was told to stop
     ended = "; ".join(f"{node}: {state.type.value} ({state.message})" for node, state in states.items() if state is not None)
     raise TrialFailed(f"trial {config.trial_id} on {', '.join(runs)}: {ended}; end of its log:\n"
-                      f"{log_tail(Path(config.trial_dir) / 'train.log')}")
+                      f"{log_tail(trial_files(config.trial_dir).log)}")

@@ -33,6 +33,7 @@ from flows.relay import CommandRelay
 from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
+from training.layout import trial_files
 
 NODE_ENV = "CAMPAIGN_NODE"  # set by `campaign worker`: the node's name
 ADDRESS_ENV = "CAMPAIGN_NODE_ADDRESS"  # its address (a trial across nodes listens there; one on the node, on loopback)
@@ -49,7 +50,7 @@ def free_port(address: str) -> int:
 def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
     """This node's part in a trial across `span["nnodes"]` nodes, for attempt `span["attempt"]`."""
     address = os.environ.get(ADDRESS_ENV, "127.0.0.1")
-    path = Path(cfg.trial_dir) / "control" / f"rendezvous-{span['attempt']}.json"
+    path = trial_files(cfg.trial_dir).control / f"rendezvous-{span['attempt']}.json"
     if span["host"]:
         endpoint = f"{address}:{free_port(address)}"
         write_json_atomic(path, {"endpoint": endpoint})

@@ -22,8 +22,11 @@ from pathlib import Path
 
 from training.files import read_json, write_json_atomic
 from training.process import die_with_parent, stop_process_groups
+from training.layout import campaign_records
 
 STATE = Path(".campaign") / "ui.json"  # relative to the project folder (where `campaign` runs)
+PORTS = Path(".campaign") / "ui-ports.json"  # the ports last used: kept after `campaign ui` stops
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}  # the tools' own defaults
 START_TIMEOUT_S = 120.0
 
 
@@ -42,6 +45,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def stable_ports(folder: Path, asked: dict[str, int], host: str = "127.0.0.1") -> tuple[dict[str, int], list[str]]:
+    """The ports `campaign ui` serves on: the ones asked for, else the ones this folder used
+    last (so that links written into Prefect artifacts and MLflow runs keep working after a
+    restart), else the tools' defaults (Prefect 4200, MLflow 5000); a busy port gives way to
+    a free one, and the notes say so."""
+    remembered = read_json(folder / PORTS) or {}
+    ports, notes = {}, []
+    for name, default in DEFAULT_PORTS.items():
+        if asked.get(name):
+            ports[name] = asked[name]
+            continue
+        wanted = remembered.get(name) if isinstance(remembered.get(name), int) else default
+        if port_is_free(wanted, host if name == "prefect" else "127.0.0.1"):
+            ports[name] = wanted
+        else:
+            ports[name] = free_port()
+            notes.append(f"port {wanted} for {name} is taken: using {ports[name]} (links written with {wanted} point elsewhere)")
+    return ports, notes
+
+
+def remember_ports(folder: Path, servers: "Servers") -> None:
+    ports = {"prefect": int(servers.prefect_url.rsplit(":", 1)[1])}
+    if servers.mlflow_url:
+        ports["mlflow"] = int(servers.mlflow_url.rsplit(":", 1)[1])
+    write_json_atomic(folder / PORTS, ports)
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -138,7 +177,7 @@ def reporting_campaigns(runs_dir: Path, prefect_api: str) -> list[str]:
     from tasks.records import owner_alive
 
     names = []
-    for record_path in sorted(Path(runs_dir).glob("*/campaign.json")):
+    for record_path in campaign_records(runs_dir):
         record = read_json(record_path) or {}
         if record.get("prefect_api") == prefect_api and record.get("owner") and owner_alive(record.get("owner")):
             names.append(record.get("name", record_path.parent.name))

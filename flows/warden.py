@@ -30,6 +30,7 @@ from pathlib import Path
 from cluster.leases import process_alive
 from tasks.records import ACTIVE, process_identity, update_campaign, update_record
 from training.files import read_json
+from training.layout import campaign_files, trial_files
 
 MARK = "CAMPAIGN_WARDEN_MARK"
 GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
@@ -107,13 +108,13 @@ def _signal(pid: int, sig: int) -> None:
 
 def settle_records(campaign_dir: Path, owner: str) -> list[str]:
     """The dead owner's active trials become 'interrupted'; returns MLflow run ids to mark KILLED."""
-    record = read_json(campaign_dir / "campaign.json") or {}
+    record = read_json(campaign_files(campaign_dir).record) or {}
     if record.get("owner") != owner or record.get("state") != "running":
         return []  # it ended in order, or it is another process's campaign now
     interrupted = []
     for trial in record.get("trials", []):
         trial_dir = campaign_dir / trial["id"]
-        trial_record = read_json(trial_dir / "record.json") or {}
+        trial_record = read_json(trial_files(trial_dir).record) or {}
         if trial_record.get("state") in ACTIVE and trial_record.get("owner") == owner:
             update_record(trial_dir, state="interrupted")
             interrupted.append(trial["id"])

@@ -23,8 +23,8 @@ from typing import Any
 from training.manifest import checkpoint_report, checkpoint_step
 from training.result import read_result
 from training.files import InputError, read_bounded, read_json, write_json_atomic
+from training.layout import campaign_files, latest_pointer, trial_files
 
-LATEST = "latest"  # <runs_dir>/latest holds the name of the campaign launched last
 
 
 def campaign_dir(runs_dir: Path, campaign: str) -> Path:
@@ -32,25 +32,25 @@ def campaign_dir(runs_dir: Path, campaign: str) -> Path:
 
 
 def write_campaign(runs_dir: Path, campaign: str, record: dict[str, Any]) -> None:
-    write_json_atomic(campaign_dir(runs_dir, campaign) / "campaign.json", record)
-    (Path(runs_dir) / LATEST).write_text(campaign + "\n")
+    write_json_atomic(campaign_files(campaign_dir(runs_dir, campaign)).record, record)
+    latest_pointer(runs_dir).write_text(campaign + "\n")
 
 
 def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> None:
-    path = campaign_dir(runs_dir, campaign) / "campaign.json"
+    path = campaign_files(campaign_dir(runs_dir, campaign)).record
     write_json_atomic(path, {**(read_json(path) or {}), **fields})
 
 
 def add_trial_entry(runs_dir: Path, campaign: str, entry: dict[str, Any]) -> None:
     """List one more trial in campaign.json (a search's draw), keeping those listed before."""
-    path = campaign_dir(runs_dir, campaign) / "campaign.json"
+    path = campaign_files(campaign_dir(runs_dir, campaign)).record
     record = read_json(path) or {}
     trials = [t for t in record.get("trials", []) if t["id"] != entry["id"]] + [entry]
     write_json_atomic(path, {**record, "trials": trials})
 
 
 def latest_campaign(runs_dir: Path) -> str | None:
-    path = Path(runs_dir) / LATEST
+    path = latest_pointer(runs_dir)
     try:
         name = read_bounded(path, 4096, fix="remove it (the next launch writes it again) or name the campaign").decode()
     except FileNotFoundError:
@@ -90,11 +90,11 @@ def owner_alive(owner: str | None) -> bool:
 
 def update_record(trial_dir: Path, **fields: Any) -> dict[str, Any]:
     """Merge fields into the trial's record; an active state is stamped with its owner, this process."""
-    record = read_json(trial_dir / "record.json") or {}
+    record = read_json(trial_files(trial_dir).record) or {}
     if fields.get("state") in ACTIVE:
         fields["owner"] = process_identity()
     record.update(fields, updated=time.time())
-    write_json_atomic(trial_dir / "record.json", record)
+    write_json_atomic(trial_files(trial_dir).record, record)
     return record
 
 
@@ -109,7 +109,7 @@ def record_state(record: dict[str, Any]) -> str:
 
 def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
     """Who had which device when: one line per change, in <campaign>/allocations.jsonl."""
-    with open(Path(root) / "allocations.jsonl", "a") as f:
+    with open(campaign_files(root).allocations, "a") as f:
         f.write(json.dumps({"time": time.time(), "trial": trial_id, "devices": list(device_ids), "reason": reason}) + "\n")
 
 
@@ -133,13 +133,13 @@ class TrialStatus:
 
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
-    record = read_json(trial_dir / "record.json") or {}
-    progress = read_json(trial_dir / "progress.json") or {}
+    record = read_json(trial_files(trial_dir).record) or {}
+    progress = read_json(trial_files(trial_dir).progress) or {}
     result = read_result(trial_dir)
-    agent = read_json(trial_dir / "control" / "state.json") or {}  # an elastic trial's devices now
+    agent = read_json(trial_files(trial_dir).agent_state) or {}  # an elastic trial's devices now
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
     devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
-    latest, refused = checkpoint_report(trial_dir / "checkpoints")
+    latest, refused = checkpoint_report(trial_files(trial_dir).checkpoints)
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,
         # The newest of what the trainer said (at most once a second) and what it checkpointed.
@@ -153,7 +153,7 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
 
 
 def campaign_status(runs_dir: Path, campaign: str) -> list[TrialStatus]:
-    record = read_json(campaign_dir(runs_dir, campaign) / "campaign.json")
+    record = read_json(campaign_files(campaign_dir(runs_dir, campaign)).record)
     if record is None:
         return []
     root = campaign_dir(runs_dir, campaign)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Any, Iterable
+from training.layout import campaign_files
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
 def read_events(campaign_dir: Path) -> list[dict[str, Any]]:
     from training.files import loads_json, read_bounded
 
-    log = campaign_dir / "allocations.jsonl"
+    log = campaign_files(campaign_dir).allocations
     try:
         text = read_bounded(log, 256 << 20, fix="remove it (it only feeds the timeline)").decode(errors="replace")
     except FileNotFoundError:

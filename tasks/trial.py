@@ -31,6 +31,7 @@ from training.fence import lease_problem
 from training.files import write_atomic
 from training.loopback import BIND_ENV
 from training.process import die_with_parent, stop_process_groups
+from training.layout import trial_files
 
 LOG_TAIL_CHARS = 3000
 
@@ -116,7 +117,7 @@ class LaunchPlan:
 
 
 def control_dir(config: TrialConfig) -> Path:
-    return Path(config.trial_dir) / "control"
+    return trial_files(config.trial_dir).control
 
 
 def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, python: str = sys.executable, elastic: bool = False,
@@ -127,20 +128,20 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
     trial_dir = Path(config.trial_dir)
     if warm and not elastic and len(devices) == 1:
         env = {**visible_devices_env(devices), **_launch_env()}
-        return LaunchPlan([python, "-m", "training.worker"], env, cwd, trial_dir / "trial.json", trial_dir / "train.log", warm=True)
+        return LaunchPlan([python, "-m", "training.worker"], env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, warm=True)
     if elastic:
         workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
         control = control or control_dir(config)
-        command = [python, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control)]
-        return LaunchPlan(command, _launch_env(), cwd, trial_dir / "trial.json", trial_dir / "train.log", workers, control=control)
+        command = [python, "-m", "training.elastic", "--config", str(trial_files(trial_dir).config), "--control", str(control)]
+        return LaunchPlan(command, _launch_env(), cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, workers, control=control)
     env = {**visible_devices_env(devices), **_launch_env()}
     command = [
         python, "-m", "training.launch",  # torchrun, its stores on loopback only
         "--standalone",  # a single-node rendezvous on a free port: trials never collide
         f"--nproc-per-node={len(devices)}",
-        "-m", "training.train", "--config", str(trial_dir / "trial.json"),
+        "-m", "training.train", "--config", str(trial_files(trial_dir).config),
     ]
-    return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")
+    return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log)
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,9 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
         "--rdzv-backend=c10d", f"--rdzv-endpoint={role.endpoint}", f"--rdzv-id={config.trial_id}",
         # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
         f"--rdzv-conf=is_host={int(role.host)}", f"--local-addr={role.address}",
-        "-m", "training.train", "--config", str(trial_dir / "trial.json"),
+        "-m", "training.train", "--config", str(trial_files(trial_dir).config),
     ]
-    return LaunchPlan(command, env, cwd, trial_dir / "trial.json", trial_dir / "train.log")
+    return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log)
 
 
 def _launch_env() -> dict[str, str]:

@@ -3,7 +3,6 @@ not trusted as newer (training.fence, training.manifest), with a real lease file
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

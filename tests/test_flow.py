@@ -98,6 +98,10 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens it on its training runs
+    # The record names the flow run and the MLflow experiment: the live view links to them.
+    record = json.loads((tmp_path / "runs" / "flow-test" / "campaign.json").read_text())
+    assert record["flow_run_id"] == str(flow_run_id) and record["mlflow_experiment_id"] == exp.experiment_id
+    assert record["mlflow_run_id"] == parents[0].info.run_id
     timeline = {a.path for a in client.list_artifacts(parents[0].info.run_id, "timeline")}
     assert timeline == {"timeline/timeline.png", "timeline/timeline.html"}  # who held which device when
     assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "curves")] == ["curves/curves.png"]  # every trial's curves

@@ -11,7 +11,8 @@ from cluster.sizing import SizedRequest
 from flows.live import Running, serve_resizes
 from training.spec import parse_spec
 from tasks.grid import expand_grid
-from tasks.resize import RESULT, request_resize
+from tasks.resize import request_resize
+from training.layout import trial_files
 from training.files import read_json, write_json_atomic
 
 
@@ -48,7 +49,7 @@ def test_an_applied_grow_moves_the_trial_to_its_new_devices(tmp_path):
     agent_says(job, 1, "running", [d.id for d in inventory.devices])
     assert "resized to 2" in serve_resizes(job, inventory, store, capacity)
     assert job.device_ids == [d.id for d in inventory.devices] and job.awaiting is None
-    assert read_json(job.trial_dir / "control" / RESULT)["status"] == "applied"
+    assert read_json(trial_files(job.trial_dir).resize_answer)["status"] == "applied"
     assert {l.device_id for l in store.leases()} == set(job.device_ids)
 
 
@@ -58,7 +59,7 @@ def test_a_trial_that_finishes_before_its_grow_lands_is_not_reported_resized(tmp
     agent_says(job, 1, "finished", [first])  # the agent took seq 1, but training ended first
     assert "finished before its resize" in serve_resizes(job, inventory, store, capacity)
     assert job.device_ids == [first] and job.awaiting is None
-    result = read_json(job.trial_dir / "control" / RESULT)
+    result = read_json(trial_files(job.trial_dir).resize_answer)
     assert result["status"] == "finished" and "before the resize" in result["detail"]
     assert [l.device_id for l in store.leases()] == [first]  # the device the grow took is free again
 

@@ -142,6 +142,7 @@ def test_launch_shows_trials_live_and_sends_prefect_chatter_to_a_file(tmp_path, 
         assert any(line.startswith(f"│{trial}") and "finished" in line and "20/20" in line for line in out.splitlines()), out
     assert "val_accuracy 0." in out and "{'" not in out  # metrics in words
     assert "2/2 trials ended" in out and "finished 2/2 trials" in out
+    assert "`campaign ui`" in out  # no UI serves this campaign: the view says how to get one (and its links)
     chatter = ("Beginning flow run", "Finished in state", "temporary server", "Created task run")
     assert not any(c in out or c in done.stderr for c in chatter), (out, done.stderr)
     log = (tmp_path / "runs" / "live" / "campaign.log").read_text()
@@ -162,6 +163,17 @@ def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_p
     plain = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"})
     linked = summary_markdown("c", summary, [trial], {"t1": "finished"}, {"t1": "abc"}, "http://127.0.0.1:5001", "7")
     assert "| abc |" in plain and "| [abc](http://127.0.0.1:5001/#/experiments/7/runs/abc) |" in linked
+
+
+def test_the_live_view_links_the_flow_run_and_the_mlflow_run_when_uis_serve_them():
+    from flows.live_view import campaign_links
+
+    record = {"prefect_api": "http://127.0.0.1:4200/api", "flow_run_id": "f-1", "mlflow_ui": "http://127.0.0.1:5000/",
+              "mlflow_experiment_id": "7", "mlflow_run_id": "r-9"}
+    assert campaign_links(record) == ["Prefect  http://127.0.0.1:4200/runs/flow-run/f-1",
+                                      "MLflow   http://127.0.0.1:5000/#/experiments/7/runs/r-9"]
+    temporary = {**record, "prefect_api": None, "mlflow_ui": None}  # Prefect's temporary API, no MLflow UI
+    assert len(campaign_links(temporary)) == 1 and "`campaign ui`" in campaign_links(temporary)[0]
 
 
 def test_the_trials_table_fits_80_columns_without_cutting_a_value():

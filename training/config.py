@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from training.layout import trial_files
 
 
 # Keys of a trial's `data` that say how batches are fed, not which: not part of its identity.
@@ -102,16 +103,16 @@ class TrialConfig:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.trial_dir) / "checkpoints"
+        return trial_files(self.trial_dir).checkpoints
 
     @property
     def progress_path(self) -> Path:
-        return Path(self.trial_dir) / "progress.json"
+        return trial_files(self.trial_dir).progress
 
     @property
     def batch_path(self) -> Path:
         """The batch the scheduler chose for the trial's next size (goodput with max_batch_size)."""
-        return Path(self.trial_dir) / "batch.json"
+        return trial_files(self.trial_dir).batch
 
     def chosen_batch(self, world_size: int, chosen: int | None) -> int:
         """The global batch at `world_size`: `batch_at`, or the batch the scheduler chose for
@@ -123,4 +124,4 @@ class TrialConfig:
 
     @property
     def result_path(self) -> Path:
-        return Path(self.trial_dir) / "result.json"
+        return trial_files(self.trial_dir).result

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from training.files import read_json, write_json_atomic
 from training.loopback import loopback_store
 from training.process import die_with_parent
+from training.layout import agent_state_in
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
 POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
@@ -72,7 +73,7 @@ def refused_path(control: Path, seq: int) -> Path:
 def clear_commands(control: Path) -> None:
     """A new command sequence starts from nothing: no command, refusal or state of an earlier one."""
     control.mkdir(parents=True, exist_ok=True)
-    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), control / "state.json"]:
+    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), agent_state_in(control)]:
         stale.unlink(missing_ok=True)
 
 
@@ -177,7 +178,7 @@ class Agent:
         return [self.workers[w].device_id for w in self.members]
 
     def write_state(self, status: str) -> None:
-        write_json_atomic(self.control / "state.json", {"seq": self.seq, "gen": self.gen, "devices": self.devices(), "status": status, "time": time.time()})
+        write_json_atomic(agent_state_in(self.control), {"seq": self.seq, "gen": self.gen, "devices": self.devices(), "status": status, "time": time.time()})
 
     # --- commands ------------------------------------------------------------------
     def start(self, command: dict) -> None:

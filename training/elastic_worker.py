@@ -33,6 +33,7 @@ from training.metrics import result_line
 from training.process import die_with_parent
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
+from training.layout import trial_files
 
 STORE_TIMEOUT = timedelta(days=7)  # a worker may wait a whole training generation for its next assignment
 
@@ -137,7 +138,7 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
         "batch_size": trainer.phase.batch_size, "lr": trainer.start_lr, "samples_seen": trainer.phase.samples,
         "goodput": trainer.cfg.goodput,
     }
-    with open(os.path.join(trainer.cfg.trial_dir, "resizes.jsonl"), "a") as f:
+    with open(trial_files(trainer.cfg.trial_dir).resizes, "a") as f:
         f.write(json.dumps(event) + "\n")
     trainer.metrics.log(trainer.progress_step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
     # Readable on the run's page; every figure is in resizes.jsonl and the metrics above.

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from training.files import InputError, read_json
+from training.layout import trial_files
 
-RESULT = "result.json"
 MAX_RESULT_BYTES = 1 << 20  # a dict of final metrics
 
 
@@ -36,7 +36,7 @@ def read_result(trial_dir: str | Path) -> dict[str, Any] | None:
     """The trial's result if it has one, else None. A result.json that is not one (junk, a
     FIFO, the wrong shape) is warned about and read as no result: the trial runs again and
     its trainer replaces the file."""
-    path = Path(trial_dir) / RESULT
+    path = trial_files(trial_dir).result
     try:
         result = read_json(path, limit=MAX_RESULT_BYTES)
     except InputError as e:
@@ -54,11 +54,11 @@ def set_aside(trial_dir: str | Path) -> Path | None:
     """Move a finished trial's result, progress and checkpoints to `rerun-<time>/` in its
     folder, so that the next launch trains it from scratch; nothing is deleted. None when
     there was nothing to move."""
-    trial_dir = Path(trial_dir)
-    moving = [trial_dir / name for name in (RESULT, "progress.json", "checkpoints") if (trial_dir / name).exists()]
+    files = trial_files(trial_dir)
+    moving = [path for path in (files.result, files.progress, files.checkpoints) if path.exists()]
     if not moving:
         return None
-    aside = trial_dir / time.strftime("rerun-%Y%m%d-%H%M%S")
+    aside = files.root / time.strftime("rerun-%Y%m%d-%H%M%S")
     aside.mkdir()
     for path in moving:
         path.rename(aside / path.name)
