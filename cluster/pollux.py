@@ -53,13 +53,14 @@ class PolluxPolicy:
     min_age_s: float = 60.0
     population: int = 100
     generations: int = 100
-    budget_s: float = 0.75  # the search stops so that a decision at 4,096 GPUs x 2,000 jobs stays under 1 s
+    budget_s: float = 0.6  # the search stops so that a decision at 4,096 GPUs x 2,000 jobs stays under 1 s, host load included
     max_cells: int = 4_000_000  # population x jobs x nodes, per generation array
     seed: int = 0
     name: str = "pollux"
     _rng: np.random.Generator = field(init=False, repr=False)
     _previous: tuple[list[str], list[str], np.ndarray] | None = field(default=None, init=False, repr=False)
     _tables: dict[str, tuple[tuple, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
+    _cell_s: float = field(default=0.0, init=False, repr=False)  # seconds per population x jobs x nodes cell, last measured
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
@@ -75,9 +76,13 @@ class PolluxPolicy:
         problem = _Problem(self, cluster, jobs, nodes, capacity, now)
         cells = len(jobs) * len(nodes)
         size = max(4, min(self.population, self.max_cells // max(cells, 1)))
+        seeded_at = time.perf_counter()
         population = problem.repair(self._seed_population(jobs, nodes, problem, size))
         fitness = problem.fitness(population)
-        generation_s = 0.0
+        # No generation starts unless it can end within the budget. Its cost: what one cost per
+        # cell in the last decision, else ten times the seeding's (a generation mutates, so its
+        # repair has far more to fix than the seeding's).
+        generation_s = max(10.0 * (time.perf_counter() - seeded_at), self._cell_s * cells * size)
         for _ in range(self.generations):
             before = time.perf_counter()
             if before - started + generation_s > self.budget_s:  # the next one would end past the budget
@@ -88,6 +93,7 @@ class PolluxPolicy:
             keep = np.argsort(-scores, kind="stable")[:size]
             population, fitness = merged[keep], scores[keep]
             generation_s = time.perf_counter() - before
+            self._cell_s = generation_s / (cells * size)
         self._previous = ([j.id for j in jobs], nodes, population)
         best = population[int(np.argmax(fitness))]
         out: dict[str, dict[str, int]] = {}

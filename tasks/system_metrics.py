@@ -7,7 +7,12 @@ UUID through NVML (utilization, memory, power), CPU slots by their cores, and th
 memory its processes hold (`system/trial_memory_rss_megabytes`: the launcher and every
 process under it). The device names are MLflow's (`system/gpu_0_utilization_percentage`...),
 so they show on the run's System metrics tab; `gpu_<i>` is the trial's i-th device (its
-rank order), as in MLflow.
+rank order), as in MLflow, and the run's `system.devices` tag says which device each index
+is (`gpu_0=GPU-8f…, cpu_0=vm/cpu1`), again after every resize.
+
+A run is sampled 1, 3 and 7 s after it starts, then every period: a trial longer than 10 s
+has at least three samples whatever the period, and one that ends before its first gets
+one as it ends.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from cluster.inventory import nvml_session
 from cluster.types import Device
 
 log = logging.getLogger(__name__)
+
+RAMP_S = (1.0, 2.0, 4.0)  # gaps before a run's first samples (then its period): 1, 3 and 7 s after it starts
+DEVICES_TAG = "system.devices"
+
+
+def devices_tag(devices: Sequence[Device]) -> str:
+    """Which device each metric index is: `gpu_0=<uuid>, cpu_0=<node>/cpu1`."""
+    gpus = [d for d in devices if d.kind == "gpu"]
+    cpus = [d for d in devices if d.kind == "cpu"]
+    return ", ".join([f"gpu_{i}={d.id}" for i, d in enumerate(gpus)] + [f"cpu_{i}={d.id}" for i, d in enumerate(cpus)])
 
 
 def gpu_readings(nvml: Any, device: Device, index: int) -> dict[str, float]:
@@ -91,7 +106,7 @@ class SystemSampler:
 
     def __init__(self, uri: str, period_s: float, nvml: Any | None = None,
                  cpu_percent: Callable[[], Sequence[float]] | None = None, log_batch: Callable | None = None,
-                 processes_of: Callable[[str], Sequence[int]] | None = None):
+                 processes_of: Callable[[str], Sequence[int]] | None = None, clock: Callable[[], float] = time.monotonic):
         """processes_of(trial_id): the pids its processes hang from (tasks.trial.trial_process_groups)."""
         import psutil
 
@@ -105,6 +120,9 @@ class SystemSampler:
         self.watched: dict[str, tuple[Device, ...]] = {}  # MLflow run id -> the trial's devices now
         self.trials: dict[str, str] = {}  # MLflow run id -> trial id
         self.samples: dict[str, int] = {}
+        self.due: dict[str, float] = {}  # MLflow run id -> when its next sample is due (clock)
+        self.tags: dict[str, str] = {}  # MLflow run id -> its devices tag, not yet logged
+        self.clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
@@ -114,9 +132,15 @@ class SystemSampler:
         """Sample these devices (and the trial's processes) for this run from now on (again
         after a resize: the new set)."""
         with self._lock:
+            if run_id not in self.watched:
+                self.due[run_id] = self.clock() + self._gap(self.samples.get(run_id, 0))
             self.watched[run_id] = tuple(devices)
+            self.tags[run_id] = devices_tag(devices)
             if trial_id is not None:
                 self.trials[run_id] = trial_id
+
+    def _gap(self, taken: int) -> float:
+        return min(self.period_s, RAMP_S[taken]) if taken < len(RAMP_S) else self.period_s
 
     def forget(self, run_id: str) -> None:
         """The trial has stopped: no more samples. A trial shorter than a period gets one
@@ -129,12 +153,14 @@ class SystemSampler:
         with self._lock:
             self.watched.pop(run_id, None)
             self.trials.pop(run_id, None)
+            self.due.pop(run_id, None)
 
-    def sample(self, only: str | None = None) -> dict[str, dict[str, float]]:
-        """Readings of every watched run (or of run `only`)."""
+    def sample(self, only: str | Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+        """Readings of every watched run (or of the run or runs `only`)."""
         per_core = self.cpu_percent()
+        chosen = None if only is None else {only} if isinstance(only, str) else set(only)
         with self._lock:
-            watched = {r: d for r, d in self.watched.items() if only in (None, r)}
+            watched = {r: d for r, d in self.watched.items() if chosen is None or r in chosen}
             trials = {r: t for r, t in self.trials.items() if r in watched}
         out = {run_id: trial_readings(devices, self.nvml, per_core) for run_id, devices in watched.items()}
         if self.processes_of is not None:
@@ -144,7 +170,7 @@ class SystemSampler:
         return out
 
     def log(self, readings: dict[str, dict[str, float]], now: float) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         for run_id, values in readings.items():
             if not values:
@@ -152,15 +178,27 @@ class SystemSampler:
             step = self.samples.get(run_id, 0)
             self.samples[run_id] = step + 1
             metrics = [Metric(k, v, int(now * 1000), step) for k, v in sorted(values.items())]
+            with self._lock:
+                tag = self.tags.pop(run_id, None)
             if self._log_batch is None:
                 self._log_batch = _client_log_batch(self.uri)
-            self._log_batch(run_id, metrics=metrics)
+            self._log_batch(run_id, metrics=metrics, tags=[RunTag(DEVICES_TAG, tag)] if tag else [])
+
+    def due_runs(self) -> list[str]:
+        """The runs whose next sample is due now; each gets its next due time."""
+        now = self.clock()
+        with self._lock:
+            due = [r for r, t in self.due.items() if t <= now]
+            for run_id in due:
+                self.due[run_id] = now + self._gap(self.samples.get(run_id, 0) + 1)
+        return due
 
     def _run(self) -> None:
         failures = 0
-        while not self._stop.wait(self.period_s):
+        while not self._stop.wait(min(self.period_s, RAMP_S[0]) / 2):
             try:
-                self.log(self.sample(), time.time())
+                if due := self.due_runs():
+                    self.log(self.sample(only=due), time.time())
                 failures = 0
             except Exception as e:  # a locked store: the next sample tries again; never the campaign's end
                 failures += 1

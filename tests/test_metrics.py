@@ -139,6 +139,33 @@ def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
     assert sorted(m.step for m in client.get_metric_history(b, "system/gpu_1_power_usage_watts")) == [0, 1]
 
 
+def test_system_metrics_come_three_times_in_a_trials_first_ten_seconds_and_name_its_devices(tmp_path):
+    import mlflow
+
+    from cluster.types import Device
+    from tasks.system_metrics import DEVICES_TAG, SystemSampler
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.create_run(client.create_experiment("r")).info.run_id
+    now = [100.0]
+    sampler = SystemSampler(client.tracking_uri, period_s=10.0, cpu_percent=lambda: [5.0, 50.0], clock=lambda: now[0])
+    sampler._stop.set()  # this test drives the sampling itself, on its clock
+    try:
+        sampler.watch(run, [Device("vm/cpu1", "vm", 1, "cpu", "CPU core 1", 1 << 30)], "t")
+        sampled_at = []
+        for tick in range(0, 41):  # 20 s of a trial, every half second
+            now[0] = 100.0 + tick / 2
+            if due := sampler.due_runs():
+                sampler.log(sampler.sample(only=due), time.time())
+                sampled_at.append(now[0] - 100.0)
+    finally:
+        sampler.close()
+    assert sampled_at == [1.0, 3.0, 7.0, 17.0]  # three within 10 s, then every period
+    assert client.get_run(run).data.tags[DEVICES_TAG] == "cpu_0=vm/cpu1"  # metric cpu_0 is the trial's vm/cpu1
+    history = client.get_metric_history(run, "system/cpu_0_utilization_percentage")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == [0, 1, 2, 3] and history[0].value == 50.0
+
+
 def test_system_metrics_count_the_memory_of_a_trials_whole_process_tree(tmp_path):
     import mlflow
 
