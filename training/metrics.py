@@ -159,36 +159,52 @@ def _package_root() -> str:
 
 
 # --- the sink process --------------------------------------------------------------------
-def _lower_priority() -> None:
+def _ignore_signals() -> None:
+    """A signal to the trainer's process group is not for the sink: it stops when the pipe
+    closes, after sending what it holds."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _lower_priority(thread_id: int = 0) -> None:
     """Yield to training: lowest CPU priority, and any core rather than the trainer's own
     (the pinning was inherited)."""
     try:  # SCHED_IDLE: runs only on an otherwise idle core (nice 19 slowed training more here)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        os.nice(19)
-    # A signal to the trainer's process group is not for the sink: it stops when the pipe
-    # closes, after sending what it holds.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if thread_id == 0:
+            os.nice(19)
     try:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except OSError:  # a cpuset narrower than cpu_count: keep the inherited set
         pass
 
 
+def _normal_priority(thread_id: int) -> None:
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 def _read_lines(buffer: list[dict], lock: threading.Lock, wake: threading.Event, closed: threading.Event) -> None:
+    seen: set[tuple[str, str]] = set()
     for line in sys.stdin:
         item = json.loads(line)
         with lock:
             buffer.append(item)
-        if "sync" in item:  # someone waits: send now
+        # Send now, at normal priority, when someone waits (a sync: a trial's end), or for a
+        # run not seen before: its tracking store is opened then (a second or two), while the
+        # trial trains, not at its end, which waits for its last metrics.
+        new_run = "run" in item and (item["uri"], item["run"]) not in seen
+        if "sync" in item or new_run:
+            if new_run:
+                seen.add((item["uri"], item["run"]))
+            _normal_priority(threading.main_thread().native_id)
             wake.set()
     # The trainer is done: send the rest at normal priority, or a busy host would keep an
     # idle-only sink (and the trainer waiting on it) for as long as other trials train.
-    try:
-        os.sched_setscheduler(threading.main_thread().native_id, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+    _normal_priority(threading.main_thread().native_id)
     closed.set()
     wake.set()
 
@@ -233,12 +249,12 @@ class _Runs:
                     print(f"MLflow log_batch failed, {len(batch)} metrics and {len(batch_tags)} tags dropped: {e}", file=sys.stderr, flush=True)
 
 
-def sink(flush_s: float) -> None:
+def sink(flush_s: float, runs: "_Runs | None" = None) -> None:
     """Send what arrives every flush_s; at a sync line, send everything before it, then acknowledge."""
     buffer: list[dict] = []
     lock, wake, closed = threading.Lock(), threading.Event(), threading.Event()
     threading.Thread(target=_read_lines, args=(buffer, lock, wake, closed), daemon=True).start()
-    runs = _Runs()
+    runs = runs or _Runs()
     while True:
         wake.wait(flush_s)
         wake.clear()
@@ -256,6 +272,8 @@ def sink(flush_s: float) -> None:
         runs.send(pending)
         if done:
             return
+        if not closed.is_set():
+            _lower_priority()  # sent: back to idle-only until a sync or a new run
 
 
 def last_logged_steps(client, run_id: str) -> dict[str, int]:
@@ -271,8 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Send trainers' metrics (JSON lines on stdin, each naming its run) to MLflow.")
     parser.add_argument("--flush-s", type=float, default=2.0)
     args = parser.parse_args(argv)
+    _ignore_signals()
+    # MLflow is imported now, at normal priority, while the trial starts: imported at idle
+    # priority on a busy host it was still importing when the trial ended, and the trial's
+    # end (which waits for its last metrics) waited seconds for it.
+    runs = _Runs()
     _lower_priority()
-    sink(args.flush_s)
+    sink(args.flush_s, runs)
 
 
 if __name__ == "__main__":
