@@ -40,7 +40,7 @@ from tasks.system_metrics import SystemSampler
 from tasks.timeline import intervals, read_events, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.ui import mlflow_ui
-from tasks.tracking import run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
+from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool import PoolError
@@ -614,6 +614,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
         ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
+        if ui and run.run_ids:  # where to see the trials' curves side by side
+            logger.info(f"MLflow compare {compare_url(ui, experiment, list(run.run_ids.values()))}")
         create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids, ui, experiment), key=summary_key(name),
                                  description=f"campaign {name}: its trials, states, metrics and MLflow runs")
         if rows := timeline_rows(intervals(read_events(run.root))):

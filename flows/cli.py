@@ -457,6 +457,14 @@ def ui(
     try:
         for line in describe(servers, uri):
             console.print(line, highlight=False)
+        if servers.mlflow_url:  # straight to the campaign's runs, charts side by side
+            from mlflow import MlflowClient
+
+            from tasks.tracking import experiment_id, runs_url
+
+            experiment = experiment_id(MlflowClient(uri), spec.tracking.experiment)
+            console.print(f"MLflow runs {runs_url(servers.mlflow_url, experiment)}   (experiment {spec.tracking.experiment}; "
+                          "each campaign's end prints a link comparing its trials' curves)", highlight=False, soft_wrap=True)
         console.print("launches from this folder report to this Prefect server; Ctrl-C stops both", highlight=False)
         code = main_loop(servers, busy=lambda: reporting_campaigns(spec.tracking.runs_dir, servers.prefect_api),
                          say=lambda line: console.print(line, highlight=False))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from tasks.grid import Trial
@@ -24,6 +25,7 @@ CAMPAIGN_TAG = "campaign.name"
 KIND_TAG = "campaign.kind"
 TRIAL_TAG = "campaign.trial_id"
 PARENT_TAG = "mlflow.parentRunId"
+MAX_TAGS = 100  # MLflow's limit per log_batch
 
 
 T = TypeVar("T")
@@ -66,6 +68,19 @@ def experiment_id(client: MlflowClient, name: str) -> str:
     if EXPERIMENT_KIND[0] not in found.tags:  # made before this tag, or by hand: a kind the user set stays
         client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
     return found.experiment_id
+
+
+def runs_url(mlflow_ui: str, experiment: str) -> str:
+    """The experiment's runs page (its bare page opens MLflow 3's GenAI overview)."""
+    return f"{mlflow_ui.rstrip('/')}/#/experiments/{experiment}/runs"
+
+
+def compare_url(mlflow_ui: str, experiment: str, run_ids: list[str]) -> str:
+    """MLflow's compare page for these runs: their curves, metric by metric, side by side."""
+    from urllib.parse import quote
+
+    runs = quote(json.dumps(sorted(run_ids)), safe="")
+    return f"{mlflow_ui.rstrip('/')}/#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment]), safe='')}"
 
 
 def _find_run(client: MlflowClient, exp_id: str, filter_string: str):
@@ -122,25 +137,30 @@ def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, device
     client = _client(uri)
     if log_path is not None and Path(log_path).is_file():  # the trainer's output, readable from the run's page
         client.log_artifact(run_id, log_path)
-    now = int(time.time() * 1000)
     tags = [RunTag("devices", ",".join(devices)), RunTag("world_size", str(len(devices)))]
-    metrics = []
     if result is not None:
         tags.append(RunTag("checkpoint", result["checkpoint"]))
         tags.append(RunTag("campaign.state", "pruned" if result.get("pruned") else "finished"))
-        metrics = [Metric(f"final_{k}", float(v), now, result["steps"]) for k, v in result["metrics"].items()]
+        # The final values as tags, not one-point metrics: the run's charts are its curves
+        # (whose last points are these), and the runs table shows them as columns all the same.
+        tags += [RunTag(f"final.{k}", f"{float(v):.6g}") for k, v in sorted(result["metrics"].items())]
+        tags.append(RunTag("final.step", str(result["steps"])))
     if error:
         tags.append(RunTag("error", error[-4000:]))
-    client.log_batch(run_id, metrics=metrics, tags=tags)
+    client.log_batch(run_id, tags=tags[:MAX_TAGS])
     client.set_terminated(run_id, status="FINISHED" if error is None else "FAILED")
 
 
 @retrying
 def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
+    """The campaign's outcome on its parent run: counts and the best trial as tags
+    (`summary.finished`, `summary.best.trial`...), the whole summary as `summary.json`. No
+    one-point metrics: the compare view's first charts stay the trials' curves."""
     client = _client(uri)
-    now = int(time.time() * 1000)
-    numbers = {k: v for k, v in flatten("", summary).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in numbers.items()])
+    flat = flatten("", {k: v for k, v in summary.items() if k != "per_trial"})
+    tags = [RunTag(f"summary.{k}", f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in sorted(flat.items())]
+    client.log_batch(run_id, tags=tags[:MAX_TAGS])
+    client.log_dict(run_id, summary, "summary.json")
     client.set_terminated(run_id, status="FINISHED" if summary["failed"] == 0 else "FAILED")
 
 

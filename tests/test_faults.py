@@ -322,7 +322,7 @@ def test_a_finished_trial_left_running_in_mlflow_is_settled_on_resume(tmp_path):
     result = {"checkpoint": "ckpt", "steps": 20, "metrics": {"val_loss": 0.25}}
     assert settle_finished_run(uri, parent, trial.id, result)
     run = MlflowClient(uri).get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["final_val_loss"] == 0.25
+    assert run.info.status == "FINISHED" and run.data.tags["final.val_loss"] == "0.25"
     assert not settle_finished_run(uri, parent, trial.id, result)  # nothing left to do
 
 

@@ -97,6 +97,10 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     parents = [r for r in runs if r.data.tags.get("campaign.kind") == "campaign"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    # The parent's outcome as tags and summary.json; no one-point metrics to crowd the compare view's charts.
+    assert parents[0].data.metrics == {} and parents[0].data.tags["summary.finished"] == "4"
+    assert parents[0].data.tags["summary.best.trial"] in {c.data.tags["campaign.trial_id"] for c in children}
+    assert "summary.json" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens it on its training runs
     # The record names the flow run and the MLflow experiment: the live view links to them.
     record = json.loads((tmp_path / "runs" / "flow-test" / "campaign.json").read_text())
@@ -110,7 +114,8 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
         assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert child.info.status == "FINISHED"
         assert [a.path for a in client.list_artifacts(child.info.run_id)] == ["train.log"]  # the trial's log, on its page
-        assert 0.0 < child.data.metrics["final_val_accuracy"] <= 1.0
+        assert 0.0 < float(child.data.tags["final.val_accuracy"]) <= 1.0  # the final values: tags, not one-point metrics
+        assert not any(k.startswith("final") for k in child.data.metrics)
         assert child.data.params["training.lr"] in ("0.05", "0.2")
         assert child.data.tags["world_size"] == "1"
         # Metrics arrived from rank 0, batched: one point every log_every (5) steps.

@@ -39,8 +39,8 @@ def start_ui(folder: Path) -> tuple[subprocess.Popen, dict[str, str]]:
         line = proc.stdout.readline()
         if not line:
             raise AssertionError(f"`campaign ui` exited {proc.wait()}: {proc.stderr.read()}")
-        if m := re.match(r"(Prefect|MLflow) UI\s+(http://\S+)", line):
-            urls[m.group(1)] = m.group(2)
+        if m := re.match(r"(Prefect UI|MLflow UI|MLflow runs)\s+(http://\S+)", line):
+            urls[m.group(1).removesuffix(" UI")] = m.group(2)
         if "Ctrl-C" in line:
             return proc, urls
     proc.kill()
@@ -94,7 +94,7 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
     }))
     ui, urls = start_ui(tmp_path)
     try:
-        assert set(urls) == {"Prefect", "MLflow"}
+        assert set(urls) == {"Prefect", "MLflow", "MLflow runs"}
         assert {ip for ip, _ in listening(ui.pid)} == {"127.0.0.1"}  # both servers, loopback only
         done = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
@@ -118,7 +118,13 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         parent = next(r for r in runs if r["info"]["run_name"] == "ui-test")
         child = next(r for r in runs if r["info"]["run_name"] == "lr=0.1")
         see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs", "ui-test", shot="mlflow-runs.png")
-        see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs/{child['info']['run_id']}", "lr=0.1", "final_val_accuracy",
+        # The link `campaign ui` printed opens the experiment's runs (not MLflow 3's GenAI overview).
+        assert urls["MLflow runs"] == f"{urls['MLflow']}/#/experiments/{experiment}/runs"
+        see(browser, urls["MLflow runs"], "ui-test", "matching runs", shot="mlflow-runs-link.png")
+        # The campaign's end printed a link comparing its trials: their curves, side by side.
+        (compare,) = re.findall(r"MLflow compare\s+(http://\S+)", done.stdout + done.stderr)
+        see(browser, compare, "train_loss", "val_accuracy", "lr=0.05", "lr=0.1", shot="mlflow-compare.png")
+        see(browser, f"{urls['MLflow']}/#/experiments/{experiment}/runs/{child['info']['run_id']}", "lr=0.1", "final.val_accuracy",
             shot="mlflow-trial-run.png")
         assert parent["info"]["status"] == "FINISHED"
 
