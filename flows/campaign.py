@@ -47,6 +47,7 @@ from flows.pool import PoolError
 from flows.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
+from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
 from training.elastic import clear_commands
 from training.errors import CampaignError
@@ -95,6 +96,7 @@ def planning_inventory(spec: CampaignSpec) -> Inventory:
 def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
     """Build and try every distinct workload, size every trial and check each fits some node
     at its minimum: errors name the field and the trial."""
+    check_device_settings(spec, trials, inventory.kind)
     check_trials(trials)
     requests = size_trials(spec, trials, inventory)
     # In a pool a trial may span nodes (torchrun's c10d rendezvous); on one host it is one node anyway.
