@@ -1,6 +1,12 @@
 """Our trainer against a plain PyTorch loop: steps per second on the same model, data and precision.
 
     .venv/bin/python bench/gpu_throughput.py [--workloads small_cnn,resnet,gpt] [--rounds 5] [--steps N]
+    .venv/bin/python bench/gpu_throughput.py --host-overhead    # tiny shapes: the host's work per step
+
+`--host-overhead` shrinks every workload until the device's share of a step is negligible
+(batch 4, a few channels): what is left is the host's work per step (Python, dispatch,
+the data path), which on a GPU is what a small model's step waits on. It prints the extra
+host time per step of ours over plain, the median over alternating rounds (goal <= 5 %).
 
 On whatever device is present (the first GPU, else the CPU), for three workloads: the
 built-in SmallCNN on digits, the ResNet-20 example on CIFAR-shaped data, and the
@@ -56,9 +62,19 @@ class Workload:
     lr: float
 
 
-def workloads(on_gpu: bool, digits: Path) -> dict[str, Workload]:
-    """Sizes that keep a GPU busy, or a CPU round under a minute."""
+def workloads(on_gpu: bool, digits: Path, tiny: bool = False) -> dict[str, Workload]:
+    """Sizes that keep a GPU busy, or a CPU round under a minute; `tiny`: host-bound shapes."""
     sgd = {"name": "SGD", "kwargs": {"momentum": 0.9}}
+    if tiny:
+        gpt = {"block": 16, "layers": 1, "dim": 16, "heads": 2, "dropout": 0.1}
+        return {
+            "small_cnn": Workload("small_cnn", {"name": "small_cnn", "width": 4, "dropout": 0.1}, {"path": str(digits)}, 4, sgd, 0.05),
+            "resnet": Workload("resnet", {"target": "examples.workloads.resnet:resnet", "kwargs": {"depth": 8, "width": 4}},
+                               {"target": "examples.workloads.resnet:cifar_like", "kwargs": {"train": 500, "val": 50}}, 4, sgd, 0.1),
+            "gpt": Workload("gpt", {"target": "examples.workloads.chargpt:gpt", "kwargs": gpt},
+                            {"target": "examples.workloads.chargpt:stdlib_text", "kwargs": {"block": 16, "chars": 100_000}, "workers": 0},
+                            4, {"name": "AdamW", "kwargs": {"weight_decay": 0.1}}, 1e-3),
+        }
     resnet = {"depth": 20, "width": 16} if on_gpu else {"depth": 8, "width": 8}
     gpt = {"block": 128, "layers": 4, "dim": 256, "heads": 8, "dropout": 0.1} if on_gpu else \
           {"block": 64, "layers": 2, "dim": 64, "heads": 4, "dropout": 0.1}
@@ -179,6 +195,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 50 on a GPU, 20 on the CPU)")
     parser.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default: bf16 on a GPU, fp32 on the CPU)")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--host-overhead", action="store_true", help="tiny shapes: the extra host time per step of ours (goal <= 5 %%)")
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available()
@@ -200,7 +217,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         digits = prepare_digits(work / "digits.npz")
-        chosen = workloads(on_gpu, digits)
+        chosen = workloads(on_gpu, digits, tiny=args.host_overhead)
         for key in args.workloads.split(","):
             w = chosen[key]
             plain = Plain(w, device, precision, total, args.log_every)
@@ -219,6 +236,10 @@ def main() -> None:
             print(f"{key:10s} batch {w.batch:4d}: plain {statistics.median(rates['plain']):8.1f} steps/s, "
                   f"ours {statistics.median(rates['ours']):8.1f} steps/s; ours/plain median {med:.3f} "
                   f"(rounds {min(ratios):.3f}..{max(ratios):.3f})", flush=True)
+            if args.host_overhead:  # time per step is host time here: ours over plain, less one
+                extra = statistics.median(1 / r - 1 for r in ratios)
+                print(f"{'':10s} extra host time per step: {100 * extra:+.1f} % "
+                      f"({1e6 / statistics.median(rates['plain']):.0f} us plain; goal <= 5 %)", flush=True)
             del plain, ours
             if on_gpu:
                 torch.cuda.empty_cache()
