@@ -110,3 +110,12 @@ def test_no_step_reads_a_value_on_the_host(example, tmp_path, digits_npz, one_pr
     allowed = {1, STEPS - 1, STEPS}
     assert [(s, op) for s, op in in_steps if s not in allowed] == [], in_steps[:10]
     assert any(step is None for step, _ in reads.seen)  # the mode does see reads: the log step's own
+
+
+def test_a_gpu_feed_pins_its_batches_for_asynchronous_copies_and_a_cpu_feed_does_not():
+    from training.batches import loader_options
+
+    assert loader_options(torch.device("cuda", 0), 2) == {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4}
+    assert loader_options(torch.device("cuda", 0), 0)["pin_memory"] is True  # pinned even without workers
+    assert loader_options(torch.device("cpu"), 2) == {"num_workers": 2, "pin_memory": False, "prefetch_factor": 4}
+    assert loader_options(torch.device("cpu"), 0)["prefetch_factor"] is None  # DataLoader refuses one without workers

@@ -133,6 +133,13 @@ class SpanSampler:
         return (self.last_step - self.first_step) * len(self.spans)
 
 
+def loader_options(device: torch.device, workers: int) -> dict[str, Any]:
+    """How a DataLoader feeds `device`: on a GPU, batches land in pinned (page-locked)
+    memory, so that their copy to the device (`move(..., non_blocking=True)`) is an
+    asynchronous DMA the host does not wait for; workers prefetch 4 batches each."""
+    return {"num_workers": workers, "pin_memory": device.type == "cuda", "prefetch_factor": 4 if workers else None}
+
+
 class LoaderFeed:
     """Any map-style dataset through a DataLoader walking the global order."""
 
@@ -144,8 +151,7 @@ class LoaderFeed:
     def batches(self, first_step: int, last_step: int, spans: tuple[Span, ...]) -> Iterator[tuple[Any, Any]]:
         loader = DataLoader(
             self.dataset, batch_sampler=SpanSampler(self.order, self.phase, spans, first_step, last_step),
-            num_workers=self.workers, pin_memory=self.device.type == "cuda",
-            prefetch_factor=4 if self.workers else None, persistent_workers=False,
+            persistent_workers=False, **loader_options(self.device, self.workers),
         )
         self._iterator = iter(loader)
         for batch in self._iterator:
@@ -203,7 +209,7 @@ def eval_batches(dataset: Dataset, batch_size: int, device: torch.device, on_dev
         for start in range(0, len(y), batch_size):
             yield x[start:start + batch_size], y[start:start + batch_size]
         return
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda")
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, **loader_options(device, workers))
     for batch in loader:
         x, y = split_pair(batch)
         yield move(x, device, non_blocking=True), move(y, device, non_blocking=True)
