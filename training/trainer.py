@@ -384,8 +384,8 @@ class Trainer(Stateful):
 
     def train_step(self, step: int, batches) -> torch.Tensor:
         """One optimizer step over this process's micro-batches (pulled from `batches`);
-        the summed loss, left on the device (reading it would make the host wait for the
-        device on every step)."""
+        the mean loss over its samples, left on the device (reading it would make the host
+        wait for the device on every step)."""
         cfg, spans = self.cfg, self.spans
         # One multiplication; DDP then averages over world_size, so each sample's gradient
         # ends up scaled by 1 / batch_size at every world size (exact: summed, not averaged).
@@ -415,11 +415,16 @@ class Trainer(Stateful):
             with (self.ddp.no_sync() if self.ddp is not None and i < last else contextlib.nullcontext()):
                 with self._autocast():
                     loss = self.loss_fn(self.forward(x), y)  # the mean over the micro-batch
-                self.scaler.scale(loss * (span.size * scale)).backward()  # one multiplication on the device
+                factor = span.size * scale  # 1 when the batch splits evenly: no op on the device then (exact either way)
+                self.scaler.scale(loss if factor == 1.0 else loss * factor).backward()
             if measure and i == 0 and self.noise_sizes[0] == "micro":
                 small_sq = squared_norm(p.grad for p in self.model.parameters())
-            # The step's summed loss, for logging: one fused add per micro-batch.
-            total = loss.detach() * span.size if total is None else total.add(loss.detach(), alpha=span.size)
+            # The step's loss, for logging: a micro-batch's mean as it is (no op), or a sum of
+            # them weighted by size (one fused add per micro-batch), divided once at the end.
+            if last == 0:
+                total = loss.detach()
+            else:
+                total = loss.detach() * span.size if total is None else total.add(loss.detach(), alpha=span.size)
             if self.ordered is not None and self.ends_logical[i]:
                 self.ordered.take(span.logical_rank)
             if self.trace is not None:
@@ -442,7 +447,7 @@ class Trainer(Stateful):
         self.samples_seen += self.batch_size  # before the scheduler: a goodput schedule counts samples
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return total if last == 0 else total / sum(span.size for span in spans)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -485,7 +490,6 @@ class Trainer(Stateful):
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
-        local_samples = sum(span.size for span in self.spans)
         window_loss, window_steps, window_start = None, 0, time.perf_counter()
         progress_at = 0.0
         self._start_phase()  # at the position this call starts from: loaded, or where the last call stopped
@@ -509,13 +513,14 @@ class Trainer(Stateful):
             evaluate = self.step % cfg.eval_every == 0 or self.done
             stop_here = False
             if self.is_rank0:
-                window_loss = loss if window_loss is None else window_loss + loss
+                # The step's loss is a fresh tensor nothing else holds: summed in place.
+                window_loss = loss if window_loss is None else window_loss.add_(loss)
                 window_steps += 1
                 if evaluate or self.step % cfg.log_every == 0:
                     # Logged every log_every steps, as means over the window: reading the loss
                     # waits for the device, and a metric costs CPU on the training core.
                     now = time.perf_counter()
-                    self.latest.update(train_loss=window_loss.item() / (window_steps * local_samples),
+                    self.latest.update(train_loss=window_loss.item() / window_steps,
                                        lr=self.lr, step_time_s=(now - window_start) / window_steps)
                     noise = self.noise.value()  # in samples; none until a measurement says so
                     if noise is not None:  # (carried through a resize to a size that cannot measure it)
