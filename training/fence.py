@@ -131,8 +131,27 @@ def commit_guard(lease: dict[str, Any] | None):
     """What a checkpoint commit asks just before it makes a checkpoint visible: None while
     the holder still holds its grant, else why not (None for a trial run by hand). The
     fence's thread checks twice a heartbeat period; this closes the gap for the one write
-    that matters, the one a resume would trust."""
-    return Fence(lease).check if lease else None
+    that matters, the one a resume would trust.
+
+    Only proof refuses a commit: the lease gone or granted again, or its renew deadline
+    read and passed. A lease file that cannot be read this instant (a writer's lock) is not
+    proof; the fence's thread, which knows the deadline, acts on that near it."""
+    if not lease:
+        return None
+    db, holder, epoch, timeout_s = str(lease["db"]), str(lease["holder"]), int(lease["epoch"]), float(lease["timeout_s"])
+
+    def check() -> str | None:
+        try:
+            renewed_at, problem = read_fence(db, holder, epoch)
+        except sqlite3.Error:
+            return None
+        if problem is not None:
+            return problem
+        if renewed_at is not None and time.time() >= renewed_at + timeout_s:
+            return f"the lease of {holder} was not renewed for {time.time() - renewed_at:.1f} s: renew deadline passed"
+        return None
+
+    return check
 
 
 def grant_of(lease: dict[str, Any] | None) -> dict[str, Any] | None:
