@@ -54,6 +54,14 @@ TRACE = REPO / "data" / "traces" / "philly_jobs.csv.gz"  # the Philly trace, shi
 OURS = "ours, reproducible"
 GOODPUT = "ours, goodput"
 POLLUX = "pollux"
+# `--sweep`: our policy's knobs, each moved alone, in goodput mode against the same Pollux runs.
+SWEEP = {
+    "las power 0": {"las_power": 0.0}, "las power 0.5": {"las_power": 0.5}, "las power 2": {"las_power": 2.0},
+    "las scale 600 s": {"las_scale_s": 600.0}, "las scale 7200 s": {"las_scale_s": 7200.0},
+    "las cap 4 h": {"las_cap_s": 4 * 3600.0}, "no las cap": {"las_cap_s": 1e9}, "min gain 0": {"min_gain": 0.0},
+    "starvation 1 h": {"starvation_s": 3600.0}, "min run 1800 s": {"min_run_s": 1800.0}, "grow after 1800 s": {"grow_after_s": 1800.0},
+    "min run + grow after 600 s": {"min_run_s": 600.0, "grow_after_s": 600.0}, "preemption budget 6": {"preemption_budget": 6},
+}
 POLLUX_BUDGET_S = 0.6  # at 4,096 GPUs its search stops in time for a decision within 1 s (replays run all its generations)
 
 
@@ -80,6 +88,8 @@ def main() -> None:
             ("las (5 queues)", LasPolicy(), workload),
             ("fifo", FifoPolicy(), workload),
         ]
+        if args.sweep:
+            runs += [(f"ours, goodput, {name}", ElasticPolicy(pause_s=args.pause, **knobs), adaptive) for name, knobs in SWEEP.items()]
         results = {}
         for name, policy, jobs_of in runs:
             started = time.perf_counter()
@@ -211,6 +221,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--per-node", type=int, default=4)
     parser.add_argument("--pause", type=float, default=20.0, help="seconds lost per start, resize or restart")
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between periodic decisions")
+    parser.add_argument("--sweep", action="store_true", help="also our policy with each knob moved alone (goodput mode), beside the same Pollux run")
     parser.add_argument("--growth", type=int, default=4, help="an elastic job may take up to this many times its request")
     parser.add_argument("--big-nodes", type=int, default=1024)
     parser.add_argument("--big-jobs", type=int, default=2000)
