@@ -11,6 +11,11 @@ hold such an op.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -40,13 +45,13 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.optimizer = optimizer
         self.step: int | None = None
-        self.seen: list[tuple[int | None, str]] = []
+        self.seen: list[tuple[int | None, str]] = []  # (step, "op at file:line" of the nearest caller outside torch)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket in READS_ON_HOST or (func.overloadpacket is aten._to_copy and _to_host(args, kwargs)):
             if not self._host_counter(args[0] if args else None):
-                self.seen.append((self.step, str(func)))
+                self.seen.append((self.step, f"{func} at {_caller()}"))
         return func(*args, **kwargs)
 
     def _host_counter(self, tensor) -> bool:
@@ -54,17 +59,18 @@ class HostReads(TorchDispatchMode):
             state.get("step") is tensor for state in self.optimizer.state.values())
 
 
+def _caller() -> str:
+    """The innermost frame outside torch itself: the code that asked for the value."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if f"{os.sep}torch{os.sep}" not in frame.filename and not frame.filename.endswith("test_host_sync.py"):
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
 def _to_host(args, kwargs) -> bool:
     source = args[0] if args and isinstance(args[0], torch.Tensor) else None
     target = kwargs.get("device")
     return source is not None and source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
-
-
-@pytest.fixture
-def one_process():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def config(spec_path: Path, trial_dir: Path, digits: Path, **overrides) -> TrialConfig:
@@ -79,37 +85,57 @@ def config(spec_path: Path, trial_dir: Path, digits: Path, **overrides) -> Trial
                        checkpoint_every=STEPS, trial_dir=str(trial_dir), **overrides)
 
 
+def host_reads(example: str, trial_dir: str, digits: str) -> dict:
+    """Train 20 steps of `example` in this process under HostReads: the result's step count
+    and every read, with its step. Run in a process of its own (the test below), as a trial
+    runs: a DataLoader forks its workers from it, and a fork of a long pytest process
+    inherits whatever earlier tests left behind (one such worker exited 1 in CI)."""
+    os.chdir(REPO)  # the examples' packages import from the repository
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = config(REPO / example, Path(trial_dir), Path(digits))
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.attach(DistEnv(0, 1, 0))
+        reads = HostReads(trainer.optimizer)
+        plain_step = trainer.train_step
+
+        def watched_step(step, batches):
+            reads.step = step + 1  # the step as the loop counts it after this one
+            try:
+                return plain_step(step, batches)
+            finally:
+                reads.step = None
+
+        trainer.train_step = watched_step
+        try:
+            with reads:
+                result = trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return {"steps": result["steps"] if result else None, "seen": reads.seen}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["params.yaml", "examples/resnet.yaml", "examples/chargpt.yaml"])
-def test_no_step_reads_a_value_on_the_host(example, tmp_path, digits_npz, one_process, monkeypatch):
-    monkeypatch.chdir(REPO)  # the examples' packages import from the repository
-    cfg = config(REPO / example, tmp_path / "trial", digits_npz)
-    trainer = Trainer(cfg, torch.device("cpu"))
-    trainer.attach(DistEnv(0, 1, 0))
-    reads = HostReads(trainer.optimizer)
-    plain_step = trainer.train_step
-
-    def watched_step(step, batches):
-        reads.step = step + 1  # the step as the loop counts it after this one
-        try:
-            return plain_step(step, batches)
-        finally:
-            reads.step = None
-
-    trainer.train_step = watched_step
-    try:
-        with reads:
-            result = trainer.train()
-    finally:
-        trainer.close()
-    assert result is not None and result["steps"] == STEPS
-    in_steps = [(step, op) for step, op in reads.seen if step is not None]
+def test_no_step_reads_a_value_on_the_host(example, tmp_path, digits_npz):
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_host_sync import host_reads; "
+            f"print('READS ' + json.dumps(host_reads({example!r}, {str(tmp_path / 'trial')!r}, {str(digits_npz)!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("READS "))[len("READS "):])
+    result = {"steps": found["steps"]}
+    reads_seen = [tuple(r) for r in found["seen"]]
+    assert result["steps"] == STEPS
+    in_steps = [(step, op) for step, op in reads_seen if step is not None]
     # The first step opens the data pipeline (a DataLoader draws its base seed, a host tensor);
     # the step before a log step measures the gradient noise scale for that log (a read, by
     # design); the last is the log, evaluation and checkpoint step. Any per-step read shows in the rest.
     allowed = {1, STEPS - 1, STEPS}
     assert [(s, op) for s, op in in_steps if s not in allowed] == [], in_steps[:10]
-    assert any(step is None for step, _ in reads.seen)  # the mode does see reads: the log step's own
+    assert any(step is None for step, _ in reads_seen)  # the mode does see reads: the log step's own
 
 
 def test_a_gpu_feed_pins_its_batches_for_asynchronous_copies_and_a_cpu_feed_does_not():
