@@ -1,4 +1,4 @@
-"""The campaign summary: DVC metrics (`dvc metrics show`) and the parent run's metrics."""
+"""The campaign summary: DVC metrics (`dvc metrics show`), the parent run's tags and summary.json."""
 
 from __future__ import annotations
 
