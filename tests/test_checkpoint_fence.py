@@ -78,19 +78,15 @@ def test_a_grant_of_the_wrong_shape_makes_the_checkpoint_invalid(tmp_path):
     assert latest is None and "grant" in refused[0][1]
 
 
-def test_a_lease_file_locked_at_commit_time_does_not_refuse_a_healthy_commit(tmp_path):
-    """A writer holding the lease file's lock is not proof of a lost lease: the commit goes
-    through (the fence's own thread acts on an unreadable file near the renew deadline)."""
-    import sqlite3
-
+def test_a_lease_file_unreadable_at_commit_time_does_not_refuse_a_healthy_commit(tmp_path):
+    """A lease file that cannot be read this instant is not proof of a lost lease: the commit
+    goes through (the fence's own thread acts on an unreadable file near the renew deadline)."""
     store = LeaseStore(tmp_path / "leases.db", 6.0)
     lease = grant(store, "campaign-a")
-    locker = sqlite3.connect(tmp_path / "leases.db", timeout=0.1)
-    locker.execute("BEGIN EXCLUSIVE")  # nobody reads it until this ends
-    try:
-        saver = Checkpointer(tmp_path / "checkpoints", keep=3, rank=0, world_size=1, guard=commit_guard(lease), grant=grant_of(lease))
-        saver.save(10, state(10))
-    finally:
-        locker.rollback()
-        locker.close()
+    unreadable = {**lease, "db": str(tmp_path)}  # a directory: sqlite cannot open it
+    assert commit_guard(unreadable)() is None
+    saver = Checkpointer(tmp_path / "checkpoints", keep=3, rank=0, world_size=1, guard=commit_guard(unreadable), grant=grant_of(lease))
+    saver.save(10, state(10))
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000010"]
+    store.release("campaign-a")
+    assert "campaign-a" in commit_guard(lease)()  # read, and gone: refused

@@ -123,6 +123,15 @@ def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str
     return worker
 
 
+def end_launch_and_worker(launch: subprocess.Popen | None, worker: subprocess.Popen) -> None:
+    """What a test leaves running: the campaign killed, the node's worker stopped in order."""
+    if launch is not None and launch.poll() is None:
+        launch.kill()
+    if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+
+
 def listening(ns: str) -> set[str]:
     out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines()}
@@ -306,11 +315,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         wait_for(lambda: not node_leases.leases(), 60, "node a's lease to go")
         assert worker.poll() is None  # the node itself goes on serving the pool
     finally:
-        if launch is not None and launch.poll() is None:
-            launch.kill()
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=30)
+        end_launch_and_worker(launch, worker)
 
 
 @pytest.mark.slow
@@ -469,26 +474,29 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         stalled_at = time.monotonic()
         taken_at = None
         overlaps, samples = [], 0
+
+        def sample_while_held() -> None:
+            """One sample while the taker holds the devices (it renews: its own heartbeat)."""
+            nonlocal samples
+            node_leases.renew("taker/t@1")
+            samples += 1
+            if running := trial_workers_of("a"):
+                overlaps.append((round(time.monotonic() - stalled_at, 2), running))
+
         try:
             while time.monotonic() - stalled_at < 2 * timeout_s or taken_at is None:
                 assert time.monotonic() - stalled_at < 6 * timeout_s, "the devices were never freed"
                 if taken_at is None and node_leases.acquire("taker/t@1", devices, devices, pid=os.getpid()):
                     taken_at = time.monotonic()
                 if taken_at is not None:
-                    node_leases.renew("taker/t@1")  # the taker's own heartbeat
-                    samples += 1
-                    if running := trial_workers_of("a"):
-                        overlaps.append((round(time.monotonic() - stalled_at, 2), running))
+                    sample_while_held()
                 time.sleep(0.1)  # the sampling period (what is waited for is the loop's condition)
         finally:
             os.kill(holder_pid, signal.SIGCONT)
         assert taken_at - stalled_at > timeout_s  # not before the renew deadline and the store's margin
         # The holder wakes up to find its leases gone: the other campaign keeps the devices.
         for _ in range(30):
-            node_leases.renew("taker/t@1")
-            samples += 1
-            if running := trial_workers_of("a"):
-                overlaps.append((round(time.monotonic() - stalled_at, 2), running))
+            sample_while_held()
             time.sleep(0.1)
         assert {lease.holder for lease in node_leases.leases()} == {"taker/t@1"}
         assert overlaps == [] and samples >= 40, overlaps[:5]
@@ -496,8 +504,4 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         assert "fenced:" in log, log[-3000:]  # the workers stopped themselves
         node_leases.release("taker/t@1")
     finally:
-        if launch is not None and launch.poll() is None:
-            launch.kill()
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=30)
+        end_launch_and_worker(launch, worker)
