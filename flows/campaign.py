@@ -32,7 +32,7 @@ from tasks.grid import Trial, expand_grid
 from tasks.profile import load_prior, profile_dir
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
-from tasks.workload import check_trials, trial_workload
+from tasks.workload import check_trials, trial_function, trial_workload
 from tasks.records import add_trial_entry, campaign_dir, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
@@ -120,7 +120,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     t = trial.spec.training
     hold = os.environ.get(HOLD_ENV)
     return TrialConfig(pruning=pruning, hold_at_step=int(hold) if hold else None,
-        trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
+        trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), **trial_function(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
         precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
         logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, max_batch_size=t.max_batch_size, reduction=t.reduction, max_device_batch=t.max_device_batch,
         schedule=t.schedule, warmup_steps=t.warmup_steps,

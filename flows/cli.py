@@ -232,6 +232,9 @@ def profile(
     _report_to_ui()
     try:
         spec = load_spec(params)
+        if spec.function:
+            _fail(f"{params}: training.target runs your own training function, whose layers this project does not own: "
+                  "`campaign profile` profiles the project's loop; profile your function with torch.profiler inside it")
         chosen = select_trial(expand_grid(spec), trial)
         checked_requests(spec, [chosen], inventory_for(spec))
     except CampaignError as e:

@@ -68,6 +68,10 @@ class TrialConfig:
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging
     tags: dict[str, str] = field(default_factory=dict)
     lease: dict[str, Any] | None = None  # the holder's lease its workers watch (training.fence); None: run by hand
+    # A function trial (training.function): {"target": "pkg.mod:fn", "kwargs": {...}} runs the
+    # user's own loop instead of ours; `point` is the trial's whole spec, handed to it as ctx.config.
+    function: dict[str, Any] | None = None
+    point: dict[str, Any] | None = None
 
     @property
     def goodput(self) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 from training.loopback import loopback_store
 from training.process import die_with_parent
@@ -91,6 +92,9 @@ class Agent:
         self.gen = -1
         self.seq = -1
         self._next_wid = 0
+        # A function trial (training.function) holds its state in the user's code: it moves by
+        # checkpoint-restart only (the function saves when should_stop says so).
+        self.restart_only = TrialConfig.from_file(config).function is not None
         for stale in control.glob("stop-*"):  # an earlier agent's generations: numbering starts again
             stale.unlink()
 
@@ -197,7 +201,8 @@ class Agent:
             self.members = []
             return PREEMPTED
         request = {"seq": command["seq"], "mode": command["mode"], "requested_at": command["requested_at"], "from": before, "to": [d["id"] for d in new]}
-        if command["mode"] == "restart":
+        if command["mode"] == "restart" or self.restart_only:
+            request["mode"] = "restart"
             stopped = self.stop_generation(save=True)
             if stopped is None:
                 return FINISHED

@@ -163,14 +163,59 @@ def main(argv: list[str] | None = None) -> None:
     watch_lease(cfg.lease)  # a stalled campaign's lease ends this worker (training.fence)
     wid = os.environ["CAMPAIGN_WORKER_ID"]
     store = dist.TCPStore("127.0.0.1", int(os.environ["CAMPAIGN_STORE_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
-    trainer = Trainer(cfg, pick_device(0))
+    if cfg.function is not None:  # the user's own loop: resized by restart (the agent sends no state through memory)
+        from training.function import FunctionTrial
+
+        trainer = FunctionTrial(cfg, pick_device(0))
+        serve = _serve_function
+    else:
+        trainer, serve = Trainer(cfg, pick_device(0)), _serve
     backend = "nccl" if trainer.device.type == "cuda" else "gloo"
     store.set(f"ready/{wid}", str(time.time()))
     try:
         with stops_when_fenced():
-            _serve(cfg, wid, store, trainer, backend)
+            serve(cfg, wid, store, trainer, backend)
     finally:
         trainer.close()
+
+
+def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, backend: str) -> None:
+    """A function trial's generation: its function runs until it returns; when it returned
+    because the agent asked for a stop (ctx.should_stop), it saved, and the next generation
+    (new processes: the agent restarts function trials) loads that save."""
+    assignment = json.loads(store.get(_wait_assignment(store, wid, 0)))
+    if assignment.get("exit"):
+        return
+    timings = {"assigned": time.time()}
+    gen, members = assignment["gen"], assignment["members"]
+    rank = members.index(wid)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
+    stop_path = Path(assignment["stop_path"])
+    trial.attach(rank, len(members), 0, stop_requested=stop_path.exists)
+    timings["attached"] = timings["state"] = time.time()
+    if rank == 0:
+        print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
+              f"calling {cfg.function['target']}", flush=True)
+    report = (lambda: record_resize(trial, assignment, timings)) if rank == 0 else None
+    result = trial.train(after_first_step=report)
+    if rank == 0:
+        if result is not None:
+            print(result_line(cfg.trial_id, result), flush=True)
+        else:
+            print(f"trial {cfg.trial_id}: returned at step {trial.step} for a resize", flush=True)
+            trial.write_progress("resizing")
+    trial.detach()
+    if result is None and rank == 0:
+        store.set(f"stopped/{gen}", json.dumps({"step": trial.step, "last_step_at": trial.last_step_at or time.time(), "time": time.time()}))
+    dist.destroy_process_group()
+    if result is None:  # the agent dismisses this worker: wait for its word, then go
+        store.wait([f"assign/{wid}/1"])
+
+
+def _wait_assignment(store: dist.TCPStore, wid: str, k: int) -> str:
+    key = f"assign/{wid}/{k}"
+    store.wait([key])
+    return key
 
 
 def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, backend: str) -> None:

@@ -33,6 +33,8 @@ class CampaignSection(Strict):
 TARGET = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"  # package.module:callable
 TARGET_HELP = "a callable named 'package.module:callable'"
 DIGITS_PATH = Path("data/digits.npz")
+METRICS = ("val_loss", "val_accuracy", "train_loss")  # what the project's loop reports at its evaluations
+METRIC_NAME = r"^[A-Za-z_][A-Za-z0-9_.]*$"
 
 
 class DataSection(Strict):
@@ -167,6 +169,11 @@ class TrainingSection(Strict):
     checkpoint_every: int = Field(default=50, ge=1)
     log_every: int = Field(default=10, ge=1)
     eval_every: int = Field(default=50, ge=1)
+    target: str | None = Field(default=None, pattern=TARGET, description=f"your own training function, {TARGET_HELP} taking "
+                               "(ctx, **kwargs) (training.function): it runs instead of the project's loop")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of training.target (grid key training.kwargs.x)")
+    check: str | None = Field(default=None, pattern=TARGET, description="a dry run of your function (ctx, **kwargs) on two samples with "
+                              "one report and one save, run before the campaign starts")
 
     @model_validator(mode="before")
     @classmethod
@@ -180,6 +187,17 @@ class TrainingSection(Strict):
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> "TrainingSection":
+        if self.target is None and (self.kwargs or self.check):
+            raise ValueError("training.kwargs and training.check belong to training.target (your own function): set it, or remove them")
+        if self.target is not None:
+            ours = {name: value for name, value in (
+                ("precision", self.precision != "fp32"), ("compile", self.compile), ("grad_clip_norm", self.grad_clip_norm is not None),
+                ("scaling", self.scaling != "reproducible"), ("max_batch_size", self.max_batch_size is not None),
+                ("reduction", self.reduction != "fast"), ("max_device_batch", self.max_device_batch is not None)) if value}
+            if ours:
+                name = next(iter(ours))
+                raise ValueError(f"training.{name} sets the project's own loop, and training.target runs yours: remove {name} "
+                                 "and do it in your function (pass your own settings in training.kwargs)")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
         return self
@@ -265,7 +283,6 @@ Dimension = Annotated[
                   custom_error_message="a search dimension is one of {choice: [a, b, ...]}, {uniform: [low, high]}, "
                                        "{log_uniform: [low, high]}, {int_uniform: [low, high]}"),
 ]
-METRICS = ("val_loss", "val_accuracy", "train_loss")  # what every trial reports at its evaluations
 
 
 class SearchSection(Strict):
@@ -276,7 +293,7 @@ class SearchSection(Strict):
     space: dict[str, Dimension] = Field(min_length=1, description="key -> {choice: [...]} | {uniform: [lo, hi]} | "
                                         "{log_uniform: [lo, hi]} | {int_uniform: [lo, hi]}")
     seeds: int = Field(default=1, ge=1, le=100, description="each point runs this many times, seeds campaign.seed + 0..K-1")
-    metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
+    metric: str = Field(default="val_loss", pattern=METRIC_NAME, description="what trials report: " + ", ".join(METRICS) + " (a function trial: any name it reports)")
     mode: Literal["min", "max"] | None = Field(default=None, description="default: max for val_accuracy, else min")
 
     @model_validator(mode="after")
@@ -299,7 +316,7 @@ class EarlyStoppingSection(Strict):
     """Stop bad trials at an evaluation (Optuna's pruners): their devices go to the others."""
 
     rule: Literal["asha", "hyperband", "median"] = "asha"
-    metric: Literal["val_loss", "val_accuracy", "train_loss"] | None = Field(default=None, description="default: search.metric")
+    metric: str | None = Field(default=None, pattern=METRIC_NAME, description="default: search.metric")
     mode: Literal["min", "max"] | None = Field(default=None, description="default: search.mode")
     min_steps: int = Field(default=1, ge=1, description="no trial is stopped before this step")
     reduction_factor: int = Field(default=3, ge=2, le=100, description="asha/hyperband: 1/factor of the trials go on at each rung")
@@ -325,7 +342,7 @@ class TrialSpec(Strict):
 
     seed: int
     data: DataSection
-    model: ModelSpec
+    model: ModelSpec | None = None  # None: a function trial (training.target) builds its own
     optimizer: OptimizerSection
     loss: LossSection
     training: TrainingSection
@@ -337,7 +354,7 @@ GRID_SECTIONS = ("model", "data", "training", "optimizer", "loss")
 class CampaignSpec(Strict):
     campaign: CampaignSection
     data: DataSection = DataSection()
-    model: ModelSpec
+    model: ModelSpec | None = None  # required unless training.target names your own function
     optimizer: OptimizerSection = DEFAULT_OPTIMIZER
     loss: LossSection = LossSection()
     training: TrainingSection
@@ -383,6 +400,27 @@ class CampaignSpec(Strict):
                 raise ValueError(f"search.space key {key!r} must be '<section>.<field>' with a section of {', '.join(GRID_SECTIONS)}")
         return search
 
+    @property
+    def function(self) -> bool:
+        """Trials run the user's own training function (training.target), not the project's loop."""
+        return self.training.target is not None
+
+    @model_validator(mode="after")
+    def _model_or_function(self) -> "CampaignSpec":
+        if self.model is None and not self.function:
+            raise ValueError("model is missing: give `model: {name: small_cnn}` (a built-in), `model: {target: pkg.module:callable}`, "
+                             "or your own training function as training.target")
+        if self.function and (self.resources.devices == "auto" or self.resources.memory_gb == "auto"):
+            field = "devices" if self.resources.devices == "auto" else "memory_gb"
+            raise ValueError(f"resources.{field}: auto measures the project's loop on its model; a function trial (training.target) "
+                             f"owns its model: give resources.{field} as a number" + (" of GiB, or leave it out (a whole device)" if field == "memory_gb" else ""))
+        for section, metric in (("search", self.search.metric if self.search else None),
+                                ("early_stopping", self.early_stopping.metric if self.early_stopping else None)):
+            if metric is not None and metric not in METRICS and not self.function:
+                raise ValueError(f"{section}.metric: the project's loop reports {', '.join(METRICS)}, not {metric!r}: pick one of "
+                                 "them (any name your function reports works with training.target)")
+        return self
+
     @model_validator(mode="after")
     def _one_way_to_vary(self) -> "CampaignSpec":
         if self.grid and self.search is not None:
@@ -393,7 +431,7 @@ class CampaignSpec(Strict):
                 (stop.metric is not None and stop.metric != self.search.metric) or (stop.mode is not None and stop.mode != (self.search.mode or stop.mode))):
             raise ValueError(f"early_stopping judges trials by the search's objective ({self.search.metric}): leave "
                              "early_stopping.metric and mode out, or make them the search's")
-        if self.early_stopping is not None and self.training.eval_every > self.training.steps:
+        if self.early_stopping is not None and not self.function and self.training.eval_every > self.training.steps:
             raise ValueError(f"early_stopping needs evaluations: training.eval_every ({self.training.eval_every}) is past "
                              f"training.steps ({self.training.steps})")
         return self
@@ -578,7 +616,7 @@ def check_data(spec: CampaignSpec, root: Path = Path(".")) -> None:
     """The built-in data's file must exist before anything starts (a target is checked by
     tasks.workload.check_trials, which builds it)."""
     path = spec.data.digits_path
-    if path is None:
+    if path is None or (spec.function and "data" not in spec.model_fields_set):  # a function trial loads its own data
         return
     full = path if path.is_absolute() else root / path
     if not full.is_file():

@@ -44,6 +44,9 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
         return
+    if cfg.function is not None:
+        train_function(cfg, env, device)
+        return
     trainer = None
     try:
         trainer = Trainer(cfg, device)
@@ -58,6 +61,22 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def train_function(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
+    """A function trial (training.function): the user's loop, with our checkpoints and metrics."""
+    from training.function import FunctionTrial
+
+    trial = FunctionTrial(cfg, device)
+    try:
+        trial.attach(env.rank, env.world_size, env.local_rank)
+        if env.rank == 0:
+            print(f"trial {cfg.trial_id}: world size {env.world_size}, calling {cfg.function['target']}", flush=True)
+        result = trial.train()
+        if env.rank == 0 and result is not None:
+            print(result_line(cfg.trial_id, result), flush=True)
+    finally:
+        trial.close()
 
 
 def main(argv: list[str] | None = None) -> None:
