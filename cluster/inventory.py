@@ -255,12 +255,20 @@ def _text(value: bytes | str) -> str:
 # --- CPU slots --------------------------------------------------------------------------
 
 
+HOST_CORES_ENV = "CAMPAIGN_HOST_CORES"  # the cores this host's slots are drawn from, once the orchestrator moved off them
+
+
+def host_cores() -> list[int]:
+    """The cores CPU slots are drawn from: this process's allowed cores, as they were before
+    `keep_off_cores` narrowed them (it records them in the environment, for the children too)."""
+    recorded = os.environ.get(HOST_CORES_ENV, "")
+    if recorded:
+        return [int(c) for c in recorded.split(",")]
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def _cpu_inventory(node: str, slots: int | None) -> Inventory:
-    cores = (
-        sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else list(range(os.cpu_count() or 1))
-    )
+    cores = host_cores()
     count = len(cores) if slots is None else slots
     if count < 1:
         raise InventoryError(f"cpu_slots={slots} on {node}: a node needs at least one CPU slot")
@@ -326,3 +334,26 @@ def _check_declared(spec: DeclaredNode, seen: set[str]) -> None:
             raise InventoryError(
                 f"{where}: nvlink pair {pair} must name two different devices in 0..{spec.devices - 1}"
             )
+
+
+def spare_cores(inventory: Inventory) -> set[int]:
+    """This host's cores that no CPU slot of `inventory` trains on: where the orchestrator
+    (the flow, Prefect's server, the MLflow sinks) belongs, off the trials' cores. Empty when
+    every core is a slot, or the devices are GPUs (their trials are not pinned)."""
+    if not hasattr(os, "sched_getaffinity") or inventory.kind != "cpu":
+        return set()
+    here = {d.index for d in inventory.devices if d.kind == "cpu"}
+    return set(host_cores()) - here
+
+
+def keep_off_cores(cores: set[int]) -> None:
+    """Run every thread of this process (and what it starts from now on) on `cores` only; a
+    trial's processes pin themselves to their slot's core when they start."""
+    if not cores:
+        return
+    os.environ.setdefault(HOST_CORES_ENV, ",".join(map(str, host_cores())))  # the slots' view stays the host's
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass

@@ -116,6 +116,11 @@ def _report_to_ui() -> None:
 def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
     _report_to_ui()
     spec, trials = _validated(params, pool)
+    if spec.cluster.pool is None and not spec.cluster.nodes:
+        from cluster.inventory import discover, keep_off_cores, spare_cores
+
+        # Before Prefect's server starts: the orchestration's processes stay off the cores of the trials' slots.
+        keep_off_cores(spare_cores(discover(cpu_slots=spec.cluster.cpu_slots)))
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     from flows.campaign import campaign_flow

@@ -335,3 +335,10 @@ def test_a_hand_resize_restarts_a_function_trial_at_its_new_size_from_its_save(t
     result = json.loads((trial_dir / "result.json").read_text())
     assert result["world_size"] == 1 and result["steps"] == 300 and result["resumed_from_step"] >= 100
     assert f"resumed at step {result['resumed_from_step']}" in (trial_dir / "train.log").read_text()
+
+
+def test_campaign_profile_says_it_does_not_own_a_function_trials_layers(user_package):
+    path = write_params(user_package, "prof", {})
+    done = campaign_cli("profile", str(path), cwd=user_package)
+    assert done.returncode == 2
+    assert "profiles the project's loop" in " ".join(done.stderr.split())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from itertools import combinations
 
@@ -222,3 +223,28 @@ def test_cluster_report_shows_holders_and_what_is_left():
     assert any("far/gpu0" in line and "other/t (1.0 GiB)" in line for line in lines)
     idle = [line for line in lines if any(d.id in line for d in inventory.devices[1:])]
     assert len(idle) == 7 and all(line.count("80.0 GiB") == 3 for line in idle)  # memory, unleased, live
+
+
+def test_the_orchestrator_moves_off_the_slots_cores_and_the_slots_stay_where_they_were():
+    """`campaign launch` pins itself to the cores no slot trains on; the inventory it (and
+    every child) discovers afterwards still draws its slots from all the host's cores. Run in
+    a process of its own: it changes that process's affinity."""
+    import os
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    code = (
+        "import os, json\n"
+        "from cluster.inventory import discover, keep_off_cores, spare_cores\n"
+        "before = [d.index for d in discover(cpu_slots=1).devices]\n"
+        "spare = spare_cores(discover(cpu_slots=1))\n"
+        "keep_off_cores(spare)\n"
+        "print(json.dumps({'before': before, 'after': [d.index for d in discover(cpu_slots=1).devices],\n"
+        "                  'spare': sorted(spare), 'mine': sorted(os.sched_getaffinity(0))}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CAMPAIGN_HOST_CORES"}
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout)
+    assert out["after"] == out["before"]  # the slot is the same core
+    assert out["mine"] == out["spare"] and out["before"][0] not in out["mine"]

@@ -135,7 +135,8 @@ class TrialContext:
         # Rank 0's pruning decision and stop requests reach the others over gloo on the CPU:
         # agreeing costs no device sync, wherever the model trains.
         self._flags = dist.new_group(backend="gloo") if world_size > 1 else None
-        self._async = dist.new_group(backend="gloo") if world_size > 1 and async_saves else None
+        # Saves written from a thread need collectives of their own (as the project's loop's do).
+        self._async = dist.new_group(backend="gloo") if async_saves and dist.is_initialized() else None
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, rank, world_size, self._async,
                                          guard=commit_guard(cfg.lease), grant=grant_of(cfg.lease))
         self.metrics = MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if self.is_rank0 else MetricsLogger(None, None)

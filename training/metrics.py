@@ -180,6 +180,19 @@ def _lower_priority(thread_id: int = 0) -> None:
         pass
 
 
+def _off_trainer_cores() -> None:
+    """Leave the core(s) the trainer is pinned to (inherited) for the others, where there are
+    others: importing MLflow and opening its store take seconds of CPU at normal priority,
+    which on the trainer's own core came out of its first steps."""
+    try:
+        pinned = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - pinned
+        if others:
+            os.sched_setaffinity(0, others)
+    except (AttributeError, OSError):  # not Linux, or a cpuset without the other cores: stay
+        pass
+
+
 def _normal_priority(thread_id: int) -> None:
     try:
         os.sched_setscheduler(thread_id, os.SCHED_OTHER, os.sched_param(0))
@@ -290,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flush-s", type=float, default=2.0)
     args = parser.parse_args(argv)
     _ignore_signals()
+    _off_trainer_cores()
     # MLflow is imported now, at normal priority, while the trial starts: imported at idle
     # priority on a busy host it was still importing when the trial ended, and the trial's
     # end (which waits for its last metrics) waited seconds for it.
