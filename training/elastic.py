@@ -13,7 +13,10 @@ A resize (the fast path):
    (always one that stays) broadcasts it to the joiners; workers not in it exit.
 With no worker staying (a move to all-new devices) the state goes through the durable
 checkpoint instead. `"mode": "restart"` is the naive path, kept for comparison: stop,
-checkpoint to disk, end every process, start all anew, load from disk. An empty device
+checkpoint to disk, end every process, start all anew, load from disk. A function trial
+(training.function: its state is in the user's code) always moves through its own save:
+new processes for the new size start while it trains, then it is told to stop (it saves
+and returns) and the new ones load that save. An empty device
 list preempts: checkpoint, stop everything, exit with PREEMPTED.
 
 If any worker dies, the agent ends the others and exits non-zero: the launcher's retry
@@ -201,8 +204,20 @@ class Agent:
             self.members = []
             return PREEMPTED
         request = {"seq": command["seq"], "mode": command["mode"], "requested_at": command["requested_at"], "from": before, "to": [d["id"] for d in new]}
-        if command["mode"] == "restart" or self.restart_only:
+        if self.restart_only:  # a function trial: every process new, started while the old ones train
             request["mode"] = "restart"
+            wids = [self.spawn(d) for d in new]
+            ready = self.wait_for([f"ready/{w}" for w in wids])
+            request["ready_at"] = time.time()
+            stopped = self.stop_generation(save=True) if ready else None  # the function saves and returns
+            if stopped is None:
+                self.dismiss(wids)
+                return FINISHED
+            self.dismiss(list(self.members))
+            request.update(stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])
+            self.start_generation(wids, "disk", wids, request)
+            return None
+        if command["mode"] == "restart":
             stopped = self.stop_generation(save=True)
             if stopped is None:
                 return FINISHED

@@ -204,9 +204,10 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
         else:
             print(f"trial {cfg.trial_id}: returned at step {trial.step} for a resize", flush=True)
             trial.write_progress("resizing")
+            # Its save is durable (train waited for it): the next generation may start while this
+            # one sends its last metrics and lets go.
+            store.set(f"stopped/{gen}", json.dumps({"step": trial.step, "last_step_at": trial.last_step_at or time.time(), "time": time.time()}))
     trial.detach()
-    if result is None and rank == 0:
-        store.set(f"stopped/{gen}", json.dumps({"step": trial.step, "last_step_at": trial.last_step_at or time.time(), "time": time.time()}))
     dist.destroy_process_group()
     if result is None:  # the agent dismisses this worker: wait for its word, then go
         store.wait([f"assign/{wid}/1"])
