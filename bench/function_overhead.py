@@ -12,6 +12,7 @@ Goal (issue 28): ratio >= 0.98 (median of the rounds). Prints; passes nothing.
 
     .venv/bin/python bench/function_overhead.py              # 5 rounds of 1000 steps
     .venv/bin/python bench/function_overhead.py --rounds 3 --steps 400
+    .venv/bin/python bench/function_overhead.py --resize     # the pause of a 2 -> 1 resize (checkpoint-restart)
 """
 
 from __future__ import annotations
@@ -132,14 +133,56 @@ def run_campaign(steps: int, kwargs: dict, folder: Path, round_: int) -> float:
     return rate(times)
 
 
+def run_resize(folder: Path, steps: int, kwargs: dict) -> dict:
+    """An elastic [1, 2] function trial on 2 CPU slots, resized 2 -> 1 by hand once it has
+    trained a while: its resize event (pause and where it went), from resizes.jsonl."""
+    from training.files import read_json
+    from training.layout import trial_files
+
+    name = "resize"
+    spec = {
+        "campaign": {"name": name},
+        "training": {"target": "examples.workloads.chargpt_loop:train", "kwargs": kwargs, "steps": steps,
+                     "batch_size": kwargs["batch_size"], "lr": 0.001},
+        "resources": {"devices": [1, 2]}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(folder / "runs"), "summary": str(folder / f"{name}.json")},
+    }
+    params = folder / f"{name}.yaml"
+    params.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    launch = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", str(params), "--no-live"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = folder / "runs" / name
+    trial = None
+    while trial is None or (read_json(trial_files(trial).progress) or {}).get("step", 0) < steps // 3:
+        if launch.poll() is not None:
+            raise SystemExit("the campaign ended before the resize")
+        trial = next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None
+        time.sleep(0.2)
+    subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial.name, "1", "--runs-dir", str(folder / "runs"), "--wait-s", "120"],
+                   env=env, cwd=ROOT, check=True, capture_output=True)
+    launch.wait()
+    (event,) = [json.loads(line) for line in trial_files(trial).resizes.read_text().splitlines()]
+    return event
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--resize", action="store_true", help="instead: the pause of a hand resize 2 -> 1 of the function trial")
     parser.add_argument("--plain", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.resize:
+        with tempfile.TemporaryDirectory(prefix="function-resize-") as tmp:
+            event = run_resize(Path(tmp), args.steps, {**MODEL, "log_every": args.log_every, "save_every": args.save_every})
+        parts = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in event["pause_breakdown_s"].items())
+        print(f"function trial resized {len(event['from'])} -> {len(event['to'])} by restart: paused {event['pause_s'] * 1000:.0f} ms "
+              f"({parts}); {event['latency_s']:.2f} s from the request")
+        return
     if args.plain:
         job = json.loads(args.plain)
         plain_main(job["steps"], Path(job["folder"]), job["kwargs"])
