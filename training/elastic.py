@@ -95,11 +95,17 @@ class Agent:
         self.gen = -1
         self.seq = -1
         self._next_wid = 0
-        # A function trial (training.function) holds its state in the user's code: it moves by
-        # checkpoint-restart only (the function saves when should_stop says so).
-        self.restart_only = TrialConfig.from_file(config).function is not None
+        self._restart_only: bool | None = None
         for stale in control.glob("stop-*"):  # an earlier agent's generations: numbering starts again
             stale.unlink()
+
+    @property
+    def restart_only(self) -> bool:
+        """A function trial (training.function) holds its state in the user's code: it moves by
+        checkpoint-restart only (the function saves when should_stop says so)."""
+        if self._restart_only is None:
+            self._restart_only = TrialConfig.from_file(self.config).function is not None
+        return self._restart_only
 
     # --- workers -------------------------------------------------------------------
     def spawn(self, device: dict) -> str:
