@@ -45,13 +45,19 @@ def _bad_input():
 
 def _validated(params: Path, pool: str | None = None):
     """Parse and check everything that can be checked before a flow starts."""
-    from flows.campaign import checked_requests, inventory_for
     from training.spec import check_data, check_tracking, load_spec
-    from tasks.grid import expand_grid
     from training.errors import CampaignError
 
     try:
         spec = load_spec(params, pool=pool)
+        if spec.cluster.pool is not None:
+            _use_pool_secret(spec.cluster.pool)
+    except CampaignError as e:
+        _fail(str(e))
+    from flows.campaign import checked_requests, inventory_for
+    from tasks.grid import expand_grid
+
+    try:
         _check_records(spec)
         check_data(spec)
         check_tracking(spec)
@@ -64,6 +70,17 @@ def _validated(params: Path, pool: str | None = None):
     except CampaignError as e:
         _fail(str(e))
     return spec, trials
+
+
+def _use_pool_secret(pool: str) -> None:
+    """This process (and what it starts) a client of the pool's server, with its secret:
+    before Prefect is imported, which reads its settings once. Exit 2 without one."""
+    from flows.pool_secret import PoolSecretError, use_secret
+
+    try:
+        use_secret(pool)
+    except PoolSecretError as e:
+        _fail(str(e))
 
 
 def _check_records(spec) -> None:
@@ -503,11 +520,16 @@ def _show_pool(pool: str) -> None:
     from datetime import datetime, timezone
 
     from flows.pool import PoolError, check_name
+
+    try:
+        check_name("pool", pool)
+    except PoolError as e:
+        _fail(str(e))
+    _use_pool_secret(pool)
     from flows.remote import pool_nodes
     from flows.worker import require_server
 
     try:
-        check_name("pool", pool)
         require_server()
         nodes = pool_nodes(pool)
     except PoolError as e:
@@ -534,7 +556,15 @@ def worker(
     """Make this machine a node of a campaign pool: publish its devices, run trial segments placed on it."""
     import socket
 
-    from flows.pool import PoolError
+    from flows.pool import PoolError, check_name
+    from flows.pool_secret import POOL_ENV
+
+    try:
+        check_name("pool", pool)
+    except PoolError as e:
+        _fail(str(e))
+    _use_pool_secret(pool)  # its flow runs verify each segment's signature with it (flows/segment.py)
+    os.environ[POOL_ENV] = pool
     from flows.worker import run_worker
 
     try:
@@ -542,6 +572,47 @@ def worker(
     except PoolError as e:
         _fail(str(e))
     raise typer.Exit(code)
+
+
+pool_app = typer.Typer(help="A campaign pool's secret and server: nobody without the secret drives its nodes.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
+
+
+@pool_app.command("init")
+def pool_init(pool: str = typer.Option(..., help="the pool's name"),
+              force: bool = typer.Option(False, "--force", help="replace an existing secret (every node then needs the new file)")) -> None:
+    """Write the pool's secret (.campaign/pool-NAME.json, mode 0600): its Prefect server's auth string and the key that signs trial segments."""
+    from flows.pool import PoolError, check_name
+    from flows.pool_secret import PoolSecretError, init_secret
+
+    try:
+        check_name("pool", pool)
+        path = init_secret(pool, force=force)
+    except (PoolError, PoolSecretError) as e:
+        _fail(str(e))
+    console.print(f"pool {pool}: secret written to {path} (mode 0600). Next:\n"
+                  f"  on the head node: campaign pool server --pool {pool} --host ADDRESS\n"
+                  f"  give every node this file (the project folder is shared, or copy it; keep it 0600), then on each:\n"
+                  f"  campaign worker --pool {pool} --node NAME --address NODE_ADDRESS", highlight=False)
+
+
+@pool_app.command("server")
+def pool_server(pool: str = typer.Option(..., help="the pool's name"),
+                host: str = typer.Option("127.0.0.1", help="the address the nodes reach the server at"),
+                port: int = typer.Option(4200, help="its port")) -> None:
+    """Run the pool's Prefect server, requiring the pool's auth string (the UI asks for it: it is in the secret file)."""
+    from flows.pool_secret import SERVER_AUTH_ENV, PoolSecretError, load_secret
+
+    try:
+        secret = load_secret(pool)
+    except PoolSecretError as e:
+        _fail(str(e))
+    env = {**os.environ, SERVER_AUTH_ENV: secret.auth_string, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
+    console.print(f"pool {pool}: Prefect server on http://{host}:{port} (API auth required); every node: "
+                  f"export PREFECT_API_URL=http://{host}:{port}/api", highlight=False)
+    os.execvpe(sys.executable, [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
+                                "--analytics-off"], env)
 
 
 def main() -> None:

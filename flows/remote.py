@@ -22,6 +22,7 @@ from typing import Any
 from prefect import task
 
 from cluster.types import Device, Inventory
+from flows.pool_secret import load_secret, sign
 from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
@@ -103,16 +104,17 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
 
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
+    secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/segment.py)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     runs = {}
     for i, (node, mine) in enumerate(groups):
         span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices]}
                 if len(groups) > 1 else None)
+        parameters = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
+                      "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
         runs[node] = run_deployment(
-            deployment, parameters={"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd,
-                                    "campaign": campaign, "span": span, "elastic": elastic,
-                                    "node_devices": [asdict(d) for d in node_devices]},
+            deployment, parameters={**parameters, "signature": sign(secret, parameters)},
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
         ).id
 

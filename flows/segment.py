@@ -29,6 +29,7 @@ from prefect import flow
 from cluster.leases import LeaseStore
 from cluster.types import Device
 from flows.live import LeaseHeartbeat
+from flows.pool_secret import node_secret, verify
 from flows.relay import CommandRelay
 from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
@@ -68,8 +69,11 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
 @flow(name="campaign-trial-segment", log_prints=True)
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
                   span: dict[str, Any] | None = None, elastic: bool = False,
-                  node_devices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`node_devices`: every device of this node (an elastic trial may grow onto any of them)."""
+                  node_devices: list[dict[str, Any]] | None = None, signature: str | None = None) -> dict[str, Any]:
+    """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
+    `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool_secret.py)."""
+    verify(node_secret(), {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span,
+                           "elastic": elastic, "node_devices": node_devices}, signature)
     cfg = TrialConfig(**config)
     placed = [Device(**d) for d in devices]
     node = os.environ.get(NODE_ENV, "")

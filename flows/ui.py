@@ -100,16 +100,19 @@ def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 
 def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_port: int = 0, host: str = "127.0.0.1",
-                  prefect_home: Path | None = None) -> Servers:
+                  prefect_home: Path | None = None, auth_string: str | None = None) -> Servers:
     """Start both servers and wait until they answer; raises RuntimeError (naming the log) if one does not.
     `host`: the Prefect server's address (a pool's nodes must reach it; MLflow stays on loopback).
-    `prefect_home`: the Prefect server's own folder (its database) instead of the user's."""
+    `prefect_home`: the Prefect server's own folder (its database) instead of the user's.
+    `auth_string`: Prefect's API auth the server then requires (a pool's)."""
     prefect_port = prefect_port or free_port()
     prefect_url = f"http://{host}:{prefect_port}"
     env = {"PREFECT_UI_API_URL": prefect_url + "/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}
     if prefect_home is not None:
         env["PREFECT_HOME"] = str(prefect_home)
+    if auth_string is not None:  # a pool's server (flows/pool_secret.py): only clients with it are served
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     processes = [_start([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port),
                          "--analytics-off"], env, logs / "prefect-server.log")]
     checks = [(prefect_url + "/api/health", logs / "prefect-server.log")]

@@ -26,6 +26,7 @@ from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
 from training.spec import load_spec
+from flows.pool_secret import CLIENT_AUTH_ENV, SECRET_ENV, init_secret, load_secret, secret_path
 from flows.ui import start_servers, stop_servers
 from tasks.grid import expand_grid
 from training.files import read_json
@@ -62,7 +63,7 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, monkeypatch):
     """A bridge on this host (the head: Prefect server, campaign) and two namespaces, nodes a
     and b, each with its own address on it. Skipped, saying so, where namespaces cannot be made."""
     tag, pid = os.getpid() % 250 + 1, os.getpid() % 100000
@@ -87,8 +88,15 @@ def lab(tmp_path):
             ip("-n", ns, "link", "set", inside, "up")
             ip("-n", ns, "link", "set", "lo", "up")
             nodes[node] = (ns, SUBNET.format(tag, i))
+        # The pool's secret (flows/pool_secret.py), as `campaign pool init` writes it: the server
+        # requires its auth string; this test's processes and the nodes' workers hold the file.
+        secret = load_secret("lab", tmp_path) if secret_path("lab", tmp_path).exists() else None
+        secret = secret or load_secret("lab", init_secret("lab", tmp_path).parent.parent)
+        os.environ[SECRET_ENV] = str(secret.path)
+        os.environ[CLIENT_AUTH_ENV] = secret.auth_string
         # An http URI: Prefect only; a database of its own, so no pool of an earlier run is in it.
-        servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head, prefect_home=tmp_path / "prefect-head")
+        servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head, prefect_home=tmp_path / "prefect-head",
+                                auth_string=secret.auth_string)
         try:
             yield head, servers.prefect_url + "/api", nodes
         finally:
@@ -115,12 +123,20 @@ def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slo
 
 def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
     """A node's worker, once the pool sees it beating."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     worker = start_worker(api, tmp_path, node, ns, address, slots, **extra_env)
-    with temporary_settings(updates={PREFECT_API_URL: api}):
+    with temporary_settings(updates=pool_settings(api)):
         wait_for(lambda: any(n.name == node and n.live for n in nodes_once_made("lab")), 120, f"node {node} live")
     return worker
+
+
+def pool_settings(api: str) -> dict:
+    """This process's Prefect settings for the lab's server: its address and the pool's auth
+    (Prefect read its settings when first imported, before the lab existed)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+    return {PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: os.environ[CLIENT_AUTH_ENV]}
 
 
 def end_launch_and_worker(launch: subprocess.Popen | None, worker: subprocess.Popen) -> None:
@@ -166,12 +182,12 @@ def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_fi
     """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
     on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
     a step: the trial it was part of finishes on node a, from its checkpoint."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     head, api, nodes = lab
     monkeypatch.setenv("PREFECT_API_URL", api)  # for the processes this test starts
     workers = {}
-    with temporary_settings(updates={PREFECT_API_URL: api}):  # this process reads the pool too
+    with temporary_settings(updates=pool_settings(api)):  # this process reads the pool too
         run_pool_campaign(tmp_path, digits_npz, api, nodes, workers)
 
 
