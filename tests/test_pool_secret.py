@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
