@@ -28,12 +28,14 @@ per-logical-rank RNG seeding.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,12 +173,26 @@ class Ours:
         self.trainer.close()
 
 
-def timed(loop, steps: int, device: torch.device) -> float:
+def timed(loop, steps: int, device: torch.device, syncs: list[int] | None = None) -> float:
+    """Steps per second over `steps` steps; on a GPU with `syncs`, the window runs under
+    torch.cuda.set_sync_debug_mode("warn") and the host-device syncs it warned of are appended."""
     sync(device)
-    start = time.perf_counter()
-    loop.run(steps)
-    sync(device)
-    return steps / (time.perf_counter() - start)
+    watch = syncs is not None and device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if watch:
+            torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        try:
+            loop.run(steps)
+        finally:
+            if watch:
+                torch.cuda.set_sync_debug_mode("default")
+        sync(device)
+        elapsed = time.perf_counter() - start
+    if watch:
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    return steps / elapsed
 
 
 def init_group(device: torch.device) -> None:
@@ -196,7 +212,9 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default: bf16 on a GPU, fp32 on the CPU)")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--host-overhead", action="store_true", help="tiny shapes: the extra host time per step of ours (goal <= 5 %%)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here (bench/gpu_suite.py reads them)")
     args = parser.parse_args()
+    report: dict = {"workloads": {}}
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
@@ -224,10 +242,10 @@ def main() -> None:
             ours = Ours(w, device, precision, total, args.log_every, work)
             plain.run(warmup)
             ours.run(warmup)
-            ratios, rates = [], {"plain": [], "ours": []}
+            ratios, rates, syncs = [], {"plain": [], "ours": []}, []
             for r in range(args.rounds):
                 order = [("plain", plain), ("ours", ours)] if r % 2 == 0 else [("ours", ours), ("plain", plain)]
-                got = {label: timed(loop, steps, device) for label, loop in order}
+                got = {label: timed(loop, steps, device, syncs if label == "ours" else None) for label, loop in order}
                 for label, rate in got.items():
                     rates[label].append(rate)
                 ratios.append(got["ours"] / got["plain"])
@@ -235,7 +253,11 @@ def main() -> None:
             med = statistics.median(ratios)
             print(f"{key:10s} batch {w.batch:4d}: plain {statistics.median(rates['plain']):8.1f} steps/s, "
                   f"ours {statistics.median(rates['ours']):8.1f} steps/s; ours/plain median {med:.3f} "
-                  f"(rounds {min(ratios):.3f}..{max(ratios):.3f})", flush=True)
+                  f"(rounds {min(ratios):.3f}..{max(ratios):.3f})" + (f"; host-device syncs in ours' timed steps: {sum(syncs)}" if on_gpu else ""),
+                  flush=True)
+            report["workloads"][key] = {"batch": w.batch, "plain_steps_s": statistics.median(rates["plain"]),
+                                        "ours_steps_s": statistics.median(rates["ours"]), "ratio": med, "rounds": ratios,
+                                        "syncs": sum(syncs) if on_gpu else None}
             if args.host_overhead:  # time per step is host time here: ours over plain, less one
                 extra = statistics.median(1 / r - 1 for r in ratios)
                 print(f"{'':10s} extra host time per step: {100 * extra:+.1f} % "
@@ -244,6 +266,9 @@ def main() -> None:
             if on_gpu:
                 torch.cuda.empty_cache()
     dist.destroy_process_group()
+    if args.json is not None:
+        report.update(device=name, precision=precision, rounds=args.rounds, steps=steps, torch=torch.__version__)
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""The GPU suite's dry run (bench/gpu_suite.py --dry-run): every step of the GPU proof runs
+on the CPU, tiny, so that the command the next GPU session runs in one call cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_every_step_of_the_gpu_suite_runs_on_the_cpu_and_reports(tmp_path):
+    done = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "report.json").read_text())
+    failed = {name: step["log"][-1][-1500:] for name, step in report["steps"].items() if not step["ok"]}
+    assert done.returncode == 0 and not failed, failed or done.stdout[-2000:] + done.stderr[-2000:]
+    steps = report["steps"]
+    assert set(steps) == {"throughput", "packing", "profile", "precision"} and report["dry_run"]
+    assert steps["throughput"]["figures"]["small_cnn (fp32)"]["ratio"] > 0
+    assert steps["packing"]["figures"]["packed (memory_gb: auto)"]["trials"] == 4
+    assert any(name.startswith("system/") for name in steps["packing"]["figures"]["packed (memory_gb: auto)"]["system_metrics"])
+    assert steps["profile"]["figures"]["peak lines"] and "bf16 speed-up" in steps["precision"]["figures"]
+    markdown = (tmp_path / "report.md").read_text()
+    assert "dry run on the CPU" in markdown and "## not in the suite yet" in markdown
