@@ -276,6 +276,7 @@ def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_
     assert result["steps"] == 120 and f"step-{result['resumed_from_step']:08d}" == saved[-1]
     assert "resumed at step" in (trial_dir / "train.log").read_text()
     client, (run,) = trial_runs(tmp_path)
+    assert Path(run.data.tags[f"resume.step-{result['resumed_from_step']}"]).name == saved[-1]  # which checkpoint it used
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")]
     assert sorted(steps) == list(range(10, 121, 10))  # each once, the replayed ones too
 

@@ -174,7 +174,13 @@ def test_a_search_killed_outright_goes_on_to_n_without_rerunning(tmp_path, digit
     assert len(set(starts)) == 4 and len(starts) == 5  # the interrupted one started twice, two new ones once
     resumed = [t for t in set(starts) if starts.count(t) == 2][0]
     assert resumed == second
-    assert json.loads((root / resumed / "result.json").read_text())["resumed_from_step"] >= 100
+    resumed_from = json.loads((root / resumed / "result.json").read_text())["resumed_from_step"]
+    assert resumed_from >= 100
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("campaigns").experiment_id], f"tags.`campaign.trial_id` = '{resumed}'")
+    assert Path(run.data.tags[f"resume.step-{resumed_from}"]).name == f"step-{resumed_from:08d}"  # which checkpoint it used
     study = optuna.load_study(study_name="killed", storage=f"sqlite:///{root / 'search.db'}")
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE"] * 4
     assert len({t.params["training.lr"] for t in study.trials}) == 4

@@ -49,6 +49,7 @@ class Checkpointer:
         self.async_group = async_group
         self._pending: Future | None = None
         self._finalized: Future | None = None
+        self.loaded: Path | None = None  # the checkpoint the last load_latest read (a resume's record says which)
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -126,7 +127,8 @@ class Checkpointer:
         if found is None:
             return None
         dcp.load(state, checkpoint_id=found)
-        return checkpoint_step(Path(found))
+        self.loaded = Path(found)
+        return checkpoint_step(self.loaded)
 
 
 def load_model_weights(checkpoint: Path, model: "torch.nn.Module") -> "torch.nn.Module":

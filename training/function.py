@@ -212,6 +212,7 @@ class TrialContext:
         self.saved = Path(found)
         if self.is_rank0 and not self.quiet:
             print(f"trial {self.trial_id}: resumed at step {step} from {found}", flush=True)
+            self.metrics.tag(f"resume.step-{step}", str(found))  # which checkpoint each resume used
         return step, _restore_optimizer_keys(state["app"])
 
     def should_stop(self) -> bool:

@@ -53,7 +53,7 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
         trainer.attach(env)
         resumed = trainer.resume()
         if env.rank == 0:
-            print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed}" if resumed is not None else "fresh start"), flush=True)
+            print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed} from {trainer.checkpointer.loaded}" if resumed is not None else "fresh start"), flush=True)
         result = trainer.train()
         if env.rank == 0:
             print(result_line(cfg.trial_id, result), flush=True)

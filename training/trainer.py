@@ -356,7 +356,10 @@ class Trainer(Stateful):
     def resume(self) -> int | None:
         """Load the newest valid checkpoint, if any (collective); its step."""
         self.checkpointer.clean_stale()
-        return self.checkpointer.load_latest({"trainer": self})
+        step = self.checkpointer.load_latest({"trainer": self})
+        if step is not None and self.is_rank0:  # which checkpoint each resume used, on the trial's MLflow run
+            self.metrics.tag(f"resume.step-{step}", str(self.checkpointer.loaded))
+        return step
 
     def save_checkpoint(self, blocking: bool = True) -> None:
         self.sync_buffers()
