@@ -43,8 +43,8 @@ from flows.ui import mlflow_ui
 from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
-from flows.pool import PoolError
-from flows.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
+from flows.pool.nodes import PoolError
+from flows.pool.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings

@@ -63,7 +63,7 @@ def _validated(params: Path, pool: str | None = None):
         check_tracking(spec)
         trials = expand_grid(spec)
         if spec.cluster.pool is not None:
-            from flows.worker import require_server
+            from flows.pool.worker import require_server
             require_server()
         inventory = inventory_for(spec)
         checked_requests(spec, trials, inventory)
@@ -75,7 +75,7 @@ def _validated(params: Path, pool: str | None = None):
 def _use_pool_secret(pool: str) -> None:
     """This process (and what it starts) a client of the pool's server, with its secret:
     before Prefect is imported, which reads its settings once. Exit 2 without one."""
-    from flows.pool_secret import PoolSecretError, use_secret
+    from flows.pool.secret import PoolSecretError, use_secret
 
     try:
         use_secret(pool)
@@ -519,15 +519,15 @@ def cluster(cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when t
 def _show_pool(pool: str) -> None:
     from datetime import datetime, timezone
 
-    from flows.pool import PoolError, check_name
+    from flows.pool.nodes import PoolError, check_name
 
     try:
         check_name("pool", pool)
     except PoolError as e:
         _fail(str(e))
     _use_pool_secret(pool)
-    from flows.remote import pool_nodes
-    from flows.worker import require_server
+    from flows.pool.remote import pool_nodes
+    from flows.pool.worker import require_server
 
     try:
         require_server()
@@ -556,16 +556,16 @@ def worker(
     """Make this machine a node of a campaign pool: publish its devices, run trial segments placed on it."""
     import socket
 
-    from flows.pool import PoolError, check_name
-    from flows.pool_secret import POOL_ENV
+    from flows.pool.nodes import PoolError, check_name
+    from flows.pool.secret import POOL_ENV
 
     try:
         check_name("pool", pool)
     except PoolError as e:
         _fail(str(e))
-    _use_pool_secret(pool)  # its flow runs verify each segment's signature with it (flows/segment.py)
+    _use_pool_secret(pool)  # its flow runs verify each segment's signature with it (flows/pool/segment.py)
     os.environ[POOL_ENV] = pool
-    from flows.worker import run_worker
+    from flows.pool.worker import run_worker
 
     try:
         code = run_worker(pool, node or socket.gethostname().lower(), address, cpu_slots, interface)
@@ -582,8 +582,8 @@ app.add_typer(pool_app, name="pool")
 def pool_init(pool: str = typer.Option(..., help="the pool's name"),
               force: bool = typer.Option(False, "--force", help="replace an existing secret (every node then needs the new file)")) -> None:
     """Write the pool's secret (.campaign/pool-NAME.json, mode 0600): its Prefect server's auth string and the key that signs trial segments."""
-    from flows.pool import PoolError, check_name
-    from flows.pool_secret import PoolSecretError, init_secret
+    from flows.pool.nodes import PoolError, check_name
+    from flows.pool.secret import PoolSecretError, init_secret
 
     try:
         check_name("pool", pool)
@@ -601,7 +601,7 @@ def pool_server(pool: str = typer.Option(..., help="the pool's name"),
                 host: str = typer.Option("127.0.0.1", help="the address the nodes reach the server at"),
                 port: int = typer.Option(4200, help="its port")) -> None:
     """Run the pool's Prefect server, requiring the pool's auth string (the UI asks for it: it is in the secret file)."""
-    from flows.pool_secret import SERVER_AUTH_ENV, PoolSecretError, load_secret
+    from flows.pool.secret import SERVER_AUTH_ENV, PoolSecretError, load_secret
 
     try:
         secret = load_secret(pool)

@@ -111,7 +111,7 @@ def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_p
            "PREFECT_API_URL": "", "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(prefect_port)}
     if prefect_home is not None:
         env["PREFECT_HOME"] = str(prefect_home)
-    if auth_string is not None:  # a pool's server (flows/pool_secret.py): only clients with it are served
+    if auth_string is not None:  # a pool's server (flows/pool/secret.py): only clients with it are served
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     processes = [_start([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port),
                          "--analytics-off"], env, logs / "prefect-server.log")]

@@ -24,9 +24,9 @@ import yaml
 from conftest import wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
-from flows.pool import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
+from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
 from training.spec import load_spec
-from flows.pool_secret import CLIENT_AUTH_ENV, SECRET_ENV, init_secret, load_secret, secret_path
+from flows.pool.secret import CLIENT_AUTH_ENV, SECRET_ENV, init_secret, load_secret
 from flows.ui import start_servers, stop_servers
 from tasks.grid import expand_grid
 from training.files import read_json
@@ -88,12 +88,13 @@ def lab(tmp_path, monkeypatch):
             ip("-n", ns, "link", "set", inside, "up")
             ip("-n", ns, "link", "set", "lo", "up")
             nodes[node] = (ns, SUBNET.format(tag, i))
-        # The pool's secret (flows/pool_secret.py), as `campaign pool init` writes it: the server
+        # The pool's secret (flows/pool/secret.py), as `campaign pool init` writes it: the server
         # requires its auth string; this test's processes and the nodes' workers hold the file.
-        secret = load_secret("lab", tmp_path) if secret_path("lab", tmp_path).exists() else None
-        secret = secret or load_secret("lab", init_secret("lab", tmp_path).parent.parent)
-        os.environ[SECRET_ENV] = str(secret.path)
-        os.environ[CLIENT_AUTH_ENV] = secret.auth_string
+        monkeypatch.delenv(SECRET_ENV, raising=False)  # the file in this test's folder, not one named from outside
+        init_secret("lab", tmp_path)
+        secret = load_secret("lab", tmp_path)
+        monkeypatch.setenv(SECRET_ENV, str(secret.path))
+        monkeypatch.setenv(CLIENT_AUTH_ENV, secret.auth_string)
         # An http URI: Prefect only; a database of its own, so no pool of an earlier run is in it.
         servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head, prefect_home=tmp_path / "prefect-head",
                                 auth_string=secret.auth_string)
@@ -168,7 +169,7 @@ def processes_of(node: str) -> list[int]:
 
 def nodes_once_made(pool: str) -> list[PoolNode]:
     """The pool's nodes; none until the first worker has made the pool."""
-    from flows.remote import pool_nodes
+    from flows.pool.remote import pool_nodes
 
     try:
         return pool_nodes(pool)

@@ -1,4 +1,4 @@
-"""A pool nobody else can drive (flows/pool_secret.py): the secret file, the segments'
+"""A pool nobody else can drive (flows/pool/secret.py): the secret file, the segments'
 signatures, a node refusing an unsigned segment before it leases anything, and the pool's
 Prefect server refusing a client without the auth string."""
 
@@ -13,7 +13,7 @@ from dataclasses import asdict
 import pytest
 
 from conftest import campaign_cli
-from flows.pool_secret import SECRET_ENV, PoolSecretError, init_secret, load_secret, secret_path, sign, verify
+from flows.pool.secret import SECRET_ENV, PoolSecretError, init_secret, load_secret, secret_path, sign, verify
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_a_node_refuses_an_unsigned_segment_before_it_leases_anything(folder, mo
     """The segment flow's body, called as a worker's flow run would call it, with a forged
     config naming code to run: refused, and the node's lease file holds nothing."""
     from cluster.leases import LeaseStore
-    from flows.segment import trial_segment
+    from flows.pool.segment import trial_segment
     from training.config import TrialConfig
 
     path = init_secret("lab", folder)

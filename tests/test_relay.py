@@ -1,4 +1,4 @@
-"""The command relay of an elastic trial on a pool node (flows/relay.py), on real files and a
+"""The command relay of an elastic trial on a pool node (flows/pool/relay.py), on real files and a
 real lease file, with the agent's side written by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 from conftest import wait_for
 from cluster.leases import LeaseStore
-from flows.relay import CommandRelay
+from flows.pool.relay import CommandRelay
 from training.elastic import command_path, refused_path, write_command
 from training.files import read_json, write_json_atomic
 

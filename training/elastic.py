@@ -70,7 +70,7 @@ def command_path(control: Path, seq: int) -> Path:
 
 
 def refused_path(control: Path, seq: int) -> Path:
-    """Where a pool node's relay says it did not forward command `seq` (flows/relay.py)."""
+    """Where a pool node's relay says it did not forward command `seq` (flows/pool/relay.py)."""
     return control / f"refused-{seq:06d}.json"
 
 

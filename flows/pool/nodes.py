@@ -188,11 +188,11 @@ async def ensure_queue(client, pool: str, node: str) -> None:
 
 
 async def ensure_segment_deployment(client, pool: str, project: str) -> str:
-    """The pool's deployment of `flows/segment.py:trial_segment`, run from `project` (the
+    """The pool's deployment of `flows/pool/segment.py:trial_segment`, run from `project` (the
     same folder on every node: shared storage); its full name for `run_deployment`."""
     flow_id = await client.create_flow_from_name(SEGMENT_FLOW)
     await client.create_deployment(
-        flow_id=flow_id, name=f"{SEGMENT_DEPLOYMENT}-{pool}", work_pool_name=pool, entrypoint="flows/segment.py:trial_segment",
+        flow_id=flow_id, name=f"{SEGMENT_DEPLOYMENT}-{pool}", work_pool_name=pool, entrypoint="flows/pool/segment.py:trial_segment",
         path=project, pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": project}}],
         description="one trial segment on the node whose queue it is sent to (campaign launch --pool)",
     )

@@ -2,10 +2,10 @@
 
 `run_remote_trial` is the pool's `tasks.trial.run_trial`: the same task in the campaign's
 loop (a future the loop waits on), but the segment runs on the trial's node, as a flow run
-of the pool's segment deployment sent to that node's work queue (`flows/segment.py`). It
+of the pool's segment deployment sent to that node's work queue (`flows/pool/segment.py`). It
 follows the flow run to its end and reads the result from the trial's folder, on storage
 the nodes share. It also watches the node: when the node's worker stops beating
-(`flows.pool.live`), the flow run is marked crashed and the task answers
+(`flows.pool.nodes.live`), the flow run is marked crashed and the task answers
 `{"node_lost": node}` (like a preemption, an answer and not an error: the trial did
 nothing wrong), and the campaign queues the trial again on the nodes that are left, where
 it resumes from its last checkpoint.
@@ -22,8 +22,8 @@ from typing import Any
 from prefect import task
 
 from cluster.types import Device, Inventory
-from flows.pool_secret import load_secret, sign
-from flows.pool import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
+from flows.pool.secret import load_secret, sign
+from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
@@ -46,7 +46,7 @@ def live_inventory(pool: str) -> Inventory:
     return inventory
 
 
-CODE_ROOT = Path(__file__).resolve().parent.parent  # where flows/segment.py is, the same path on every node
+CODE_ROOT = Path(__file__).resolve().parents[2]  # where flows/pool/segment.py is, the same path on every node
 
 
 def prepare_pool(pool: str) -> str:
@@ -104,7 +104,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
 
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
-    secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/segment.py)
+    secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     runs = {}

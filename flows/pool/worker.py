@@ -1,8 +1,8 @@
 """`campaign worker --pool NAME`: make this machine a node of a campaign pool.
 
 It publishes the node's devices (pynvml, or CPU slots) and address in the pool
-(`flows/pool.py`), then runs Prefect's own process worker on the node's work queue, so
-trial segments placed on this node run here (`flows/segment.py`), with:
+(`flows/pool/nodes.py`), then runs Prefect's own process worker on the node's work queue, so
+trial segments placed on this node run here (`flows/pool/segment.py`), with:
 - `CAMPAIGN_NODE`: the node's name, which a segment checks its devices against;
 - `CAMPAIGN_NODE_ADDRESS`: the node's address, where the stores and rendezvous of a trial
   across nodes listen (a trial on the node alone keeps to its loopback);
@@ -22,8 +22,8 @@ import time
 from typing import Callable
 
 from cluster.inventory import discover
-from flows.pool import HEARTBEAT_S, PoolError, call, check_name, ensure_pool, ensure_queue, publish_node, withdraw_node
-from flows.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
+from flows.pool.nodes import HEARTBEAT_S, PoolError, call, check_name, ensure_pool, ensure_queue, publish_node, withdraw_node
+from flows.pool.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
 from training.process import die_with_parent, stop_process_groups
 
 POLL_S = 1  # how often the Prefect worker asks for work: a placed segment starts within about this

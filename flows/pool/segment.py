@@ -1,12 +1,12 @@
 """One trial segment on a pool node: the flow a `campaign worker` runs when the campaign
-places a trial on its node (`flows/remote.py` sends it to the node's work queue).
+places a trial on its node (`flows/pool/remote.py` sends it to the node's work queue).
 
 It runs what a one-machine campaign runs in its own process (`tasks.trial`: plan, launch,
 wait, the result from the trial's folder), here on the node's devices. Before launching it
 leases them in the node's own lease store, so that no device of the node is given to two
 trials even by two campaigns that share the pool. The trial's folder is on storage every
 node shares: its checkpoints let the trial resume on another node. An elastic trial stays
-on its node; its resizes pass through `flows/relay.py`, which leases a grow in the node's
+on its node; its resizes pass through `flows/pool/relay.py`, which leases a grow in the node's
 lease file before the agent sees it.
 
 A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
@@ -29,8 +29,8 @@ from prefect import flow
 from cluster.leases import LeaseStore
 from cluster.types import Device
 from flows.live import LeaseHeartbeat
-from flows.pool_secret import node_secret, verify
-from flows.relay import CommandRelay
+from flows.pool.secret import node_secret, verify
+from flows.pool.relay import CommandRelay
 from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
@@ -71,7 +71,7 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
                   span: dict[str, Any] | None = None, elastic: bool = False,
                   node_devices: list[dict[str, Any]] | None = None, signature: str | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
-    `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool_secret.py)."""
+    `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
     verify(node_secret(), {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span,
                            "elastic": elastic, "node_devices": node_devices}, signature)
     cfg = TrialConfig(**config)
