@@ -343,3 +343,28 @@ def test_campaign_profile_says_it_does_not_own_a_function_trials_layers(user_pac
     done = campaign_cli("profile", str(path), cwd=user_package)
     assert done.returncode == 2
     assert "profiles the project's loop" in " ".join(done.stderr.split())
+
+
+@pytest.mark.slow
+def test_sigterm_makes_should_stop_true_and_the_function_saves_where_it_is(user_package):
+    """A stopping campaign SIGTERMs its trials' process groups and waits before SIGKILL: a
+    function trial is told by should_stop(), saves at the step it is at (not a save_every
+    one), returns, and has no result (it is not finished)."""
+    cfg = TrialConfig(trial_id="term", seed=0, model={}, data={}, steps=400, batch_size=32, lr=0.05,
+                      trial_dir=str(user_package / "term"), hold_at_step=35,
+                      function={"target": "mylab.loop:fit", "kwargs": {"every": 5, "save_every": 100}})
+    Path(cfg.trial_dir).mkdir()
+    (Path(cfg.trial_dir) / "hold").touch()
+    path = Path(cfg.trial_dir) / "trial.json"
+    path.write_text(cfg.to_json())
+    proc = subprocess.Popen([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=1", "-m", "training.train",
+                             "--config", str(path)], cwd=user_package, stdout=open(Path(cfg.trial_dir) / "train.log", "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for(lambda: (read_json(Path(cfg.trial_dir) / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 120, "the hold")
+    os.killpg(proc.pid, signal.SIGTERM)  # as stop_launched_trials does: the whole group
+    (Path(cfg.trial_dir) / "hold").unlink()
+    proc.wait(timeout=60)
+    saved = sorted(p.name for p in (Path(cfg.trial_dir) / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000035"], (Path(cfg.trial_dir) / "train.log").read_text()[-2000:]
+    assert not (Path(cfg.trial_dir) / "result.json").exists()
+    assert "stopped at step 35 (SIGTERM" in (Path(cfg.trial_dir) / "train.log").read_text()

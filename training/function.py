@@ -19,8 +19,8 @@ set, and gets one `TrialContext`:
   state dicts (a DDP or compiled wrapper unwrapped), so `load` gives back plain dicts to
   `load_state_dict`; a save is written in the background and is durable before the trial
   is said finished;
-- `ctx.should_stop()`: True when the trial is to end now (the pruner stopped it, or the
-  campaign wants its devices for a resize or preemption). Every rank calls it at the same
+- `ctx.should_stop()`: True when the trial is to end now (the pruner stopped it, the
+  campaign wants its devices for a resize or preemption, or it is stopping: SIGTERM). Every rank calls it at the same
   points (it agrees rank 0's answer over a CPU group: no device sync); the function then
   saves and returns, and the campaign restarts it at its new size from that save.
 
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -129,6 +131,7 @@ class TrialContext:
         self.reports = 0
         self.on_first_report: Callable[[], None] | None = None
         self._calls = 0
+        self.terminated = False  # SIGTERM (the campaign is stopping): should_stop says so, the function saves and returns
         self._agreed = False  # should_stop's answer, once every rank agreed it is yes
         self._printed_at = self._progress_at = 0.0
         self._timing: tuple[int, float] | None = None  # (step, time) of the previous report: step time
@@ -221,7 +224,7 @@ class TrialContext:
         self._calls += 1
         if self._agreed or (self.world_size > 1 and self._calls % max(1, self.cfg.control_every) != 0):
             return self._agreed  # asked every control_every calls: a broadcast per step would cost a round trip each
-        wanted = self.is_rank0 and self._stop_requested is not None and self._stop_requested()
+        wanted = self.is_rank0 and (self.terminated or (self._stop_requested is not None and self._stop_requested()))
         flags = torch.tensor([int(self.pruned), int(wanted)], dtype=torch.int32)
         if self._flags is not None:
             dist.broadcast(flags, src=0, group=self._flags)
@@ -298,10 +301,17 @@ class FunctionTrial:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
         if ctx.is_rank0:
             ctx.write_progress("running")
+        # A stopping campaign SIGTERMs its trials and waits a grace period before SIGKILL: in
+        # it, should_stop() says yes and the function saves where it is (the main thread only
+        # can take signals; an agent's generations are ended by their agent instead).
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(ctx, "terminated", True)) if in_main else None
         try:
             returned = self.fn(ctx, **((cfg.function or {}).get("kwargs") or {}))
             ctx.checkpointer.wait()  # the last save is durable before anything says so
         finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
             self._step, self._last_step_at = ctx.step, ctx.last_step_at
         if ctx.stopped and not ctx.pruned:
             return None

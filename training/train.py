@@ -73,8 +73,10 @@ def train_function(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: world size {env.world_size}, calling {cfg.function['target']}", flush=True)
         result = trial.train()
-        if env.rank == 0 and result is not None:
-            print(result_line(cfg.trial_id, result), flush=True)
+        if env.rank == 0:
+            print(result_line(cfg.trial_id, result) if result is not None else
+                  f"trial {cfg.trial_id}: stopped at step {trial.step} (SIGTERM: the campaign is stopping); it resumes from its last save",
+                  flush=True)
     finally:
         trial.close()
 
