@@ -120,15 +120,20 @@ class Checkpointer:
             finalized, self._finalized = self._finalized, None
             finalized.result()
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
-        """Load the newest valid checkpoint into `state`; its step, or None if there is none."""
+    def latest(self) -> Path | None:
+        """The newest valid checkpoint as rank 0 finds it, on every rank (collective)."""
         found = latest_valid_checkpoint(self.root) if self.rank == 0 else None
         found = self._on_rank0(str(found) if found else None)
+        return None if found is None else Path(found)
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Load the newest valid checkpoint into `state`; its step, or None if there is none."""
+        found = self.latest()
         if found is None:
             return None
         dcp.load(state, checkpoint_id=found)
-        self.loaded = Path(found)
-        return checkpoint_step(self.loaded)
+        self.loaded = found
+        return checkpoint_step(found)
 
 
 def load_model_weights(checkpoint: Path, model: "torch.nn.Module") -> "torch.nn.Module":

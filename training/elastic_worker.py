@@ -183,13 +183,12 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
     """A function trial's generation: its function runs until it returns; when it returned
     because the agent asked for a stop (ctx.should_stop), it saved, and the next generation
     (new processes: the agent restarts function trials) loads that save."""
-    assignment = json.loads(store.get(_wait_assignment(store, wid, 0)))
+    assignment = _assignment(store, wid, 0)
     if assignment.get("exit"):
         return
     timings = {"assigned": time.time()}
     gen, members = assignment["gen"], assignment["members"]
-    rank = members.index(wid)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
+    rank = _join_generation(assignment, wid, store, backend)
     stop_path = Path(assignment["stop_path"])
     trial.attach(rank, len(members), 0, stop_requested=stop_path.exists)
     timings["attached"] = timings["state"] = time.time()
@@ -210,27 +209,33 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
     trial.detach()
     dist.destroy_process_group()
     if result is None:  # the agent dismisses this worker: wait for its word, then go
-        store.wait([f"assign/{wid}/1"])
+        _assignment(store, wid, 1)
 
 
-def _wait_assignment(store: dist.TCPStore, wid: str, k: int) -> str:
+def _assignment(store: dist.TCPStore, wid: str, k: int) -> dict:
+    """The agent's k-th assignment to this worker, once it is given."""
     key = f"assign/{wid}/{k}"
     store.wait([key])
-    return key
+    return json.loads(store.get(key))
+
+
+def _join_generation(assignment: dict, wid: str, store: dist.TCPStore, backend: str) -> int:
+    """Join the assignment's generation as the default process group; this worker's rank there."""
+    members = assignment["members"]
+    rank = members.index(wid)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{assignment['gen']}/", store), rank=rank, world_size=len(members))
+    return rank
 
 
 def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, backend: str) -> None:
     """Train each generation the agent assigns this worker, until it says exit or the trial ends."""
     for k in range(10**9):
-        key = f"assign/{wid}/{k}"
-        store.wait([key])
-        assignment = json.loads(store.get(key))
+        assignment = _assignment(store, wid, k)
         if assignment.get("exit"):
             return
         timings = {"assigned": time.time()}
         gen, members = assignment["gen"], assignment["members"]
-        rank = members.index(wid)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=len(members))
+        rank = _join_generation(assignment, wid, store, backend)
         trainer.attach(DistEnv(rank, len(members), 0), trace_name=f"{wid}-gen{gen}")
         timings["attached"] = time.time()
         if assignment["source"] == "disk":

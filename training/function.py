@@ -199,10 +199,7 @@ class TrialContext:
         start (every rank calls it)."""
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-        from training.manifest import latest_valid_checkpoint
-
-        found = latest_valid_checkpoint(self.checkpointer.root) if self.is_rank0 else None
-        found = self.checkpointer._on_rank0(str(found) if found else None)
+        found = self.checkpointer.latest()
         if found is None:
             return None
         with warnings.catch_warnings():
