@@ -16,6 +16,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -361,7 +362,12 @@ def test_sigterm_makes_should_stop_true_and_the_function_saves_where_it_is(user_
                              "--config", str(path)], cwd=user_package, stdout=open(Path(cfg.trial_dir) / "train.log", "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     wait_for(lambda: (read_json(Path(cfg.trial_dir) / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 120, "the hold")
+    workers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGTERM)  # as stop_launched_trials does: the whole group
+    # torchrun forwards the SIGTERM to its workers (their own sessions) in its own time; sent here
+    # too, it is pending in the worker before the hold ends, so the worker cannot take a step first
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
     (Path(cfg.trial_dir) / "hold").unlink()
     proc.wait(timeout=60)
     saved = sorted(p.name for p in (Path(cfg.trial_dir) / "checkpoints").glob("step-*"))
