@@ -374,3 +374,57 @@ def test_sigterm_makes_should_stop_true_and_the_function_saves_where_it_is(user_
     assert saved == ["step-00000035"], (Path(cfg.trial_dir) / "train.log").read_text()[-2000:]
     assert not (Path(cfg.trial_dir) / "result.json").exists()
     assert "stopped at step 35 (SIGTERM" in (Path(cfg.trial_dir) / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopping_campaign_lets_an_elastic_function_trial_save_where_it_is(user_package):
+    """An elastic function trial on two processes, held after reporting step 40; SIGTERM to
+    its process group (as a stopping campaign sends): the agent does not kill the workers but
+    waits while the function, told by should_stop(), saves step 40 and returns; it exits as
+    preempted, and the next start resumes from that save."""
+    from tests.elastic_helpers import cpu_slot
+    from training.elastic import PREEMPTED, agent_state_in, write_command
+
+    cfg = TrialConfig(trial_id="eterm", seed=0, model={}, data={}, steps=80, batch_size=32, lr=0.05,
+                      trial_dir=str(user_package / "eterm"), hold_at_step=40, control_every=1,
+                      function={"target": "mylab.loop:fit", "kwargs": {"every": 10, "save_every": 1000}})
+    trial_dir, control = Path(cfg.trial_dir), Path(cfg.trial_dir) / "control"
+    control.mkdir(parents=True)
+    (trial_dir / "hold").touch()
+    (trial_dir / "trial.json").write_text(cfg.to_json())
+
+    def start(devices: int) -> subprocess.Popen:
+        for old in control.glob("command-*.json"):
+            old.unlink()
+        write_command(control, 0, [cpu_slot(i) for i in range(devices)])
+        return subprocess.Popen([sys.executable, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"), "--control", str(control)],
+                                cwd=user_package, stdout=open(trial_dir / "agent.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    agent = start(2)
+    wait_for(lambda: (read_json(cfg.progress_path) or {}).get("state") == "held" or agent.poll() is not None, 120, "the hold")
+    assert agent.poll() is None, (trial_dir / "agent.log").read_text()[-3000:]
+    os.killpg(agent.pid, signal.SIGTERM)  # the agent and its workers share the group: each has it before the hold ends
+    (trial_dir / "hold").unlink()
+    assert agent.wait(timeout=60) == PREEMPTED, (trial_dir / "agent.log").read_text()[-3000:]
+    assert sorted(p.name for p in (trial_dir / "checkpoints").glob("step-*")) == ["step-00000040"]
+    assert read_json(agent_state_in(control))["status"] == "preempted"
+    assert not (trial_dir / "result.json").exists()
+    again = start(1)
+    assert again.wait(timeout=120) == 0, (trial_dir / "agent.log").read_text()[-3000:]
+    result = json.loads((trial_dir / "result.json").read_text())
+    assert (result["steps"], result["resumed_from_step"], result["world_size"]) == (80, 40, 1)
+
+
+@pytest.mark.parametrize("example", ["chargpt_loop", "gan"])
+def test_the_function_examples_pass_their_preflight_check(example, monkeypatch):
+    """Each own-loop example's target imports, takes the context, and its check hook runs a
+    report and a save on two samples (what `campaign launch` runs before anything starts)."""
+    from conftest import REPO
+    from tasks.grid import expand_grid
+    from tasks.workload import check_trials
+    from training.spec import load_spec
+
+    monkeypatch.chdir(REPO)  # targets are `examples.workloads...`, imported from the launch directory
+    spec = load_spec(REPO / "examples" / f"{example}.yaml")
+    assert spec.function and spec.training.check
+    check_trials(expand_grid(spec))

@@ -45,6 +45,7 @@ from training.process import die_with_parent
 from training.layout import agent_state_in
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
+TERM_SAVE_S = 25.0  # a stopping campaign waits 30 s (tasks/trial.py STOP_GRACE_S) before SIGKILL
 POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
 # While the trial just trains: how soon a new command is seen. Each wake-up takes a core
 # from a rank for a moment (the ranks of a CPU trial have one core each), and a command
@@ -96,6 +97,7 @@ class Agent:
         self.seq = -1
         self._next_wid = 0
         self._restart_only: bool | None = None
+        self.terminating = False  # SIGTERM to a function trial's agent: the campaign is stopping (see main)
         for stale in control.glob("stop-*"):  # an earlier agent's generations: numbering starts again
             stale.unlink()
 
@@ -169,12 +171,12 @@ class Agent:
         for wid in members:
             self.assign(wid, payload)
 
-    def stop_generation(self, save: bool) -> dict | None:
+    def stop_generation(self, save: bool, timeout_s: float = 3600) -> dict | None:
         """Ask the running generation to stop (its rank 0 sees the file at its next control
         step, every rank stops two control steps later): its stop record, or None when it finished
         training before it could stop."""
         write_json_atomic(self.stop_path(self.gen), {"save": save}, durable=False)
-        if not self.wait_for([f"stopped/{self.gen}"], timeout_s=3600):
+        if not self.wait_for([f"stopped/{self.gen}"], timeout_s=timeout_s):
             return None
         return json.loads(self.store.get(f"stopped/{self.gen}"))
 
@@ -259,6 +261,8 @@ class Agent:
         self.start(first)
         self.write_state("running")
         while True:
+            if self.terminating:
+                return self.stop_for_campaign()
             self.check_workers()
             if self.members_finished():
                 self.write_state("finished")
@@ -273,6 +277,31 @@ class Agent:
                     return outcome
                 self.write_state("running")
             time.sleep(IDLE_POLL_S)
+
+    def stop_for_campaign(self) -> int:
+        """The campaign is stopping (SIGTERM to the trial's process group): a function trial's
+        workers got it too, and their should_stop() says so; the function saves where it is
+        and returns. Wait for that save, let the workers go, and exit as preempted (the next
+        launch resumes from the save). The stop file asks too, for a SIGTERM that reached the
+        agent alone (its parent died)."""
+        if not self.members:
+            self.kill_all()
+            self.write_state("failed")
+            return FAILED
+        try:
+            stopped = self.stop_generation(save=True, timeout_s=TERM_SAVE_S)
+        except (WorkerDied, TimeoutError) as e:
+            print(f"elastic agent: stopping for the campaign: {e}; ending the trial's processes", file=sys.stderr, flush=True)
+            self.kill_all()
+            self.write_state("failed")
+            return FAILED
+        if stopped is not None:
+            print(f"elastic agent: the campaign is stopping; the trial saved at step {stopped['step']}", flush=True)
+            self.dismiss(list(self.members))
+            self.members = []
+        self.wait_for_exits()
+        self.write_state("finished" if stopped is None else "preempted")
+        return FINISHED if stopped is None else PREEMPTED
 
     def wait_for_exits(self) -> None:
         """Until every worker told to leave (or finished) has exited."""
@@ -292,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     # two bytecodes of the main thread, which may be inside Popen.poll holding Popen's wait
     # lock: Popen.wait here would wait on that lock forever (seen: an agent left running,
     # its worker a zombie). The workers are SIGKILLed; init reaps them.
-    signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(wait=False), os._exit(FAILED)))
+    # A function trial's workers save on SIGTERM (should_stop): its handler only marks the
+    # stop, and the main loop waits for that save (stop_for_campaign) within the campaign's grace.
+    if agent.restart_only:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "terminating", True))
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(wait=False), os._exit(FAILED)))
     try:
         return agent.run()
     except (WorkerDied, TimeoutError) as e:
