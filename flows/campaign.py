@@ -127,7 +127,17 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
         log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
         mlflow_tracking_uri=tracking_uri(spec.tracking), mlflow_run_id=mlflow_run_id,
+        checkpoint_remote=checkpoint_remote(spec, trial),
     )
+
+
+def checkpoint_remote(spec: CampaignSpec, trial: Trial) -> dict[str, str] | None:
+    """Where the trial's checkpoints travel (tracking.dvc_remote), keyed by campaign and trial."""
+    if spec.tracking.dvc_remote is None:
+        return None
+    from training.checkpoint_remote import resolve_remote
+
+    return {"url": resolve_remote(spec.tracking.dvc_remote), "key": f"{spec.campaign.name}/{trial.id}"}
 
 
 class CampaignRun:

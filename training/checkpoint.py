@@ -5,11 +5,15 @@ A checkpoint is a directory `step-00000050/` holding DCP's files plus `manifest.
 once every rank has written and rank 0 has written the manifest, so a visible checkpoint
 is always complete; one whose files do not match its manifest is skipped, never loaded.
 DCP reshards on load, so a checkpoint written at one world size loads at another.
+
+With a remote (`tracking.dvc_remote`, training/checkpoint_remote.py) each checkpoint is
+pushed once in view, and a resume pulls a newer one than its folder holds.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
+
+    from training.checkpoint_remote import CheckpointRemote
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,8 +43,10 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None,
-                 guard: Callable[[], str | None] | None = None, grant: dict[str, Any] | None = None):
+                 guard: Callable[[], str | None] | None = None, grant: dict[str, Any] | None = None,
+                 remote: "CheckpointRemote | None" = None):
         self.root = Path(root)
+        self.remote = remote  # pushed to after each save, pulled from before a resume
         # Asked on rank 0 just before a checkpoint becomes visible (training.fence.commit_guard);
         # the grant goes into its manifest, so a late write under an old grant is not trusted.
         self.guard = guard
@@ -110,6 +118,12 @@ class Checkpointer:
         fsync_dir(self.root)
         for old in list_checkpoints(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        if self.remote is not None:
+            try:
+                self.remote.push(final)
+            except Exception as e:  # the checkpoint is whole here: training goes on, a resume elsewhere starts older
+                print(f"checkpoint remote {self.remote.url}: pushing {final.name} failed ({e}); it stays on this node",
+                      file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and, on rank 0, visible."""
@@ -121,10 +135,31 @@ class Checkpointer:
             finalized.result()
 
     def latest(self) -> Path | None:
-        """The newest valid checkpoint as rank 0 finds it, on every rank (collective)."""
-        found = latest_valid_checkpoint(self.root) if self.rank == 0 else None
+        """The newest valid checkpoint as rank 0 finds it, on every rank (collective). With a
+        remote, rank 0 first pulls a newer one than its folder holds, and a rank whose node
+        lacks the chosen one (no shared storage) pulls it too."""
+        found = self._newest_on_rank0() if self.rank == 0 else None
         found = self._on_rank0(str(found) if found else None)
-        return None if found is None else Path(found)
+        if found is None:
+            return None
+        if self.remote is not None:
+            if not Path(found).is_dir():
+                self.remote.pull_step(checkpoint_step(Path(found)), self.root)
+            self._barrier()  # every rank has it before any loads
+        return Path(found)
+
+    def _newest_on_rank0(self) -> Path | None:
+        found = latest_valid_checkpoint(self.root)
+        if self.remote is not None:
+            try:
+                pulled = self.remote.pull_newer(self.root, checkpoint_step(found) if found else -1)
+            except Exception as e:  # unreachable now: this node's own checkpoints are all there is
+                print(f"checkpoint remote {self.remote.url}: cannot read it ({e}); resuming from this node's checkpoints",
+                      file=sys.stderr, flush=True)
+                pulled = None
+            if pulled is not None:
+                found = latest_valid_checkpoint(self.root)  # verified like any other: a bad pull is skipped
+        return found
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the newest valid checkpoint into `state`; its step, or None if there is none."""

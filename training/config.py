@@ -68,6 +68,9 @@ class TrialConfig:
     mlflow_run_id: str | None = None  # the trial's child run; None: no MLflow logging
     tags: dict[str, str] = field(default_factory=dict)
     lease: dict[str, Any] | None = None  # the holder's lease its workers watch (training.fence); None: run by hand
+    # {"url": a DVC remote, "key": "<campaign>/<trial>"}: checkpoints pushed there and pulled from
+    # there on a resume (training.checkpoint_remote); None: they stay in trial_dir only
+    checkpoint_remote: dict[str, Any] | None = None
     # A function trial (training.function): {"target": "pkg.mod:fn", "kwargs": {...}} runs the
     # user's own loop instead of ours; `point` is the trial's whole spec, handed to it as ctx.config.
     function: dict[str, Any] | None = None

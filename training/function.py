@@ -48,6 +48,7 @@ from torch import nn
 
 from training.batches import Phase
 from training.checkpoint import Checkpointer
+from training.checkpoint_remote import remote_for
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.fence import commit_guard, grant_of
@@ -141,7 +142,8 @@ class TrialContext:
         # Saves written from a thread need collectives of their own (as the project's loop's do).
         self._async = dist.new_group(backend="gloo") if async_saves and dist.is_initialized() else None
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, rank, world_size, self._async,
-                                         guard=commit_guard(cfg.lease), grant=grant_of(cfg.lease))
+                                         guard=commit_guard(cfg.lease), grant=grant_of(cfg.lease),
+                                         remote=remote_for(cfg.checkpoint_remote, cfg.keep_checkpoints))
         self.metrics = MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if self.is_rank0 else MetricsLogger(None, None)
         self.pruning = Pruning(cfg.pruning) if cfg.pruning and self.is_rank0 else None
 

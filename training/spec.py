@@ -330,6 +330,8 @@ class TrackingSection(Strict):
                                                            "so one campaign never overwrites another's)")
     keep_checkpoints: int = Field(default=2, ge=1)
     system_metrics_every_s: float = Field(default=10.0, ge=0, description="per-trial device metrics period; 0: none")
+    dvc_remote: str | None = Field(default=None, min_length=1, description="a DVC remote (its name in .dvc/config, a URL or "
+                                   "a folder) each checkpoint is pushed to and a resume pulls from: nodes need no shared storage")
 
 
 def tracking_uri(tracking: TrackingSection) -> str:
@@ -626,6 +628,19 @@ def check_data(spec: CampaignSpec, root: Path = Path(".")) -> None:
         )
 
 
+def check_dvc_remote(value: str) -> str:
+    """The checkpoint remote's URL, once a probe was written there and removed (exit 2 if not)."""
+    from training.checkpoint_remote import RemoteError, check_remote, resolve_remote
+
+    url = resolve_remote(value)
+    try:
+        check_remote(url)
+    except RemoteError as e:
+        raise SpecError(f"tracking.dvc_remote: cannot write to the remote {value!r} ({e}): create the folder, install the "
+                        "remote's DVC plugin (dvc-s3, dvc-ssh, ...) or fix its credentials, or drop tracking.dvc_remote") from None
+    return url
+
+
 def check_tracking(spec: CampaignSpec, timeout_s: float = 5.0) -> None:
     """The MLflow store must be reachable before anything starts: a server that is down
     would otherwise fail the campaign only after Prefect and the checks have run."""
@@ -643,6 +658,8 @@ def check_tracking(spec: CampaignSpec, timeout_s: float = 5.0) -> None:
             reason = getattr(e, "reason", e)
             raise SpecError(f"{where}: cannot reach the MLflow server at {uri} ({reason}): start it, or set {where} "
                             "to a local store such as sqlite:///mlflow.db") from None
+    if spec.tracking.dvc_remote is not None:
+        check_dvc_remote(spec.tracking.dvc_remote)
     if scheme == "sqlite":
         path = uri.split(":///", 1)[1] if ":///" in uri else ""
         folder = Path(path).parent if path and path != ":memory:" else None

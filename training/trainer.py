@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.batches import Phase, Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
+from training.checkpoint_remote import remote_for
 from training.fence import commit_guard, grant_of
 from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
@@ -175,7 +176,8 @@ class Trainer(Stateful):
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group,
-                                         guard=commit_guard(self.cfg.lease), grant=grant_of(self.cfg.lease))
+                                         guard=commit_guard(self.cfg.lease), grant=grant_of(self.cfg.lease),
+                                         remote=remote_for(self.cfg.checkpoint_remote, self.cfg.keep_checkpoints))
         if env.rank == 0 and not self.metrics.enabled:
             self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id)
         elif env.rank != 0:
