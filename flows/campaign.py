@@ -53,6 +53,7 @@ from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import read_json, write_json_atomic
 from training.metrics import format_metrics
+from training.progress import read_progress
 from training.layout import campaign_files, trial_files
 from prefect.runtime import flow_run as prefect_flow_run
 
@@ -306,14 +307,15 @@ class CampaignRun:
         """Elastic trials: the policy decides who runs on how many devices, now."""
         now = time.time()
         for job in self.running.values():
-            progress = read_json(trial_files(job.trial_dir).progress) or {}
-            if progress.get("world_size") == len(job.devices) and "step_time_s" in progress.get("metrics", {}):
+            progress = read_progress(job.trial_dir)
+            metrics = progress.metrics if progress else {}
+            if progress and progress.world_size == len(job.devices) and "step_time_s" in metrics:
                 # The policy compares sizes by time per reference step (the trial's batch_size
                 # samples): a goodput trial's step at another size trains another batch.
-                batch = progress.get("batch_size") or job.trial.spec.training.batch_size
-                per_reference_step = progress["metrics"]["step_time_s"] * job.trial.spec.training.batch_size / batch
+                batch = progress.batch_size or job.trial.spec.training.batch_size
+                per_reference_step = metrics["step_time_s"] * job.trial.spec.training.batch_size / batch
                 self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step)
-            if noise := progress.get("metrics", {}).get("grad_noise_scale"):  # samples, measured by the trainer
+            if noise := metrics.get("grad_noise_scale"):  # samples, measured by the trainer
                 self.scheduler.observe_noise(job.trial.id, noise / job.trial.spec.training.batch_size)
             self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)
             if job.pinned_by_person:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from training.manifest import checkpoint_report, checkpoint_step
+from training.progress import read_progress
 from training.result import read_result
 from training.files import InputError, read_bounded, read_json, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
@@ -134,7 +135,7 @@ class TrialStatus:
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
     record = read_json(trial_files(trial_dir).record) or {}
-    progress = read_json(trial_files(trial_dir).progress) or {}
+    progress = read_progress(trial_dir)
     result = read_result(trial_dir)
     agent = read_json(trial_files(trial_dir).agent_state) or {}  # an elastic trial's devices now
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
@@ -143,10 +144,10 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,
         # The newest of what the trainer said (at most once a second) and what it checkpointed.
-        step=max(int(progress.get("step", 0)), checkpoint_step(latest) if latest else 0,
+        step=max(progress.step if progress else 0, checkpoint_step(latest) if latest else 0,
                  int(result.get("steps", 0)) if result else 0), steps=steps,
         devices=list(devices),
-        metrics=dict((result or progress).get("metrics", {})),
+        metrics=dict(result["metrics"] if result else progress.metrics if progress else {}),
         checkpoint=str(latest) if latest else None,
         refused=tuple((d.name, why) for d, why in refused),
     )

@@ -49,6 +49,7 @@ from torch import nn
 from training.batches import Phase
 from training.checkpoint import Checkpointer
 from training.checkpoint_remote import remote_for
+from training.progress import progress_now
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.fence import commit_guard, grant_of
@@ -233,10 +234,7 @@ class TrialContext:
 
     # --- around the function --------------------------------------------------------------
     def write_progress(self, state: str) -> None:
-        write_json_atomic(self.cfg.progress_path, {
-            "state": state, "step": self.step, "steps": self.steps, "world_size": self.world_size,
-            "batch_size": self.cfg.batch_size, "samples_seen": 0, "metrics": self.latest, "updated": time.time(),
-        }, durable=False)
+        progress_now(state, self.step, self.steps, self.world_size, self.cfg.batch_size, self.latest).write(self.cfg.trial_dir)
 
     def _hold(self) -> None:
         """Tests: wait here while `<trial_dir>/hold` exists (a step a test can kill at)."""

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from training.batches import Phase, Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
 from training.checkpoint_remote import remote_for
+from training.progress import progress_now
 from training.fence import commit_guard, grant_of
 from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
@@ -481,11 +482,8 @@ class Trainer(Stateful):
 
     def write_progress(self, state: str) -> None:
         # A status for people and the scheduler, written often: no fsync on the training path.
-        write_json_atomic(self.cfg.progress_path, {
-            # In reference steps (goodput: samples / batch_size), as campaign.json counts them.
-            "state": state, "step": self.progress_step, "steps": self.cfg.steps, "world_size": self.env.world_size,
-            "batch_size": self.batch_size, "samples_seen": self.samples_seen, "metrics": self.latest, "updated": time.time(),
-        }, durable=False)
+        progress_now(state, self.progress_step, self.cfg.steps, self.env.world_size, self.batch_size, self.latest,
+                     samples_seen=self.samples_seen).write(self.cfg.trial_dir)
 
     def train(self, should_stop: StopCheck | None = None, after_first_step: Callable[[], None] | None = None) -> dict[str, Any] | None:
         """Train to the end (returns the result) or until `should_stop` says so (returns None).
