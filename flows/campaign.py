@@ -33,7 +33,7 @@ from tasks.profile import load_prior, profile_dir
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_function, trial_workload
-from tasks.records import add_trial_entry, campaign_dir, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
+from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_dir, read_campaign, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
 from tasks.system_metrics import SystemSampler
@@ -51,10 +51,10 @@ from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
 from training.elastic import clear_commands
 from training.errors import CampaignError
-from training.files import read_json, write_json_atomic
+from training.files import write_json_atomic
 from training.metrics import format_metrics
 from training.progress import read_progress
-from training.layout import campaign_files, trial_files
+from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
 
 WAIT_FOR_DEVICES_S = 2.0  # poll period while other campaigns hold every device we could use
@@ -110,10 +110,10 @@ def summary_key(campaign: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"campaign-{campaign}".lower()).strip("-")
 
 
-def trial_entry(trial: Trial, request: SizedRequest) -> dict[str, Any]:
+def trial_entry(trial: Trial, request: SizedRequest) -> TrialEntry:
     """A trial as campaign.json lists it (what `campaign status` and `resize` read)."""
-    return {"id": trial.id, "label": trial.label, "steps": trial.spec.training.steps, "overrides": trial.overrides,
-            "devices": [request.min_devices, request.max_devices]}
+    return TrialEntry(id=trial.id, label=trial.label, steps=trial.spec.training.steps, overrides=dict(trial.overrides),
+                      devices=(request.min_devices, request.max_devices))
 
 
 def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_id: str | None, request: SizedRequest,
@@ -586,8 +586,8 @@ def flow_run_name() -> str:
     params = flow_run.parameters
     try:
         spec = load_spec(params.get("params_path", "params.yaml"), pool=params.get("pool"))
-        record = read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, spec.campaign.name)).record) or {}
-        return f"{spec.campaign.name} · launch {int(record.get('launches', 0)) + 1}"
+        record = read_campaign(spec.tracking.runs_dir, spec.campaign.name)
+        return f"{spec.campaign.name} · launch {(record.launches if record else 0) + 1}"
     except Exception:  # the flow itself says what is wrong with the spec, with its field
         return "campaign"
 
@@ -606,18 +606,16 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
 
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
-    before = read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, name)).record) or {}
-    write_campaign(spec.tracking.runs_dir, name, {
-        **before,  # a search's trials so far
-        "launches": int(before.get("launches", 0)) + 1,  # the flow run's name counts them
-        "name": name, "params": str(Path(params_path).resolve()), "mlflow_run_id": parent_run_id,
-        "owner": process_identity(), "state": "running", "started": time.time(),
-        "prefect_api": os.environ.get("PREFECT_API_URL") or None,  # a `campaign ui` waits for campaigns reporting to it
+    before = read_campaign(spec.tracking.runs_dir, name) or CampaignRecord(name=name)  # a search's trials so far
+    write_campaign(spec.tracking.runs_dir, dataclasses.replace(
+        before, launches=before.launches + 1, params=str(Path(params_path).resolve()), mlflow_run_id=parent_run_id,
+        owner=process_identity(), state="running", started=time.time(), ended=None,
+        prefect_api=os.environ.get("PREFECT_API_URL") or None,
         # Where people look: the live view prints these links (flows/live_view.py: campaign_links).
-        "flow_run_id": str(prefect_flow_run.id) if prefect_flow_run.id else None,
-        "mlflow_ui": mlflow_ui(uri), "mlflow_experiment_id": run_experiment(uri, parent_run_id),
-        **({} if search else {"trials": [trial_entry(t, requests[t.id]) for t in trials]}),
-    })
+        flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
+        mlflow_ui=mlflow_ui(uri), mlflow_experiment_id=run_experiment(uri, parent_run_id),
+        trials=before.trials if search else tuple(trial_entry(t, requests[t.id]) for t in trials),
+    ))
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
     run.run()
 

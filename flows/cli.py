@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tasks.records import ENDED as TERMINAL  # states nothing changes but a launch
-from training.layout import campaign_files, campaign_records, trial_files
+from training.layout import campaign_records, trial_files
 
 # Prefect phones home unless told not to, and these machines have no network for it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -86,21 +86,20 @@ def _use_pool_secret(pool: str) -> None:
 def _check_records(spec) -> None:
     """The campaign's own record, read now as the flow will (bounded, depth-limited): a record
     that is a FIFO, a device or junk exits 2 here, naming it, instead of failing the flow."""
-    from tasks.records import campaign_dir
-    from training.files import read_json
+    from tasks.records import read_campaign
 
-    read_json(campaign_files(campaign_dir(spec.tracking.runs_dir, spec.campaign.name)).record)
+    read_campaign(spec.tracking.runs_dir, spec.campaign.name)
 
 
 def _set_aside_for_rerun(spec, trials, rerun: list[str]) -> None:
     """`resume --rerun TRIAL`: the trial's result and checkpoints moved aside (kept), so it
     trains again from scratch. Every id is checked before anything moves."""
-    from tasks.records import campaign_dir
-    from training.files import read_json
+    from tasks.records import campaign_dir, read_campaign
     from training.result import set_aside
 
     root = campaign_dir(spec.tracking.runs_dir, spec.campaign.name)
-    known = {t.id for t in trials} | {t["id"] for t in (read_json(campaign_files(root).record) or {}).get("trials", [])}
+    record = read_campaign(spec.tracking.runs_dir, spec.campaign.name)
+    known = {t.id for t in trials} | {t.id for t in (record.trials if record else ())}
     if unknown := [t for t in rerun if t not in known]:
         _fail(f"--rerun {unknown[0]}: campaign {spec.campaign.name} has no such trial; its trials: {', '.join(sorted(known)) or 'none'}")
     for trial in dict.fromkeys(rerun):
@@ -293,34 +292,32 @@ def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
     return name
 
 
-def _trial_entry(record: dict, name: str, trial: str) -> dict:
+def _trial_entry(record, name: str, trial: str):
     """The trial as the campaign record lists it; exits 2 naming the trials there are."""
-    trials = record.get("trials", [])
-    entry = next((t for t in trials if t["id"] == trial), None)
+    entry = record.trial(trial)
     if entry is None:
-        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t['id'] for t in trials) or 'none'}")
+        _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t.id for t in record.trials) or 'none'}")
     return entry
 
 
-def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str) -> tuple[str, dict]:
+def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str):
     """The campaign that has `trial` and its entry: the named one, else the latest launched,
     else any campaign under runs_dir that lists it (the most recently started); exits 2
     naming where it looked and what to pass."""
-    from tasks.records import campaign_dir
-    from training.files import read_json
+    from tasks.records import CampaignRecord, read_campaign, read_campaign_file
 
     name = _campaign_name(campaign, runs_dir)
-    record = read_json(campaign_files(campaign_dir(runs_dir, name)).record) or {}
-    if campaign is not None or any(t["id"] == trial for t in record.get("trials", [])):
+    record = read_campaign(runs_dir, name) or CampaignRecord(name=name)
+    if campaign is not None or record.trial(trial) is not None:
         return name, _trial_entry(record, name, trial)
     found = []
     for path in campaign_records(runs_dir):
-        other = read_json(path) or {}
-        entry = next((t for t in other.get("trials", []) if t.get("id") == trial), None)
+        other = read_campaign_file(path)
+        entry = other.trial(trial) if other else None
         if entry is not None:
-            found.append((float(other.get("started") or 0.0), path.parent.name, entry))
+            found.append((float(other.started or 0.0), path.parent.name, entry))
     if not found:
-        trials = ", ".join(t["id"] for t in record.get("trials", [])) or "none"
+        trials = ", ".join(t.id for t in record.trials) or "none"
         _fail(f"no campaign under {runs_dir}/ has a trial {trial!r}; the latest, {name}, has: {trials} "
               f"(`campaign status NAME` lists another campaign's; `--campaign NAME` picks it)")
     _, other_name, entry = max(found)
@@ -404,7 +401,7 @@ def logs(
                 position += len(chunk)
                 sys.stdout.write(decode(chunk))
                 sys.stdout.flush()
-        if not follow or trial_status(trial_dir, trial, entry["label"], entry["steps"]).state in TERMINAL:
+        if not follow or trial_status(trial_dir, trial, entry.label, entry.steps).state in TERMINAL:
             if follow and log.exists() and log.stat().st_size > position:
                 continue  # the last lines written as it ended
             return
@@ -420,25 +417,26 @@ def resize(
     wait_s: float = typer.Option(120.0, help="how long to wait for the running campaign to answer"),
 ) -> None:
     """Ask a running elastic trial to continue on another number of devices."""
-    from tasks.records import campaign_dir, latest_campaign
+    from tasks.records import campaign_dir, latest_campaign, read_campaign
     from tasks.resize import request_resize, wait_for_answer
-    from training.files import read_json
+    from training.agent_state import read_agent_state
 
     with _bad_input():
         name = campaign or latest_campaign(runs_dir)
-        record = read_json(campaign_files(campaign_dir(runs_dir, name)).record) if name else None
+        record = read_campaign(runs_dir, name) if name else None
     if record is None:
         _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
               else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
     entry = _trial_entry(record, name, trial)
-    low, high = entry.get("devices", [None, None])
+    low, high = entry.devices
     if low == high:
         _fail(f"trial {trial} has a fixed size of {low} device(s): declare resources.devices as [min, max] to make it elastic")
     if devices != 0 and not low <= devices <= high:
         _fail(f"trial {trial} runs on {low} to {high} devices (0 preempts it): {devices} is outside that range")
     trial_dir = campaign_dir(runs_dir, name) / trial
     with _bad_input():
-        state = (read_json(trial_files(trial_dir).agent_state) or {}).get("status")
+        agent = read_agent_state(trial_files(trial_dir).control)
+        state = agent.status if agent else None
     if state != "running":
         _fail(f"trial {trial} is not running (its agent says: {state or 'not started'}): only a running trial can be resized")
     request_id = request_resize(trial_dir, devices)

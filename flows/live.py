@@ -22,7 +22,8 @@ from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.elastic import refused_path, write_command
 from training.files import read_json
-from training.layout import agent_state_in, trial_files
+from training.agent_state import read_agent_state
+from training.layout import trial_files
 
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,11 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
             answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {refused['reason']}")
             return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused on its node ({refused['reason']})"
-        state = read_json(agent_state_in(control)) or {}
-        if state.get("seq", -1) < seq or not devices:
+        state = read_agent_state(control)
+        if state is None or state.seq < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
         job.awaiting = None
-        if state.get("status") == "finished":
+        if state.status == "finished":
             # The agent took the command but training ended before the resize landed: the
             # trial never ran on the new devices, so say so, and give back what a grow took.
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])

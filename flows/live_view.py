@@ -21,9 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tasks.records import ENDED, TrialStatus, campaign_dir, campaign_status
-from training.files import read_json
-from training.layout import campaign_files
+from tasks.records import ENDED, CampaignRecord, TrialStatus, campaign_status, read_campaign
 
 EVENTS = logging.getLogger("campaign.events")
 EVENTS.propagate = False  # without a live view the flow's Prefect log already says it: said once
@@ -139,15 +137,15 @@ def chatter_to_file(path: Path) -> None:
     logging.captureWarnings(True)  # to the root logger's handlers: the file
 
 
-def campaign_links(record: dict) -> list[str]:
+def campaign_links(record: CampaignRecord) -> list[str]:
     """Where to look at a campaign from its record: its Prefect flow run (when it reports to a
     Prefect server with a UI, not the temporary API) and its MLflow parent run (when an
     MLflow UI serves the store: `campaign ui`, or the spec's own server)."""
     links = []
-    api, flow_run_id = record.get("prefect_api"), record.get("flow_run_id")
+    api, flow_run_id = record.prefect_api, record.flow_run_id
     if api and flow_run_id:
         links.append(f"Prefect  {api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}")
-    ui, experiment, run = record.get("mlflow_ui"), record.get("mlflow_experiment_id"), record.get("mlflow_run_id")
+    ui, experiment, run = record.mlflow_ui, record.mlflow_experiment_id, record.mlflow_run_id
     if ui and experiment and run:
         links.append(f"MLflow   {ui.rstrip('/')}/#/experiments/{experiment}/runs/{run}")
     if not links:
@@ -172,8 +170,8 @@ class LiveView:
         etas = {r.trial_id: self.eta.observe(r.trial_id, r.step, r.steps, now) for r in rows if r.state == "running"}
         ended = sum(r.state in ENDED for r in rows)
         footer = Text(f"{ended}/{len(rows)} trials ended · Prefect and library logs: {self.log_path}", style="dim")
-        record = read_json(campaign_files(campaign_dir(self.runs_dir, self.name)).record) or {}
-        if record.get("state") == "running" or rows:
+        record = read_campaign(self.runs_dir, self.name) or CampaignRecord(name=self.name)
+        if record.state == "running" or rows:
             footer.append("\n" + "\n".join(campaign_links(record)))
         if not rows:
             return Group(Text(f"campaign {self.name}: starting (Prefect's API, the checks, the first trials)…"), footer)

@@ -177,13 +177,17 @@ def reporting_campaigns(runs_dir: Path, prefect_api: str) -> list[str]:
     """Campaigns whose process still runs and reports to this Prefect API, whatever their
     record says (a campaign records its end before its flow run reports it): stopping the
     server now would leave that unreported and fail the launch."""
-    from tasks.records import owner_alive
+    from tasks.records import owner_alive, read_campaign_file
+    from training.files import InputError
 
     names = []
     for record_path in campaign_records(runs_dir):
-        record = read_json(record_path) or {}
-        if record.get("prefect_api") == prefect_api and record.get("owner") and owner_alive(record.get("owner")):
-            names.append(record.get("name", record_path.parent.name))
+        try:
+            record = read_campaign_file(record_path)
+        except InputError:  # not a campaign's record: no campaign reports through it
+            continue
+        if record is not None and record.prefect_api == prefect_api and record.owner and owner_alive(record.owner):
+            names.append(record.name)
     return names
 
 

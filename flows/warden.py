@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 from cluster.leases import process_alive
-from tasks.records import ACTIVE, process_identity, update_campaign, update_record
-from training.files import read_json
-from training.layout import campaign_files, trial_files
+from tasks.records import ACTIVE, process_identity, read_campaign, read_trial_record, update_campaign, update_record
 
 MARK = "CAMPAIGN_WARDEN_MARK"
 GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
@@ -108,18 +106,18 @@ def _signal(pid: int, sig: int) -> None:
 
 def settle_records(campaign_dir: Path, owner: str) -> list[str]:
     """The dead owner's active trials become 'interrupted'; returns MLflow run ids to mark KILLED."""
-    record = read_json(campaign_files(campaign_dir).record) or {}
-    if record.get("owner") != owner or record.get("state") != "running":
+    record = read_campaign(campaign_dir.parent, campaign_dir.name)
+    if record is None or record.owner != owner or record.state != "running":
         return []  # it ended in order, or it is another process's campaign now
     interrupted = []
-    for trial in record.get("trials", []):
-        trial_dir = campaign_dir / trial["id"]
-        trial_record = read_json(trial_files(trial_dir).record) or {}
-        if trial_record.get("state") in ACTIVE and trial_record.get("owner") == owner:
+    for trial in record.trials:
+        trial_dir = campaign_dir / trial.id
+        trial_record = read_trial_record(trial_dir)
+        if trial_record.state in ACTIVE and trial_record.owner == owner:
             update_record(trial_dir, state="interrupted")
-            interrupted.append(trial["id"])
+            interrupted.append(trial.id)
     update_campaign(campaign_dir.parent, campaign_dir.name, state="interrupted", ended=time.time())
-    return [record["mlflow_run_id"]] if record.get("mlflow_run_id") else []
+    return [record.mlflow_run_id] if record.mlflow_run_id else []
 
 
 def kill_runs(tracking_uri: str, parent_run_id: str) -> None:

@@ -16,11 +16,13 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from training.manifest import checkpoint_report, checkpoint_step
+from training.agent_state import read_agent_state
 from training.progress import read_progress
 from training.result import read_result
 from training.files import InputError, read_bounded, read_json, write_json_atomic
@@ -32,22 +34,115 @@ def campaign_dir(runs_dir: Path, campaign: str) -> Path:
     return Path(runs_dir) / campaign
 
 
-def write_campaign(runs_dir: Path, campaign: str, record: dict[str, Any]) -> None:
-    write_json_atomic(campaign_files(campaign_dir(runs_dir, campaign)).record, record)
-    latest_pointer(runs_dir).write_text(campaign + "\n")
+CAMPAIGN_SCHEMA = 1
+_RECORD_FIX = "move it aside (a launch writes a new one; a search's earlier draws are then drawn again)"
 
 
-def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> None:
-    path = campaign_files(campaign_dir(runs_dir, campaign)).record
-    write_json_atomic(path, {**(read_json(path) or {}), **fields})
+@dataclass(frozen=True)
+class TrialEntry:
+    """A trial as campaign.json lists it (what `campaign status`, `logs` and `resize` read)."""
+
+    id: str
+    label: str
+    steps: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    devices: tuple[int, int] = (1, 1)  # [min, max] as the campaign sized its request
 
 
-def add_trial_entry(runs_dir: Path, campaign: str, entry: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class CampaignRecord:
+    """`campaign.json`: the campaign's trials, its state and owner, and where people look."""
+
+    name: str
+    trials: tuple[TrialEntry, ...] = ()
+    state: str = "pending"  # running, ended, stopped, interrupted
+    launches: int = 0  # the flow run's name counts them
+    params: str | None = None
+    owner: str | None = None  # process_identity() of the campaign process while it runs
+    started: float | None = None
+    ended: float | None = None
+    mlflow_run_id: str | None = None  # the parent run
+    mlflow_experiment_id: str | None = None
+    mlflow_ui: str | None = None
+    prefect_api: str | None = None  # a `campaign ui` waits for campaigns reporting to it
+    flow_run_id: str | None = None
+    schema: int = CAMPAIGN_SCHEMA
+
+    def trial(self, trial_id: str) -> TrialEntry | None:
+        return next((t for t in self.trials if t.id == trial_id), None)
+
+    def to_json(self) -> dict[str, Any]:
+        raw = asdict(self)
+        raw["trials"] = [{**asdict(t), "devices": list(t.devices)} for t in self.trials]
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: Any, path: Path) -> "CampaignRecord":
+        """The record in `raw` (read from `path`); InputError naming the file when it is not one."""
+        if (problem := _campaign_problem(raw)) is not None:
+            raise InputError(f"{path} is not a campaign record ({problem}): {_RECORD_FIX}")
+        fields_ = {k: v for k, v in raw.items() if k != "trials"}
+        fields_["schema"] = CAMPAIGN_SCHEMA  # 0 (before records had a version) has the same fields
+        trials = tuple(TrialEntry(id=t["id"], label=t["label"], steps=t["steps"], overrides=dict(t.get("overrides", {})),
+                                  devices=tuple(t.get("devices", (1, 1)))) for t in raw.get("trials", []))
+        return cls(trials=trials, **fields_)
+
+
+_OPTIONAL_TEXT = ("params", "owner", "mlflow_run_id", "mlflow_experiment_id", "mlflow_ui", "prefect_api", "flow_run_id")
+
+
+def _campaign_problem(raw: Any) -> str | None:
+    if not isinstance(raw, dict):
+        return "not a JSON object"
+    schema = raw.get("schema", 0)
+    if not isinstance(schema, int) or schema > CAMPAIGN_SCHEMA:
+        return f"schema {schema!r}: written by a newer version of this tool (this one reads {CAMPAIGN_SCHEMA})"
+    if unknown := sorted(set(raw) - set(CampaignRecord.__dataclass_fields__)):
+        return f"unknown fields {unknown}"
+    if not isinstance(raw.get("name"), str) or not isinstance(raw.get("state", ""), str):
+        return "no name"
+    if any(raw.get(k) is not None and not isinstance(raw[k], str) for k in _OPTIONAL_TEXT):
+        return "a link or owner that is not text"
+    if any(raw.get(k) is not None and (not isinstance(raw[k], (int, float)) or isinstance(raw[k], bool)) for k in ("started", "ended", "launches")):
+        return "a time or count that is not a number"
+    trials = raw.get("trials", [])
+    if not isinstance(trials, list):
+        return "trials is not a list"
+    for t in trials:
+        if not (isinstance(t, dict) and isinstance(t.get("id"), str) and isinstance(t.get("label"), str)
+                and isinstance(t.get("steps"), int) and isinstance(t.get("overrides", {}), dict)
+                and isinstance(t.get("devices", [1, 1]), list) and len(t.get("devices", [1, 1])) == 2
+                and all(isinstance(d, int) for d in t.get("devices", [1, 1])) and not set(t) - set(TrialEntry.__dataclass_fields__)):
+            return f"trial entry {str(t)[:80]} is not one"
+    return None
+
+
+def read_campaign_file(path: Path) -> CampaignRecord | None:
+    """The record at `path`, None when there is none; InputError naming it when it is not one."""
+    raw = read_json(path)
+    return None if raw is None else CampaignRecord.from_json(raw, path)
+
+
+def read_campaign(runs_dir: Path, campaign: str) -> CampaignRecord | None:
+    return read_campaign_file(campaign_files(campaign_dir(runs_dir, campaign)).record)
+
+
+def write_campaign(runs_dir: Path, record: CampaignRecord) -> None:
+    write_json_atomic(campaign_files(campaign_dir(runs_dir, record.name)).record, record.to_json())
+    latest_pointer(runs_dir).write_text(record.name + "\n")
+
+
+def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> CampaignRecord:
+    record = read_campaign(runs_dir, campaign) or CampaignRecord(name=campaign)
+    record = replace(record, **fields)
+    write_json_atomic(campaign_files(campaign_dir(runs_dir, campaign)).record, record.to_json())
+    return record
+
+
+def add_trial_entry(runs_dir: Path, campaign: str, entry: TrialEntry) -> None:
     """List one more trial in campaign.json (a search's draw), keeping those listed before."""
-    path = campaign_files(campaign_dir(runs_dir, campaign)).record
-    record = read_json(path) or {}
-    trials = [t for t in record.get("trials", []) if t["id"] != entry["id"]] + [entry]
-    write_json_atomic(path, {**record, "trials": trials})
+    record = read_campaign(runs_dir, campaign) or CampaignRecord(name=campaign)
+    update_campaign(runs_dir, campaign, trials=tuple(t for t in record.trials if t.id != entry.id) + (entry,))
 
 
 def latest_campaign(runs_dir: Path) -> str | None:
@@ -89,23 +184,78 @@ def owner_alive(owner: str | None) -> bool:
     return process_identity(int(pid)) == owner
 
 
-def update_record(trial_dir: Path, **fields: Any) -> dict[str, Any]:
-    """Merge fields into the trial's record; an active state is stamped with its owner, this process."""
-    record = read_json(trial_files(trial_dir).record) or {}
+TRIAL_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """`record.json`: what the campaign knows of one trial (the orchestrator writes it)."""
+
+    state: str = "pending"  # starting, running (ACTIVE); finished, pruned, failed, stopped, ... (ENDED)
+    owner: str | None = None  # process_identity() of the campaign process, stamped on an active state
+    devices: tuple[str, ...] = ()
+    attempts: int = 0
+    intervals: tuple[dict[str, Any], ...] = ()  # {"devices", "start", "end"}: who had which device when
+    exit_code: int | None = None
+    updated: float | None = None
+    schema: int = TRIAL_SCHEMA
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "devices": list(self.devices), "intervals": [dict(i) for i in self.intervals]}
+
+
+def _trial_record_problem(raw: Any) -> str | None:
+    if not isinstance(raw, dict):
+        return "not a JSON object"
+    if raw.get("schema", 0) not in (0, TRIAL_SCHEMA):  # 0: written before records had a version, the same fields
+        return f"schema {raw.get('schema')!r}, not {TRIAL_SCHEMA} (written by another version)"
+    if unknown := sorted(set(raw) - set(TrialRecord.__dataclass_fields__)):
+        return f"unknown fields {unknown}"
+    if not isinstance(raw.get("state", ""), str) or not isinstance(raw.get("owner") or "", str):
+        return "a state or owner that is not text"
+    if not isinstance(raw.get("devices", []), list) or not isinstance(raw.get("intervals", []), list):
+        return "devices or intervals that are not lists"
+    if not isinstance(raw.get("attempts", 0), int):
+        return "attempts is not a whole number"
+    return None
+
+
+def read_trial_record(trial_dir: Path) -> TrialRecord:
+    """The trial's record; a trial the campaign has not started yet has the empty one. A file
+    that is not a record is warned about and read as that (the next update replaces it)."""
+    path = trial_files(trial_dir).record
+    try:
+        raw = read_json(path)
+    except InputError as e:
+        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
+        return TrialRecord()
+    if raw is None:
+        return TrialRecord()
+    if (problem := _trial_record_problem(raw)) is not None:
+        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
+        return TrialRecord()
+    return TrialRecord(**{**raw, "devices": tuple(raw.get("devices", ())), "intervals": tuple(raw.get("intervals", ())),
+                          "schema": TRIAL_SCHEMA})
+
+
+def update_record(trial_dir: Path, **fields: Any) -> TrialRecord:
+    """Set fields of the trial's record; an active state is stamped with its owner, this process."""
     if fields.get("state") in ACTIVE:
         fields["owner"] = process_identity()
-    record.update(fields, updated=time.time())
-    write_json_atomic(trial_files(trial_dir).record, record)
+    for name in ("devices", "intervals"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    record = replace(read_trial_record(trial_dir), **fields, updated=time.time())
+    write_json_atomic(trial_files(trial_dir).record, record.to_json())
     return record
 
 
-def record_state(record: dict[str, Any]) -> str:
+def record_state(record: TrialRecord) -> str:
     """The record's state, told true: an active state whose campaign process is gone (killed
     with no chance to say so) is 'interrupted'."""
-    state = record.get("state", "pending")
-    if state in ACTIVE and not owner_alive(record.get("owner")):
+    if record.state in ACTIVE and not owner_alive(record.owner):
         return "interrupted"
-    return state
+    return record.state
 
 
 def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
@@ -134,12 +284,12 @@ class TrialStatus:
 
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
-    record = read_json(trial_files(trial_dir).record) or {}
+    record = read_trial_record(trial_dir)
     progress = read_progress(trial_dir)
     result = read_result(trial_dir)
-    agent = read_json(trial_files(trial_dir).agent_state) or {}  # an elastic trial's devices now
+    agent = read_agent_state(trial_files(trial_dir).control)  # an elastic trial's devices now
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
-    devices = agent["devices"] if state == "running" and agent.get("status") == "running" else record.get("devices", [])
+    devices = agent.devices if state == "running" and agent is not None and agent.status == "running" else record.devices
     latest, refused = checkpoint_report(trial_files(trial_dir).checkpoints)
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,
@@ -154,8 +304,8 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
 
 
 def campaign_status(runs_dir: Path, campaign: str) -> list[TrialStatus]:
-    record = read_json(campaign_files(campaign_dir(runs_dir, campaign)).record)
+    record = read_campaign(runs_dir, campaign)
     if record is None:
         return []
     root = campaign_dir(runs_dir, campaign)
-    return [trial_status(root / t["id"], t["id"], t["label"], t["steps"]) for t in record["trials"]]
+    return [trial_status(root / t.id, t.id, t.label, t.steps) for t in record.trials]

@@ -22,7 +22,7 @@ from prefect import task
 
 from cluster.inventory import visible_devices_env
 from cluster.types import Device
-from tasks.records import completed_result, update_record
+from tasks.records import TrialRecord, completed_result, update_record
 from tasks.trial_log import LogForwarder
 from training.config import TrialConfig
 from training.elastic import clear_commands, write_command
@@ -351,14 +351,14 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     trial_dir = Path(config.trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
 
-    def update(**fields) -> dict[str, Any]:
-        return update_record(trial_dir, **fields) if record else {}
+    def update(**fields) -> TrialRecord:
+        return update_record(trial_dir, **fields) if record else TrialRecord()
 
     ids = all_devices or [d.id for d in devices]
     held = update(state="running", devices=ids)
     # Who had which device when: one interval per attempt.
-    intervals = held.get("intervals", []) + [{"devices": ids, "start": time.time(), "end": None}]
-    update(attempts=int(held.get("attempts", 0)) + 1, intervals=intervals)
+    intervals = [*held.intervals, {"devices": ids, "start": time.time(), "end": None}]
+    update(attempts=held.attempts + 1, intervals=intervals)
     try:
         with LogForwarder(plan.log_path):
             code = apply_launch(plan, config)

@@ -139,10 +139,10 @@ def test_a_file_slipped_into_a_checkpoint_makes_it_invalid(tmp_path):
 
 def test_campaign_status_reports_a_broken_manifest(tmp_path):
     from conftest import campaign_cli
-    from tasks.records import update_record, write_campaign
+    from tasks.records import CampaignRecord, TrialEntry, update_record, write_campaign
 
     runs = tmp_path / "runs"
-    write_campaign(runs, "broken", {"name": "broken", "trials": [{"id": "t1", "label": "x", "steps": 20, "devices": [1, 1]}]})
+    write_campaign(runs, CampaignRecord(name="broken", trials=(TrialEntry("t1", "x", 20),)))
     trial = runs / "broken" / "t1"
     two_checkpoints(trial / "checkpoints")
     update_record(trial, state="running", devices=["cpu0"])
@@ -371,16 +371,16 @@ def test_a_record_whose_campaign_died_reads_interrupted(tmp_path):
     import subprocess
     import sys
 
-    from tasks.records import process_identity, record_state, update_record
+    from tasks.records import TrialRecord, process_identity, read_trial_record, record_state, update_record
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     owner = process_identity(gone.pid)
     gone.wait()
-    write_json_atomic(tmp_path / "record.json", {"state": "running", "owner": owner})
-    assert record_state(json.loads((tmp_path / "record.json").read_text())) == "interrupted"
+    write_json_atomic(tmp_path / "record.json", {"state": "running", "owner": owner})  # as versions before records had one wrote it
+    assert record_state(read_trial_record(tmp_path)) == "interrupted"
     record = update_record(tmp_path, state="running")  # this process: alive
     assert record_state(record) == "running"
-    assert record_state({"state": "finished", "owner": owner}) == "finished"
+    assert record_state(TrialRecord(state="finished", owner=owner)) == "finished"
 
 
 def wait_until(condition, timeout_s: float, message: str) -> None:

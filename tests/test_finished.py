@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tasks.records import completed_result, trial_status, write_campaign
+from tasks.records import CampaignRecord, TrialEntry, completed_result, trial_status, write_campaign
 from training.checkpoint import Checkpointer
 from training.files import write_json_atomic
 from training.manifest import KEY_ENV, list_checkpoints, verify
@@ -37,7 +37,7 @@ def test_a_finished_trial_stays_finished_under_another_key(tmp_path, monkeypatch
     from conftest import campaign_cli
 
     runs = tmp_path / "runs"
-    write_campaign(runs, "c", {"name": "c", "trials": [{"id": "t1", "label": "x", "steps": 20, "devices": [1, 1]}]})
+    write_campaign(runs, CampaignRecord(name="c", trials=(TrialEntry("t1", "x", 20),)))
     result = finished_trial(runs / "c" / "t1")
     monkeypatch.setenv(KEY_ENV, str(tmp_path / "another.key"))  # as after a reset home folder
     assert verify(Path(result["checkpoint"])) is not None  # the checkpoints are refused...
@@ -114,7 +114,9 @@ def test_status_steps_read_the_newest_of_progress_and_checkpoint(tmp_path):
     trial_dir = tmp_path / "t1"
     finished_trial(trial_dir)
     (trial_dir / "result.json").unlink()  # still running: progress is written at most once a second
-    write_json_atomic(trial_dir / "progress.json", {"step": 5, "metrics": {}})
+    from training.progress import progress_now
+
+    progress_now("running", 5, 40, 1, 8, {}).write(trial_dir)
     assert trial_status(trial_dir, "t1", "x", 40).step == 20  # the checkpoint at 20 is newer
-    write_json_atomic(trial_dir / "progress.json", {"step": 25, "metrics": {}})
+    progress_now("running", 25, 40, 1, 8, {}).write(trial_dir)
     assert trial_status(trial_dir, "t1", "x", 40).step == 25

@@ -9,6 +9,7 @@ import time
 from conftest import wait_for
 from cluster.leases import LeaseStore
 from flows.pool.relay import CommandRelay
+from training.agent_state import agent_state_now
 from training.elastic import command_path, refused_path, write_command
 from training.files import read_json, write_json_atomic
 
@@ -36,13 +37,13 @@ def test_a_grow_is_forwarded_only_once_the_node_lease_file_gave_the_devices(tmp_
         assert [d["id"] for d in forwarded["devices"]] == ["a/cpu0", "a/cpu1"]
         assert leased(store) == {"a/cpu0", "a/cpu1"}  # leased before the agent was told
 
-        write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu0", "a/cpu1"], "seq": 1})
+        agent_state_now(1, 1, ["a/cpu0", "a/cpu1"], "running").write(inner)
         wait_for(lambda: (read_json(outer / "state.json") or {}).get("seq") == 2, 10, "the state in the campaign's numbering", every=0.02)
 
         write_command(outer, 3, [{"id": "a/cpu1"}])  # a shrink: the lease stays until the agent let go
         wait_for(lambda: read_json(command_path(inner, 2)), 10, "the relay", every=0.02)
         assert leased(store) == {"a/cpu0", "a/cpu1"}
-        write_json_atomic(inner / "state.json", {"status": "running", "devices": ["a/cpu1"], "seq": 2})
+        agent_state_now(2, 2, ["a/cpu1"], "running").write(inner)
         # The relay gives the lease back and passes the state on in two steps: wait for both
         # (waiting for the first alone raced the second under load: `assert 2 == 3`).
         wait_for(lambda: leased(store) == {"a/cpu1"} and (read_json(outer / "state.json") or {}).get("seq") == 3, 10,
@@ -55,7 +56,7 @@ def test_an_earlier_segments_state_in_the_agents_folder_is_not_read_as_a_shrink(
     store = LeaseStore(tmp_path / "leases.db")
     outer, inner = tmp_path / "control", tmp_path / "control" / "node-b"
     inner.mkdir(parents=True)
-    write_json_atomic(inner / "state.json", {"status": "running", "devices": ["b/cpu5"], "seq": 4})
+    agent_state_now(4, 4, ["b/cpu5"], "running").write(inner)
     write_command(inner, 1, [{"id": "b/cpu5"}])
     assert store.acquire("c/t@b:1", {"a/cpu0": 1}, CAPACITY, pid=os.getpid())
     with CommandRelay(outer, inner, store, "c/t@b:1", CAPACITY, ["a/cpu0"]):

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import campaign_cli
-from tasks.records import process_identity, write_campaign
+from tasks.records import CampaignRecord, process_identity, write_campaign
 
 pytestmark = pytest.mark.slow
 
@@ -130,8 +130,8 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
 
         # Stopping while a campaign's process still reports here would fail its end: the UI serves on until it exits.
         campaign_process = subprocess.Popen(["sleep", "600"])
-        write_campaign(tmp_path / "runs", "busy", {"name": "busy", "state": "ended", "owner": process_identity(campaign_process.pid),
-                                                   "prefect_api": urls["Prefect"] + "/api", "trials": []})
+        write_campaign(tmp_path / "runs", CampaignRecord(name="busy", state="ended", owner=process_identity(campaign_process.pid),
+                                                         prefect_api=urls["Prefect"] + "/api"))
         os.killpg(ui.pid, signal.SIGTERM)
         time.sleep(3)
         assert ui.poll() is None and urllib.request.urlopen(urls["Prefect"] + "/api/health", timeout=5).status == 200

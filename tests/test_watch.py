@@ -15,9 +15,9 @@ from training.files import write_json_atomic
 
 def a_campaign(runs: Path) -> Path:
     """A campaign record with one trial that is still running (its owner: this process)."""
-    from tasks.records import update_record, write_campaign
+    from tasks.records import CampaignRecord, TrialEntry, update_record, write_campaign
 
-    write_campaign(runs, "w", {"name": "w", "trials": [{"id": "t1", "label": "lr=0.1", "steps": 10, "devices": [1, 1]}]})
+    write_campaign(runs, CampaignRecord(name="w", trials=(TrialEntry("t1", "lr=0.1", 10),)))
     trial = runs / "w" / "t1"
     trial.mkdir(parents=True)
     update_record(trial, state="running", devices=["cpu0"])
@@ -72,11 +72,11 @@ def test_logs_stream_a_large_log_whole_and_refuse_a_log_that_is_a_device(tmp_pat
 
 def test_logs_find_a_trial_of_an_earlier_campaign(tmp_path):
     """The latest campaign is not the only one: a trial id from another is found there."""
-    from tasks.records import write_campaign
+    from tasks.records import CampaignRecord, TrialEntry, write_campaign
 
     runs = tmp_path / "runs"
     a_campaign(runs)  # campaign w, trial t1
-    write_campaign(runs, "later", {"name": "later", "trials": [{"id": "t9", "label": "lr=1", "steps": 1, "devices": [1, 1]}]})
+    write_campaign(runs, CampaignRecord(name="later", trials=(TrialEntry("t9", "lr=1", 1),)))
     (runs / "latest").write_text("later")  # the campaign launched last
     done = campaign_cli("logs", "t1", "--runs-dir", str(runs))
     assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n", done.stderr
@@ -166,13 +166,16 @@ def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_p
 
 
 def test_the_live_view_links_the_flow_run_and_the_mlflow_run_when_uis_serve_them():
-    from flows.live_view import campaign_links
+    from dataclasses import replace
 
-    record = {"prefect_api": "http://127.0.0.1:4200/api", "flow_run_id": "f-1", "mlflow_ui": "http://127.0.0.1:5000/",
-              "mlflow_experiment_id": "7", "mlflow_run_id": "r-9"}
+    from flows.live_view import campaign_links
+    from tasks.records import CampaignRecord
+
+    record = CampaignRecord(name="c", prefect_api="http://127.0.0.1:4200/api", flow_run_id="f-1", mlflow_ui="http://127.0.0.1:5000/",
+                            mlflow_experiment_id="7", mlflow_run_id="r-9")
     assert campaign_links(record) == ["Prefect  http://127.0.0.1:4200/runs/flow-run/f-1",
                                       "MLflow   http://127.0.0.1:5000/#/experiments/7/runs/r-9"]
-    temporary = {**record, "prefect_api": None, "mlflow_ui": None}  # Prefect's temporary API, no MLflow UI
+    temporary = replace(record, prefect_api=None, mlflow_ui=None)  # Prefect's temporary API, no MLflow UI
     assert len(campaign_links(temporary)) == 1 and "`campaign ui`" in campaign_links(temporary)[0]
 
 

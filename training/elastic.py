@@ -42,6 +42,7 @@ from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 from training.loopback import loopback_store
 from training.process import die_with_parent
+from training.agent_state import agent_state_now
 from training.layout import agent_state_in
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
@@ -193,7 +194,7 @@ class Agent:
         return [self.workers[w].device_id for w in self.members]
 
     def write_state(self, status: str) -> None:
-        write_json_atomic(agent_state_in(self.control), {"seq": self.seq, "gen": self.gen, "devices": self.devices(), "status": status, "time": time.time()})
+        agent_state_now(self.seq, self.gen, self.devices(), status).write(self.control)
 
     # --- commands ------------------------------------------------------------------
     def start(self, command: dict) -> None:

@@ -50,7 +50,7 @@ def progress_problem(raw: Any) -> str | None:
     """None if `raw` is a progress record of this version, else what is wrong with it."""
     if not isinstance(raw, dict):
         return "not a JSON object"
-    if raw.get("schema") != SCHEMA:
+    if raw.get("schema", 0) not in (0, SCHEMA):  # 0: written before records had a version, the same fields
         return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
     for name in ("step", "steps", "world_size", "batch_size", "samples_seen"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
@@ -78,4 +78,4 @@ def read_progress(trial_dir: str | Path) -> Progress | None:
     if (problem := progress_problem(raw)) is not None:
         warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
         return None
-    return Progress(**raw)
+    return Progress(**{**raw, "schema": SCHEMA})

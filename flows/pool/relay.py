@@ -24,7 +24,7 @@ from pathlib import Path
 from cluster.leases import LeaseStore
 from training.elastic import clear_commands, command_path, refused_path
 from training.files import read_json, write_json_atomic
-from training.layout import agent_state_in
+from training.agent_state import read_agent_state
 
 POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
 
@@ -75,12 +75,12 @@ class CommandRelay:
             self.next_inner += 1
 
     def relay_state(self) -> None:
-        state = read_json(agent_state_in(self.inner))
+        state = read_agent_state(self.inner)
         if state is None or state == self.last_state:
             return
         self.last_state = state
-        if state.get("status") == "running":
-            if left := [d for d in self.held if d not in state.get("devices", [])]:  # a shrink the agent has applied
+        if state.status == "running":
+            if left := [d for d in self.held if d not in state.devices]:  # a shrink the agent has applied
                 self.store.release_devices(self.holder, left)
                 self.held -= set(left)
-        write_json_atomic(agent_state_in(self.outer), {**state, "seq": self.to_outer.get(state.get("seq", 0), state.get("seq", 0))})
+        state.renumbered(self.to_outer.get(state.seq, state.seq)).write(self.outer)
