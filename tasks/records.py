@@ -258,10 +258,14 @@ def record_state(record: TrialRecord) -> str:
     return record.state
 
 
-def log_allocation(root: Path, trial_id: str, device_ids, reason: str) -> None:
-    """Who had which device when: one line per change, in <campaign>/allocations.jsonl."""
+def log_allocation(root: Path, trial_id: str, device_ids, reason: str, memory_bytes: int | None = None) -> None:
+    """Who had which device when: one line per change, in <campaign>/allocations.jsonl; a
+    start says how much of each device the packer gave the trial (its memory estimate)."""
+    event = {"time": time.time(), "trial": trial_id, "devices": list(device_ids), "reason": reason}
+    if memory_bytes is not None:
+        event["memory_bytes"] = memory_bytes
     with open(campaign_files(root).allocations, "a") as f:
-        f.write(json.dumps({"time": time.time(), "trial": trial_id, "devices": list(device_ids), "reason": reason}) + "\n")
+        f.write(json.dumps(event) + "\n")
 
 
 def completed_result(trial_dir: Path) -> dict[str, Any] | None:

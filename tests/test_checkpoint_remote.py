@@ -116,6 +116,9 @@ def test_a_killed_trial_resumes_from_the_remote_on_a_machine_without_its_folder(
     (trial_dir / "hold").touch()
     wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
     assert proc.poll() is None
+    # Step 60's push runs beside training: under load it may still be on its way at the hold.
+    wait_for(lambda: any((tmp_path / "remote" / "index").rglob("step-00000060.json")) or proc.poll() is not None, 120, "step 60 on the remote")
+    assert proc.poll() is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_for(lambda: not any(str(trial_dir).encode() in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)),

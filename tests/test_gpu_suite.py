@@ -21,10 +21,16 @@ def test_every_step_of_the_gpu_suite_runs_on_the_cpu_and_reports(tmp_path):
     failed = {name: step["log"][-1][-1500:] for name, step in report["steps"].items() if not step["ok"]}
     assert done.returncode == 0 and not failed, failed or done.stdout[-2000:] + done.stderr[-2000:]
     steps = report["steps"]
-    assert set(steps) == {"throughput", "packing", "profile", "precision"} and report["dry_run"]
+    assert set(steps) == {"throughput", "packing", "exact", "profile", "precision"} and report["dry_run"]
     assert steps["throughput"]["figures"]["small_cnn (fp32)"]["ratio"] > 0
     assert steps["packing"]["figures"]["packed (memory_gb: auto)"]["trials"] == 4
     assert any(name.startswith("system/") for name in steps["packing"]["figures"]["packed (memory_gb: auto)"]["system_metrics"])
+    assert any(key.startswith("system/") for key in steps["packing"]["figures"]["packed (memory_gb: auto)"]["mean_utilisation_percent"])
+    estimates = steps["packing"]["figures"]["memory estimate / peak allocated"]
+    assert len(estimates) == 4 and all(e["estimate_gb"] > 0 and e["peak_allocated_gb"] is None for e in estimates.values())  # CPU slots
+    assert steps["exact"]["figures"]["bit_for_bit"] is True
     assert steps["profile"]["figures"]["peak lines"] and "bf16 speed-up" in steps["precision"]["figures"]
+    accuracy = steps["precision"]["figures"]["final val_accuracy (per seed)"]
+    assert {k: len(v) for k, v in accuracy.items()} == {"fp32": 2, "bf16": 2}
     markdown = (tmp_path / "report.md").read_text()
-    assert "dry run on the CPU" in markdown and "## not in the suite yet" in markdown
+    assert "dry run on the CPU" in markdown and "goal not judged (dry run)" in markdown

@@ -557,6 +557,9 @@ class Trainer(Stateful):
             "resumed_from_step": start_step, "wall_s": time.time() - started,
             "metrics": dict(self.latest),
             "checkpoint": str(self.checkpointer.root / f"step-{self.step:08d}"),
+            # What the trial's packing estimate is held against (bench/gpu_suite.py): this
+            # process's peak of allocated device memory, None on a CPU slot.
+            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         }
         if self.is_rank0:
             self.write_progress("finished")
