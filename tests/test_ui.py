@@ -103,6 +103,9 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         (flow_run,) = post(urls["Prefect"] + "/api/flow_runs/filter", {})  # the launch reported to the UI's server
         assert flow_run["state_type"] == "COMPLETED"
         trials = [t["id"] for t in json.loads((tmp_path / "runs" / "ui-test" / "campaign.json").read_text())["trials"]]
+        # The flow-run list tells campaigns apart by name (`<campaign> · launch <n>`), not by a random one.
+        assert flow_run["name"] == "ui-test · launch 1"
+        see(browser, f"{urls['Prefect']}/runs", flow_run["name"], shot="prefect-runs.png")
         text = see(browser, f"{urls['Prefect']}/runs/flow-run/{flow_run['id']}", flow_run["name"], *(f"{t} finished" for t in trials),
                    shot="prefect-flow-run.png")
         assert "Completed" in text and "2 Task runs" in text
