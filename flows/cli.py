@@ -43,9 +43,10 @@ def _bad_input():
         _fail(str(e))
 
 
-def _validated(params: Path, pool: str | None = None):
-    """Parse and check everything that can be checked before a flow starts."""
-    from training.spec import check_data, check_tracking, load_spec
+def _loaded(params: Path, pool: str | None = None):
+    """The spec, parsed and validated as data (exit 2 naming the field), nothing imported
+    beyond it; a pool's secret taken up."""
+    from training.spec import load_spec
     from training.errors import CampaignError
 
     try:
@@ -54,6 +55,13 @@ def _validated(params: Path, pool: str | None = None):
             _use_pool_secret(spec.cluster.pool)
     except CampaignError as e:
         _fail(str(e))
+    return spec
+
+
+def _checked(spec) -> list:
+    """Check everything else that can be checked before a flow starts; the grid's trials."""
+    from training.spec import check_data, check_tracking
+    from training.errors import CampaignError
     from flows.campaign import checked_requests, inventory_for
     from tasks.grid import expand_grid
 
@@ -69,7 +77,7 @@ def _validated(params: Path, pool: str | None = None):
         checked_requests(spec, trials, inventory)
     except CampaignError as e:
         _fail(str(e))
-    return spec, trials
+    return trials
 
 
 def _use_pool_secret(pool: str) -> None:
@@ -131,22 +139,27 @@ def _report_to_ui() -> None:
 
 def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
     _report_to_ui()
-    spec, trials = _validated(params, pool)
+    spec = _loaded(params, pool)
     if spec.cluster.pool is None and not spec.cluster.nodes:
         from cluster.inventory import discover, keep_off_cores, spare_cores
 
         # Before Prefect's server starts: the orchestration's processes stay off the cores of the trials' slots.
         keep_off_cores(spare_cores(discover(cpu_slots=spec.cluster.cpu_slots)))
-    if rerun:
-        _set_aside_for_rerun(spec, trials, rerun)
-    from flows.campaign import campaign_flow
     from training.spec import tracking_uri
+    from flows.prefect_api import TemporaryApi
     from flows.warden import start_warden
     from tasks.records import campaign_dir
 
     # Before Prefect starts its server: if this process is killed outright, the warden ends
-    # what it left behind and sets its records straight.
+    # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
+    api = TemporaryApi()  # boots while the checks below import and size the trials
+    trials = _checked(spec)
+    if rerun:
+        _set_aside_for_rerun(spec, trials, rerun)
+    from flows.campaign import campaign_flow
+
+    api.ready()
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")

@@ -35,21 +35,30 @@ GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
 
 
 def start_warden(campaign_dir: Path, tracking_uri: str) -> subprocess.Popen:
-    """Start this process's warden; every process started from here on carries its mark."""
+    """Start this process's warden; every process started from here on carries its mark.
+
+    It writes nothing until it has something to say (its `warden.log` in the campaign's
+    folder), so it starts before the spec's last checks: a launch refused for bad input
+    leaves nothing behind, and Prefect's server may start while those checks run."""
     token = secrets.token_hex(8)
-    campaign_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != MARK}  # the warden must not find itself
     root = str(Path(__file__).resolve().parent.parent)  # importable from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    with open(campaign_dir / "warden.log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.warden", "--owner", process_identity(), "--mark", token,
-             "--campaign-dir", str(campaign_dir.resolve()), "--tracking-uri", tracking_uri],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # a signal to the CLI's process group does not reach it
-        )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.warden", "--owner", process_identity(), "--mark", token,
+         "--campaign-dir", str(campaign_dir.resolve()), "--tracking-uri", tracking_uri],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a signal to the CLI's process group does not reach it
+    )
     os.environ[MARK] = token
     return proc
+
+
+def say(campaign_dir: Path, message: str) -> None:
+    """A line in the campaign's warden.log (the folder made if the campaign never got to it)."""
+    campaign_dir.mkdir(parents=True, exist_ok=True)
+    with open(campaign_dir / "warden.log", "a") as log:
+        log.write(f"{time.ctime()}: {message}\n")
 
 
 def wait_for_exit(owner: str) -> None:
@@ -140,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is for the campaign
     wait_for_exit(args.owner)
-    if ended := end_leftovers(args.mark):
-        print(f"{time.ctime()}: ended {len(ended)} process(es) the campaign left behind: {ended}", flush=True)
-    for run_id in settle_records(args.campaign_dir, args.owner):
-        kill_runs(args.tracking_uri, run_id)
-        print(f"{time.ctime()}: the campaign was killed; its running trials are marked interrupted, its MLflow runs KILLED", flush=True)
+    try:
+        if ended := end_leftovers(args.mark):
+            say(args.campaign_dir, f"ended {len(ended)} process(es) the campaign left behind: {ended}")
+        for run_id in settle_records(args.campaign_dir, args.owner):
+            kill_runs(args.tracking_uri, run_id)
+            say(args.campaign_dir, "the campaign was killed; its running trials are marked interrupted, its MLflow runs KILLED")
+    except Exception as e:  # nobody reads the warden's own output: its log says what went wrong
+        say(args.campaign_dir, f"could not clean up after the campaign: {e.__class__.__name__}: {e}")
+        raise
 
 
 if __name__ == "__main__":
