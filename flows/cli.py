@@ -16,6 +16,9 @@ from rich.table import Table
 
 from tasks.records import ENDED as TERMINAL  # states nothing changes but a launch
 from training.layout import campaign_records, trial_files
+from training.process import skip_final_collection
+
+skip_final_collection()  # before Prefect, MLflow and torch register their exit hooks: this one runs last
 
 # Prefect phones home unless told not to, and these machines have no network for it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -146,20 +149,20 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         # Before Prefect's server starts: the orchestration's processes stay off the cores of the trials' slots.
         keep_off_cores(spare_cores(discover(cpu_slots=spec.cluster.cpu_slots)))
     from training.spec import tracking_uri
-    from flows.prefect_api import TemporaryApi
+    from flows.warmup import WarmUp
     from flows.warden import start_warden
     from tasks.records import campaign_dir
 
     # Before Prefect starts its server: if this process is killed outright, the warden ends
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
-    api = TemporaryApi()  # boots while the checks below import and size the trials
+    warm = WarmUp(tracking_uri(spec.tracking))  # Prefect's server and MLflow's store, made while the checks below run
     trials = _checked(spec)
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     from flows.campaign import campaign_flow
 
-    api.ready()
+    warm.ready()
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")

@@ -230,11 +230,15 @@ class WarmWorker:
             self.proc.kill()
         self.close()
 
-    def close(self) -> None:
+    def end_input(self) -> None:
+        """No more trials: the worker exits once it has read to the end."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.end_input()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -256,6 +260,8 @@ def close_warm_workers() -> None:
     with _live_lock:
         idle = [w for workers in _idle_workers.values() for w in workers]
         _idle_workers.clear()
+    for worker in idle:  # told all at once, they wind down (process group, metric sink) side by side
+        worker.end_input()
     for worker in idle:
         worker.close()
 

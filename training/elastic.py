@@ -41,7 +41,7 @@ import torch.distributed as dist
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 from training.loopback import loopback_store
-from training.process import die_with_parent
+from training.process import die_with_parent, skip_final_collection
 from training.agent_state import agent_state_now
 from training.layout import agent_state_in
 
@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", required=True, type=Path, help="directory of command-<seq>.json files")
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGTERM)
+    skip_final_collection()  # a trial's end is seen when its agent has exited
     agent = Agent(args.config, args.control)
     # On SIGTERM: kill the workers and go, without waiting for them. The handler runs between
     # two bytecodes of the main thread, which may be inside Popen.poll holding Popen's wait

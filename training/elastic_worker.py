@@ -30,7 +30,7 @@ from training.config import TrialConfig
 from training.fence import stops_when_fenced, watch_lease
 from training.files import read_json, write_json_atomic
 from training.metrics import result_line
-from training.process import die_with_parent
+from training.process import die_with_parent, skip_final_collection
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
 from training.layout import trial_files
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     die_with_parent()
+    skip_final_collection()  # a trial's end is seen when its processes have exited
     cfg = TrialConfig.from_file(args.config)
     watch_lease(cfg.lease)  # a stalled campaign's lease ends this worker (training.fence)
     wid = os.environ["CAMPAIGN_WORKER_ID"]

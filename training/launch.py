@@ -7,8 +7,10 @@ takes torchrun's arguments unchanged (see training/loopback.py for why).
 """
 
 from training.loopback import patch_torch_stores
+from training.process import skip_final_collection
 
 if __name__ == "__main__":
+    skip_final_collection()  # a trial's end is seen when torchrun has exited
     patch_torch_stores()
     from torch.distributed.run import main
 

@@ -8,7 +8,9 @@ dies, which closes that gap at both levels: campaign -> torchrun -> workers.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import os
 import signal
 import time
@@ -27,6 +29,17 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
+
+
+def skip_final_collection() -> None:
+    """At exit, freeze what is alive so the interpreter's last garbage collection passes it by.
+
+    A process that imported torch, MLflow or Prefect otherwise spends seconds (measured: 2.3 s
+    of `campaign launch`'s exit on two busy cores, in `gc_collect_main`) walking a heap the
+    operating system is about to free whole. Called first thing, its hook runs last, after
+    every other atexit hook has flushed what it holds; open files are closed by refcount as
+    always (freezing only spares them the cycle collector)."""
+    atexit.register(gc.freeze)
 
 
 def stop_process_groups(groups, grace_s: float) -> None:

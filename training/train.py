@@ -16,7 +16,7 @@ from training.result import read_result
 from training.config import TrialConfig
 from training.fence import stops_when_fenced, watch_lease
 from training.metrics import result_line
-from training.process import die_with_parent
+from training.process import die_with_parent, skip_final_collection
 from training.trainer import DistEnv, Trainer
 
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="trial JSON written by the campaign (training.config.TrialConfig)")
     args = parser.parse_args(argv)
     die_with_parent()  # torchrun gives workers their own session: never outlive it
+    skip_final_collection()  # a trial's end is seen when its processes have exited
     cfg = TrialConfig.from_file(args.config)
     watch_lease(cfg.lease)  # before anything touches the device: a stalled campaign's lease ends this worker
     env = DistEnv.from_environ()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from training.config import TrialConfig
 from training.metrics import share_sink
-from training.process import die_with_parent
+from training.process import die_with_parent, skip_final_collection
 from training.fence import stops_when_fenced, watch_lease
 from training.train import pick_device, train_trial
 from training.trainer import DistEnv
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reply-fd", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent()
+    skip_final_collection()  # a campaign's end waits for its idle workers to exit
     share_sink()  # one MLflow sink for all the trials of this worker
     device = pick_device(0)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
