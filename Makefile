@@ -27,7 +27,7 @@ campaign: setup
 	dvc repro
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The same without the slow end-to-end tests (real campaigns, torchrun, elastic trials).
 test-fast: setup
