@@ -156,7 +156,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     # Before Prefect starts its server: if this process is killed outright, the warden ends
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
-    warm = WarmUp(tracking_uri(spec.tracking))  # Prefect's server and MLflow's store, made while the checks below run
+    warm = WarmUp()  # Prefect's server boots while the checks below run
     trials = _checked(spec)
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
