@@ -70,8 +70,9 @@ def test_a_sink_that_cannot_log_does_not_stop_training(tmp_path):
 
 
 def test_a_shared_sink_serves_trials_one_after_another(tmp_path, monkeypatch):
-    """A warm worker's trials share one sink: close() returns once that trial's metrics are
-    in MLflow, and the next trial's go to its own run through the same process."""
+    """A warm worker's trials share one sink: a trial's close() does not wait for MLflow (the
+    device goes to the next trial), each trial's metrics reach its own run through the same
+    process, and the worker's end (close_shared_sink) waits until all of them are there."""
     from training import metrics
 
     monkeypatch.setattr(metrics, "_share", True)
@@ -79,17 +80,21 @@ def test_a_shared_sink_serves_trials_one_after_another(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("shared")
-    pids = []
+    pids, runs = [], []
     for trial in range(2):
         run_id = client.create_run(exp).info.run_id
-        logger = MetricsLogger(uri, run_id, flush_s=30)  # only the sync at close sends
+        logger = MetricsLogger(uri, run_id, flush_s=30)  # nothing is sent before the worker's end
         pids.append(logger._sink.proc.pid)
         for step in range(1, 4):
             logger.log(step, loss=float(trial * 10 + step))
         logger.close()
-        assert [m.value for m in client.get_metric_history(run_id, "loss")] == [trial * 10 + 1.0, trial * 10 + 2.0, trial * 10 + 3.0]
+        runs.append(run_id)
     assert pids[0] == pids[1]  # one sink process for both
-    metrics._shared.close(10)
+    assert metrics._shared.alive  # a trial's end leaves the shared sink sending
+    metrics.close_shared_sink(30)
+    for trial, run_id in enumerate(runs):
+        assert [m.value for m in client.get_metric_history(run_id, "loss")] == [trial * 10 + 1.0, trial * 10 + 2.0, trial * 10 + 3.0]
+    assert metrics._shared is None
 
 
 # --- system metrics: each trial's own devices, under its MLflow run ---------------------------

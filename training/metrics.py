@@ -10,8 +10,12 @@ with one `log_batch` every `flush_s`. When the trainer closes the pipe (or dies:
 closes with it) the sink sends the rest and exits.
 
 A warm worker (training/worker.py) runs trial after trial: its trials share one sink
-(`share_sink`), each line naming its run, and a trial's end is a sync the sink
-acknowledges once everything before it is sent, so MLflow is imported once per worker.
+(`share_sink`), each line naming its run, so MLflow is imported once per worker. A trial's
+end does not wait for its metrics to reach MLflow: the sink sends them in order while the
+next trial starts on the device (waiting there left a device idle for as long as a young
+sink took to import MLflow, seconds for a short trial). The worker's exit waits for them
+all (`close_shared_sink`), and a campaign ends its workers before it reads MLflow for its
+summary and pictures; a worker that is killed leaves its sink to send the rest by itself.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -51,14 +54,13 @@ MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
 class _Sink:
-    """A sink process and the pipes to it: metric lines in, acknowledgements of syncs out."""
+    """A sink process and the pipe to it: metric lines in; closing the pipe ends it once it has sent them."""
 
     def __init__(self, args: list[str]):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "training.metrics", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "training.metrics", *args], stdin=subprocess.PIPE,
             text=True, env={**os.environ, "PYTHONPATH": _package_root()},
         )
-        self.syncs = 0
 
     @property
     def alive(self) -> bool:
@@ -67,22 +69,6 @@ class _Sink:
     def send(self, lines: str) -> None:
         self.proc.stdin.write(lines)
         self.proc.stdin.flush()
-
-    def sync(self, timeout: float) -> bool:
-        """Everything sent so far is in MLflow (or was dropped with an error) when this returns True."""
-        self.syncs += 1
-        self.send(json.dumps({"sync": self.syncs}) + "\n")
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.time()))
-            if not ready:
-                break
-            line = self.proc.stdout.readline()
-            if not line:
-                return False
-            if int(line) == self.syncs:
-                return True
-        return False
 
     def close(self, timeout: float) -> bool:
         try:
@@ -141,16 +127,27 @@ class MetricsLogger:
             self.enabled = False
 
     def close(self, timeout: float = 60.0) -> None:
-        """Let the sink send what it holds, and wait for it (a shared sink: until it says so)."""
+        """Let the sink send what it holds, and wait for it; a shared sink goes on sending
+        while the worker's next trial trains (close_shared_sink waits for it)."""
         if self._sink is None:
             return
-        sink, self._sink, was_enabled, self.enabled = self._sink, None, self.enabled, False
+        sink, self._sink, self.enabled = self._sink, None, False
+        if not self._owned:
+            return
         try:
-            done = sink.close(timeout) if self._owned else (not was_enabled or sink.sync(timeout))
+            done = sink.close(timeout)
         except (BrokenPipeError, ValueError, OSError):
             done = False
         if not done:
             warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
+
+
+def close_shared_sink(timeout: float = 60.0) -> None:
+    """A warm worker's end: wait until its shared sink has sent every trial's metrics."""
+    global _shared
+    sink, _shared = _shared, None
+    if sink is not None and not sink.close(timeout):
+        warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
 
 
 def _package_root() -> str:
@@ -206,13 +203,10 @@ def _read_lines(buffer: list[dict], lock: threading.Lock, wake: threading.Event,
         item = json.loads(line)
         with lock:
             buffer.append(item)
-        # Send now, at normal priority, when someone waits (a sync: a trial's end), or for a
-        # run not seen before: its tracking store is opened then (a second or two), while the
-        # trial trains, not at its end, which waits for its last metrics.
-        new_run = "run" in item and (item["uri"], item["run"]) not in seen
-        if "sync" in item or new_run:
-            if new_run:
-                seen.add((item["uri"], item["run"]))
+        # Send now, at normal priority, for a run not seen before: its tracking store is
+        # opened then (a second or two), while the trial trains, not at its end.
+        if "run" in item and (item["uri"], item["run"]) not in seen:
+            seen.add((item["uri"], item["run"]))
             _normal_priority(threading.main_thread().native_id)
             wake.set()
     # The trainer is done: send the rest at normal priority, or a busy host would keep an
@@ -263,7 +257,7 @@ class _Runs:
 
 
 def sink(flush_s: float, runs: "_Runs | None" = None) -> None:
-    """Send what arrives every flush_s; at a sync line, send everything before it, then acknowledge."""
+    """Send what arrives every flush_s, and the rest once the pipe closes."""
     buffer: list[dict] = []
     lock, wake, closed = threading.Lock(), threading.Event(), threading.Event()
     threading.Thread(target=_read_lines, args=(buffer, lock, wake, closed), daemon=True).start()
@@ -274,19 +268,11 @@ def sink(flush_s: float, runs: "_Runs | None" = None) -> None:
         done = closed.is_set()
         with lock:
             items, buffer[:] = list(buffer), []
-        pending: list[dict] = []
-        for item in items:
-            if "sync" in item:
-                runs.send(pending)
-                pending = []
-                print(item["sync"], flush=True)
-            else:
-                pending.append(item)
-        runs.send(pending)
+        runs.send(items)
         if done:
             return
         if not closed.is_set():
-            _lower_priority()  # sent: back to idle-only until a sync or a new run
+            _lower_priority()  # sent: back to idle-only until a new run or the end
 
 
 def last_logged_steps(client, run_id: str) -> dict[str, int]:
@@ -305,8 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     _ignore_signals()
     _off_trainer_cores()
     # MLflow is imported now, at normal priority, while the trial starts: imported at idle
-    # priority on a busy host it was still importing when the trial ended, and the trial's
-    # end (which waits for its last metrics) waited seconds for it.
+    # priority on a busy host it was still importing when the trial ended, and whoever waits
+    # for its last metrics (a torchrun trial's end, a warm worker's exit) waited seconds for it.
     runs = _Runs()
     _lower_priority()
     sink(args.flush_s, runs)

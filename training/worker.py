@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
-from training.metrics import share_sink
+from training.metrics import close_shared_sink, share_sink
 from training.process import die_with_parent, skip_final_collection
 from training.fence import stops_when_fenced, watch_lease
 from training.train import pick_device, train_trial
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             reply.write(json.dumps({"code": code}) + "\n")
             if code != 0:
                 break
+    close_shared_sink()  # every trial's metrics in MLflow before this worker is seen to end
     dist.destroy_process_group()
 
 
