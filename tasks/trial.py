@@ -240,7 +240,9 @@ class WarmWorker:
     def close(self) -> None:
         self.end_input()
         try:
-            self.proc.wait(timeout=10)
+            # Its exit waits until its trials' metrics are in MLflow (training.metrics.close_shared_sink):
+            # as long as that may take, so that a campaign reads MLflow only once they are there.
+            self.proc.wait(timeout=70)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
