@@ -162,15 +162,14 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         _set_aside_for_rerun(spec, trials, rerun)
     from flows.campaign import campaign_flow
 
-    warm.ready()
-
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         if live if live is not None else console.is_terminal:
-            summary = _launch_live(spec, params, pool)
+            summary = _launch_live(spec, params, pool, warm)
         else:
+            warm.ready()
             summary = campaign_flow(str(params), pool=pool)
     except Terminated:
         _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
@@ -188,7 +187,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
 
 
-def _launch_live(spec, params: Path, pool: str | None = None):
+def _launch_live(spec, params: Path, pool: str | None, warm):
     """The flow under a live table; Prefect's and the libraries' logs go to campaign.log."""
     from flows.campaign import campaign_flow
     from flows.live_view import LiveView, chatter_to_file
@@ -196,6 +195,7 @@ def _launch_live(spec, params: Path, pool: str | None = None):
 
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
     chatter_to_file(log_path)
+    warm.ready()  # Prefect's lines from its server's start go to the file too
     with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path):
         return campaign_flow(str(params), pool=pool)
 

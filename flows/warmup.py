@@ -12,8 +12,24 @@ so the MLflow store (a file) is created by the flow, after them.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+
+
+class _HeldBack(logging.Filter):
+    """Holds the records one thread logs to a logger: they are told once the launch has
+    chosen where its logs go (the live view sends Prefect's lines to campaign.log)."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        super().__init__()
+        self.thread, self.records = thread, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread.ident:
+            self.records.append(record)
+            return False
+        return True
 
 
 class WarmUp:
@@ -24,6 +40,8 @@ class WarmUp:
         # A daemon thread: a launch refused for bad input exits at once, and Prefect's atexit
         # hook stops whatever was started.
         self.thread = threading.Thread(target=self._start_api, name="prefect-api-start", daemon=True)
+        self.held = _HeldBack(self.thread)
+        logging.getLogger("prefect").addFilter(self.held)  # "Starting temporary server on ..."
         self.thread.start()
 
     @staticmethod
@@ -36,5 +54,11 @@ class WarmUp:
             pass
 
     def ready(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
+        """Wait for the server; what its start logged is told now, where logs go from here on."""
+        if self.thread is None:
+            return
+        self.thread.join()
+        logging.getLogger("prefect").removeFilter(self.held)
+        for record in self.held.records:
+            logging.getLogger(record.name).handle(record)
+        self.held.records.clear()
