@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from training.layout import campaign_files, trial_files  # noqa: E402
+from training.result import read_result  # noqa: E402
 NOT_YET: list[str] = []  # every claim of issue 29 has its step
 
 
@@ -150,8 +151,7 @@ def memory_estimates(root: Path) -> dict[str, dict]:
             given[event["trial"]] = event["memory_bytes"]
     out = {}
     for trial, estimate in sorted(given.items()):
-        result = json.loads(trial_files(root / trial).result.read_text()) if trial_files(root / trial).result.exists() else {}
-        peak = result.get("peak_device_memory_bytes")
+        peak = (read_result(root / trial) or {}).get("peak_device_memory_bytes")
         out[trial] = {"estimate_gb": estimate / 2**30, "peak_allocated_gb": peak / 2**30 if peak else None,
                       "estimate / peak": estimate / peak if peak else None}
     return out

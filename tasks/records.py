@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from training.manifest import checkpoint_report, checkpoint_step
 from training.agent_state import read_agent_state
 from training.progress import read_progress
 from training.result import read_result
-from training.files import InputError, read_bounded, read_json, write_json_atomic
+from training.files import InputError, read_bounded, read_json, read_status_json, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
 
 
@@ -223,16 +222,8 @@ def _trial_record_problem(raw: Any) -> str | None:
 def read_trial_record(trial_dir: Path) -> TrialRecord:
     """The trial's record; a trial the campaign has not started yet has the empty one. A file
     that is not a record is warned about and read as that (the next update replaces it)."""
-    path = trial_files(trial_dir).record
-    try:
-        raw = read_json(path)
-    except InputError as e:
-        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
-        return TrialRecord()
+    raw = read_status_json(trial_files(trial_dir).record, _trial_record_problem)
     if raw is None:
-        return TrialRecord()
-    if (problem := _trial_record_problem(raw)) is not None:
-        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
         return TrialRecord()
     return TrialRecord(**{**raw, "devices": tuple(raw.get("devices", ())), "intervals": tuple(raw.get("intervals", ())),
                           "schema": TRIAL_SCHEMA})

@@ -11,12 +11,11 @@ agent's next write replaces it.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from training.files import InputError, read_json, write_json_atomic
+from training.files import read_status_json, write_json_atomic
 from training.layout import agent_state_in
 
 SCHEMA = 1
@@ -62,15 +61,5 @@ def _problem(raw: Any) -> str | None:
 
 def read_agent_state(control: str | Path) -> AgentState | None:
     """The agent's state in `control`, or None when there is none (yet) or it is not one (warned)."""
-    path = agent_state_in(control)
-    try:
-        raw = read_json(path)
-    except InputError as e:
-        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
-        return None
-    if raw is None:
-        return None
-    if (problem := _problem(raw)) is not None:
-        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
-        return None
-    return AgentState(**{**raw, "devices": tuple(raw["devices"]), "schema": SCHEMA})
+    raw = read_status_json(agent_state_in(control), _problem)
+    return None if raw is None else AgentState(**{**raw, "devices": tuple(raw["devices"]), "schema": SCHEMA})

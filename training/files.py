@@ -15,8 +15,9 @@ import os
 import re
 import stat
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from training.errors import CampaignError
 
@@ -185,3 +186,18 @@ def read_json(path: Path, limit: int = MAX_RECORD_BYTES) -> Any | None:
     except FileNotFoundError:
         return None
     return loads_json(data, path)
+
+
+def read_status_json(path: Path, problem: Callable[[Any], str | None], limit: int = MAX_RECORD_BYTES) -> Any | None:
+    """A status file's JSON, or None when there is none (yet) or it is not one: unreadable,
+    or `problem(raw)` says what is wrong. Not one is warned about, naming the file, and read
+    as absent: its writer's next write replaces it."""
+    try:
+        raw = read_json(path, limit=limit)
+    except InputError as e:
+        warnings.warn(f"ignoring {path}: {e}", stacklevel=3)
+        return None
+    if raw is not None and (wrong := problem(raw)) is not None:
+        warnings.warn(f"ignoring {path}: {wrong}", stacklevel=3)
+        return None
+    return raw

@@ -12,12 +12,11 @@ none, with a warning naming it: a trial's next write replaces it.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.files import InputError, read_json, write_json_atomic
+from training.files import read_status_json, write_json_atomic
 from training.layout import trial_files
 
 SCHEMA = 1
@@ -67,15 +66,5 @@ def progress_problem(raw: Any) -> str | None:
 
 def read_progress(trial_dir: str | Path) -> Progress | None:
     """The trial's progress, or None when it has none (yet) or the file is not one (warned)."""
-    path = trial_files(trial_dir).progress
-    try:
-        raw = read_json(path, limit=MAX_PROGRESS_BYTES)
-    except InputError as e:
-        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
-        return None
-    if raw is None:
-        return None
-    if (problem := progress_problem(raw)) is not None:
-        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
-        return None
-    return Progress(**{**raw, "schema": SCHEMA})
+    raw = read_status_json(trial_files(trial_dir).progress, progress_problem, limit=MAX_PROGRESS_BYTES)
+    return None if raw is None else Progress(**{**raw, "schema": SCHEMA})

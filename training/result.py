@@ -11,11 +11,10 @@ that (`set_aside`).
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-from training.files import InputError, read_json
+from training.files import read_status_json
 from training.layout import trial_files
 
 MAX_RESULT_BYTES = 1 << 20  # a dict of final metrics
@@ -36,18 +35,7 @@ def read_result(trial_dir: str | Path) -> dict[str, Any] | None:
     """The trial's result if it has one, else None. A result.json that is not one (junk, a
     FIFO, the wrong shape) is warned about and read as no result: the trial runs again and
     its trainer replaces the file."""
-    path = trial_files(trial_dir).result
-    try:
-        result = read_json(path, limit=MAX_RESULT_BYTES)
-    except InputError as e:
-        warnings.warn(f"ignoring {path}: {e}", stacklevel=2)
-        return None
-    if result is None:
-        return None
-    if (problem := result_problem(result)) is not None:
-        warnings.warn(f"ignoring {path}: {problem}", stacklevel=2)
-        return None
-    return result
+    return read_status_json(trial_files(trial_dir).result, result_problem, limit=MAX_RESULT_BYTES)
 
 
 def set_aside(trial_dir: str | Path) -> Path | None:
