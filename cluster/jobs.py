@@ -122,6 +122,9 @@ class Job:
     preemptions: int = 0
     restarts: int = 0  # stops of its processes so far: resizes and preemptions
     explored_devices: int = 0  # the most devices it has run on
+    # Reference steps still to run, when known (a trial declares its steps; a cluster job
+    # does not): None leaves the policy to guess from attained service.
+    remaining_steps: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_devices <= self.max_devices:

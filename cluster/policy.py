@@ -283,7 +283,11 @@ class ElasticPolicy:
     Each job's value of holding n devices is w * S(n): S its predicted speed-up (from its
     step-time model, packed on the fewest nodes) and w = (1 + attained / las_scale_s) **
     -las_power a least-attained-service weight, so that young jobs, most of them short in
-    heavy-tailed traces, go first. Devices go one chunk at a time to the job whose concave
+    heavy-tailed traces, go first. When a job's length is known (a campaign's trials declare
+    their steps: `Job.remaining_steps`), the weight is (1 + remaining / remaining_scale_s) **
+    -las_power instead, remaining the device-seconds its steps left take at its requested
+    size under its model: shortest remaining work first, which least attained service only
+    guesses at (`know_remaining=False` ignores lengths). Devices go one chunk at a time to the job whose concave
     hull of value gains most per device, so admitting a job at its minimum competes with
     growing another. Then:
 
@@ -321,6 +325,9 @@ class ElasticPolicy:
     grow_after_s: float = 3600.0
     repack: bool = True
     fill_idle: bool = True
+    know_remaining: bool = True
+    growth_min_run_s: float | None = None  # devices above its request protected this long (None: min_run_s)
+    remaining_scale_s: float = 1800.0
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -357,12 +364,27 @@ class ElasticPolicy:
     def _plan(self, cluster: Cluster, job: Job, now: float) -> _JobPlan:
         # Past las_cap_s of service, long jobs rank alike: the held devices' hysteresis then
         # keeps the running ones running instead of taking turns (each turn a restart).
-        weight = (1.0 + min(job.attained, self.las_cap_s) / self.las_scale_s) ** -self.las_power
+        remaining = self._remaining_device_s(cluster, job)
+        if remaining is not None:
+            weight = (1.0 + remaining / self.remaining_scale_s) ** -self.las_power
+        else:
+            weight = (1.0 + min(job.attained, self.las_cap_s) / self.las_scale_s) ** -self.las_power
         protected = job.running and (job.unchanged_for(now) < self.min_run_s or job.preemptions >= self.preemption_budget)
         if protected and _last_node_lost(cluster, job):
             protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
-        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
+        floor = 0
+        if protected:
+            growth_protected = self.min_run_s if self.growth_min_run_s is None else self.growth_min_run_s
+            floor = job.devices if job.unchanged_for(now) < growth_protected else min(job.devices, _fixed_size(job))
+        return _JobPlan(job, weight, starving, floor=floor)
+
+    def _remaining_device_s(self, cluster: Cluster, job: Job) -> float | None:
+        """Device-seconds the job still needs at its requested size, when its length is known."""
+        if not self.know_remaining or job.remaining_steps is None:
+            return None
+        n = _fixed_size(job)
+        return job.remaining_steps * job.model.step_time(n, cluster.min_nodes(min(n, cluster.total))) * n
 
     def _admit_starving(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
         """Starving jobs, longest waiting first, get their minimum before any greedy choice."""

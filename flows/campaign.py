@@ -199,7 +199,7 @@ class CampaignRun:
                 self.logger.info(f"trial {trial.id}: the scheduler starts from its profile's step-time prior")
             t = trial.spec.training
             growth = t.max_batch_size / t.batch_size if t.scaling == "goodput" and t.max_batch_size else 1.0
-            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior, max_batch_scale=growth)
+            self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior, max_batch_scale=growth, steps=t.steps)
 
     # --- starting trials -------------------------------------------------------------
     def start(self, trial: Trial, placement: Placement) -> bool:
@@ -315,6 +315,8 @@ class CampaignRun:
                 batch = progress.batch_size or job.trial.spec.training.batch_size
                 per_reference_step = metrics["step_time_s"] * job.trial.spec.training.batch_size / batch
                 self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step)
+            if progress:
+                self.scheduler.progressed(job.trial.id, job.trial.spec.training.steps - progress.step)
             if noise := metrics.get("grad_noise_scale"):  # samples, measured by the trainer
                 self.scheduler.observe_noise(job.trial.id, noise / job.trial.spec.training.batch_size)
             self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)

@@ -34,6 +34,7 @@ class Tracked:
     preemptions: int = 0  # times it was stopped on all its devices (the policy bounds how often)
     max_batch_scale: float = 1.0  # a goodput trial's batch may grow to this many times batch_size
     noise_scale: float | None = None  # its gradient noise scale, in batch_size units, as last measured
+    remaining_steps: float | None = None  # reference steps left: its declared steps less those done
 
     @property
     def view(self) -> StepTimeModel:
@@ -58,14 +59,17 @@ class LiveScheduler:
         self.tracked: dict[str, Tracked] = {}
 
     def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None,
-               max_batch_scale: float = 1.0) -> None:
+               max_batch_scale: float = 1.0, steps: int | None = None) -> None:
         """A trial to schedule; `prior`: its step-time model from a profile, if it has one
         (else a guess from its size). Either way, its own step times refine it.
-        `max_batch_scale` > 1: a goodput trial whose batch the policy may grow that far."""
+        `max_batch_scale` > 1: a goodput trial whose batch the policy may grow that far.
+        `steps`: its declared length in reference steps (the policy favours the trial
+        closest to its end, as shortest-remaining-first does)."""
         if trial_id not in self.tracked:
             prior = prior or prior_from_size(max_devices, self.devices_per_node)
             model = OnlineStepTime(prior, max_devices=max_devices, devices_per_node=self.devices_per_node)
-            self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model, max_batch_scale=max_batch_scale)
+            self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model, max_batch_scale=max_batch_scale,
+                                             remaining_steps=steps)
 
     def running(self, trial_id: str, node: str, devices: int, now: float) -> None:
         """The trial now runs on `devices` devices of `node` (0: it stopped)."""
@@ -101,6 +105,10 @@ class LiveScheduler:
         if noise_scale > 0:
             self.tracked[trial_id].noise_scale = noise_scale
 
+    def progressed(self, trial_id: str, steps_left: float) -> None:
+        """The trial has `steps_left` reference steps to go (from its progress)."""
+        self.tracked[trial_id].remaining_steps = max(0.0, steps_left)
+
     def finish(self, trial_id: str) -> None:
         self.tracked.pop(trial_id, None)
 
@@ -133,7 +141,7 @@ class LiveScheduler:
             placement = {t.node: t.devices} if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.view,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
-                            preemptions=t.preemptions))
+                            preemptions=t.preemptions, remaining_steps=t.remaining_steps))
         if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now)
@@ -157,7 +165,8 @@ class LiveScheduler:
 def live_policy(resize_pause_s: float, min_run_s: float) -> ElasticPolicy:
     """The elastic policy with time constants for trials of minutes, not of hours."""
     return ElasticPolicy(pause_s=resize_pause_s, min_run_s=min_run_s, min_horizon_s=min_run_s, grow_after_s=min_run_s,
-                         las_scale_s=60 * min_run_s, explore_after_s=6 * min_run_s, starvation_s=30 * min_run_s)
+                         las_scale_s=60 * min_run_s, remaining_scale_s=60 * min_run_s, explore_after_s=6 * min_run_s,
+                         starvation_s=30 * min_run_s)
 
 
 def usable_devices(inventory: Inventory, foreign: set[str]) -> dict[str, list[str]]:

@@ -107,3 +107,16 @@ def test_a_goodput_trial_that_may_grow_its_batch_gets_one_sized_by_its_measured_
     batch = s.decide({"n": NODE["n"], "m": ["m/gpu0", "m/gpu1", "m/gpu2", "m/gpu3"]}, now=0.0).batch
     assert 1.0 < batch["noisy"] <= 8.0 and batch["quiet"] == 1.0
     assert "unmeasured" not in batch and "fixed" not in batch
+
+
+def test_the_trial_nearest_its_end_keeps_the_device_its_progress_says():
+    """Trials declare their steps; the campaign passes on each trial's progress, and the
+    policy lets the one with least work left run rather than the one that has run least."""
+    one = {"n": ["n/gpu0"]}
+    s = scheduler()
+    s.arrive("long", 1, 1, now=0.0, steps=100_000)
+    s.running("long", "n", 1, now=0.0)
+    s.arrive("short", 1, 1, now=1000.0, steps=10)
+    assert s.decide(one, now=1000.0).resize == {"long": 0}  # far from its end: the short newcomer goes first
+    s.progressed("long", 5.0)  # ... unless it is nearly done
+    assert s.decide(one, now=1000.0).resize == {}

@@ -78,6 +78,7 @@ def job_states(draw, cluster: Cluster, now: float = 100_000.0) -> list[Job]:
                 attained=rng.expovariate(1 / 3600.0) if placement or rng.random() < 0.5 else 0.0,
                 placement=placement,
                 since=rng.uniform(arrival, now),
+                remaining_steps=rng.choice([None, 0.0, rng.expovariate(1 / 5000.0)]),
             )
         )
     return jobs
@@ -244,6 +245,21 @@ def test_elastic_gives_a_new_job_devices_from_a_long_running_one():
     allocation = ElasticPolicy().decide(cluster, [old, new], 36_000.0)
     assert devices_of(allocation.get("new")) >= 1
     assert devices_of(allocation.get("old")) + devices_of(allocation["new"]) == 4  # none idle
+
+
+def test_elastic_lets_a_job_near_its_known_end_finish_before_a_longer_newcomer():
+    """A trial declares its steps: shortest remaining work first beats least attained
+    service, which would push off a job with minutes left for one with hours to go."""
+    cluster = Cluster.uniform(1, 1)
+    old = Job("old", 0.0, 1, 1, 1, GOOD_SCALING, attained=20 * 3600.0, placement={"node0": 1}, since=0.0, remaining_steps=100.0)
+    new = Job("new", 72_000.0, 1, 1, 1, GOOD_SCALING, remaining_steps=36_000.0)
+    assert ElasticPolicy().decide(cluster, [old, new], 72_000.0) == {"old": {"node0": 1}}
+    # A newcomer shorter than what the old job has left takes the device.
+    assert ElasticPolicy().decide(cluster, [replace(old, remaining_steps=36_000.0), replace(new, remaining_steps=100.0)], 72_000.0) == {"new": {"node0": 1}}
+    # Lengths unknown (or ignored): least attained service, the young job first.
+    unknown = [replace(old, remaining_steps=None), replace(new, remaining_steps=None)]
+    assert ElasticPolicy().decide(cluster, unknown, 72_000.0) == {"new": {"node0": 1}}
+    assert ElasticPolicy(know_remaining=False).decide(cluster, [old, new], 72_000.0) == {"new": {"node0": 1}}
 
 
 def test_elastic_repacks_a_spread_job_onto_one_node_when_it_pays():

@@ -99,12 +99,16 @@ def test_starvation_guard_runs_an_old_job_while_new_ones_keep_coming():
     stream = [WorkloadJob(f"new{i:03d}", 600.0 + 300.0 * i, 280.0, 1, 1, 1, "small") for i in range(72)]
     stream_end = stream[-1].arrival
 
-    def finish_of_old(starvation_s: float) -> float:
-        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0), FAST)
+    def finish_of_old(starvation_s: float, know_remaining: bool = False) -> float:
+        config = replace(FAST, know_remaining=know_remaining)
+        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0), config)
         return next(r.finish for r in result.jobs if r.id == "old")
 
+    # Lengths unknown: least attained service pushes the old job off for each newcomer.
     assert finish_of_old(3600.0) < stream_end
     assert finish_of_old(1e9) > stream_end  # without the guard, least-attained-service starves it
+    # Lengths known (a trial declares its steps): the old job, nearest its end, runs through.
+    assert finish_of_old(1e9, know_remaining=True) < 1000.0
 
 
 # ---------------------------------------------------------------- broken policies
