@@ -173,7 +173,7 @@ class CampaignRun:
         self.next_pool_look = time.time() + POOL_LOOK_S
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
-            policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s)
+            policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s, spec.scheduling.order)
             self.scheduler = LiveScheduler(policy, per_node)
         for t in trials:
             done = completed_result(self.root / t.id)

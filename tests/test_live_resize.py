@@ -160,14 +160,15 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "grow", {"steps": 600, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
-                grid={"training.steps": [600, 12000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
+                grid={"training.steps": [600, 12000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0, "order": "attained"})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 2
 
     record = json.loads((runs / "grow" / "campaign.json").read_text())
     short, long = (t["id"] for t in record["trials"])
     allocations = [json.loads(l) for l in (runs / "grow" / "allocations.jsonl").read_text().splitlines()]
-    # Both start side by side on one slot each: admitting a trial beats growing one.
+    # Least attained service: both start side by side on one slot each (admitting a trial beats
+    # growing one). By remaining work, the default, the short trial would take both slots first.
     starts = {a["trial"]: a["devices"] for a in allocations if a["reason"] == "start"}
     assert len(starts[short]) == 1 and len(starts[long]) == 1 and starts[short] != starts[long]
     # When the short one ends, the long one gets its slot too, by a resize, and keeps going.
@@ -184,6 +185,25 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
         assert len(held) == len(set(held)), f"a device held twice at {a}"
 
 
+def test_by_default_the_trial_with_least_work_left_goes_first(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    """Trials declare their steps: the policy runs the shortest on both slots first (shortest
+    remaining work first), and the long one starts on them when it ends."""
+    from flows.campaign import campaign_flow
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    live_params(tmp_path, digits_npz, "srpt", {"steps": 300, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
+                grid={"training.steps": [3000, 300]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
+    assert campaign_flow(str(tmp_path / "params.yaml"))["finished"] == 2
+    record = json.loads((runs / "srpt" / "campaign.json").read_text())
+    long, short = (t["id"] for t in record["trials"])
+    allocations = [json.loads(l) for l in (runs / "srpt" / "allocations.jsonl").read_text().splitlines()]
+    starts = {a["trial"]: a for a in allocations if a["reason"] == "start"}
+    assert len(starts[short]["devices"]) == 2, allocations
+    end_short = next(a["time"] for a in allocations if a["trial"] == short and a["reason"] == "end")
+    assert starts[long]["time"] >= end_short and len(starts[long]["devices"]) == 2, allocations
+
+
 def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz, prefect_backend, monkeypatch):
     """Three elastic trials on two slots: least-attained-service makes a running trial yield
     (a resize to zero) so the waiting one starts; the yielded one resumes from its checkpoint."""
@@ -194,7 +214,7 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
     # Long enough that the yield (decided ~10 s after the start, ~4 s to stop, save and exit)
     # lands well before the trials' end on a loaded machine.
     live_params(tmp_path, digits_npz, "share", {"steps": 12000, "checkpoint_every": 1000, "eval_every": 12000}, seed=3,
-                grid={"training.lr": [0.01, 0.02, 0.03]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 0.5})
+                grid={"training.lr": [0.01, 0.02, 0.03]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 0.5, "order": "attained"})
     summary = campaign_flow(str(tmp_path / "params.yaml"))
     assert summary["finished"] == 3
 

@@ -249,6 +249,11 @@ class SchedulingSection(Strict):
 
     resize_pause_s: float = Field(default=2.0, gt=0, description="what a resize costs a trial; smaller gains are not worth one")
     min_run_s: float = Field(default=20.0, gt=0, description="a trial runs at least this long between two resizes")
+    order: Literal["remaining", "attained"] = Field(
+        default="remaining",
+        description="who goes first when devices are short: the trial with the least work left (its steps less those "
+                    "done: shortest remaining first, the lowest average completion time) or the one that has run least "
+                    "(least attained service: every trial moves forward together)")
 
 
 class Choice(Strict):
