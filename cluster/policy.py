@@ -287,9 +287,9 @@ class ElasticPolicy:
     their steps: `Job.remaining_steps`), the weight is (1 + remaining / remaining_scale_s) **
     -las_power instead, remaining the device-seconds its steps left take at its requested
     size under its model: shortest remaining work first, which least attained service only
-    guesses at (`know_remaining=False` ignores lengths). Devices go one chunk at a time to the job whose concave
-    hull of value gains most per device, so admitting a job at its minimum competes with
-    growing another. Then:
+    guesses at (`know_remaining=False` ignores lengths). Devices go one chunk at a time to
+    the job whose concave hull of value gains most per device, so admitting a job at its
+    minimum competes with growing another. Then:
 
     - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
       more to it, and a job stays untouched for `min_run_s` after a change (it may grow,
@@ -326,7 +326,6 @@ class ElasticPolicy:
     repack: bool = True
     fill_idle: bool = True
     know_remaining: bool = True
-    growth_min_run_s: float | None = None  # devices above its request protected this long (None: min_run_s)
     remaining_scale_s: float = 1800.0
     name: str = "elastic"
 
@@ -373,11 +372,7 @@ class ElasticPolicy:
         if protected and _last_node_lost(cluster, job):
             protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
-        floor = 0
-        if protected:
-            growth_protected = self.min_run_s if self.growth_min_run_s is None else self.growth_min_run_s
-            floor = job.devices if job.unchanged_for(now) < growth_protected else min(job.devices, _fixed_size(job))
-        return _JobPlan(job, weight, starving, floor=floor)
+        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
 
     def _remaining_device_s(self, cluster: Cluster, job: Job) -> float | None:
         """Device-seconds the job still needs at its requested size, when its length is known."""

@@ -53,7 +53,6 @@ class SimConfig:
     noise: float = 0.05  # log-normal sigma of reported step times
     oracle: bool = False  # give the policy the true curves instead of learned models
     prior: PriorFn = size_prior
-    know_remaining: bool = True  # jobs tell the policy how many steps they have left (a trial's declared steps)
     max_decisions: int = 2_000_000  # a policy that never lets the workload finish
 
 
@@ -298,7 +297,7 @@ class _Simulation:
                 preemptions=live.preemptions,
                 restarts=live.resizes + live.preemptions,
                 explored_devices=live.most_devices,
-                remaining_steps=(live.work - live.done) if self.config.know_remaining else None,
+                remaining_steps=live.work - live.done,  # as a campaign's trials tell it: the policy may ignore it
             )
             for live in self.active.values()
         ]

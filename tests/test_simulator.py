@@ -100,8 +100,8 @@ def test_starvation_guard_runs_an_old_job_while_new_ones_keep_coming():
     stream_end = stream[-1].arrival
 
     def finish_of_old(starvation_s: float, know_remaining: bool = False) -> float:
-        config = replace(FAST, know_remaining=know_remaining)
-        result = simulate(cluster, [old, *stream], ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0), config)
+        policy = ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0, know_remaining=know_remaining)
+        result = simulate(cluster, [old, *stream], policy, FAST)
         return next(r.finish for r in result.jobs if r.id == "old")
 
     # Lengths unknown: least attained service pushes the old job off for each newcomer.
