@@ -70,17 +70,17 @@ class _Sink:
         self.proc.stdin.write(lines)
         self.proc.stdin.flush()
 
-    def close(self, timeout: float) -> bool:
+    def close(self, timeout: float) -> None:
+        """Close the pipe and wait for the sink to send what it holds; warn if it could not in time."""
         try:
             self.proc.stdin.close()
-        except OSError:
+        except (OSError, ValueError):
             pass
         try:
             self.proc.wait(timeout)
-            return True
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return False
+            warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
 
 
 _shared: _Sink | None = None  # a warm worker's one sink for all its trials (share_sink)
@@ -132,22 +132,16 @@ class MetricsLogger:
         if self._sink is None:
             return
         sink, self._sink, self.enabled = self._sink, None, False
-        if not self._owned:
-            return
-        try:
-            done = sink.close(timeout)
-        except (BrokenPipeError, ValueError, OSError):
-            done = False
-        if not done:
-            warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
+        if self._owned:
+            sink.close(timeout)
 
 
 def close_shared_sink(timeout: float = 60.0) -> None:
     """A warm worker's end: wait until its shared sink has sent every trial's metrics."""
     global _shared
     sink, _shared = _shared, None
-    if sink is not None and not sink.close(timeout):
-        warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
+    if sink is not None:
+        sink.close(timeout)
 
 
 def _package_root() -> str:
