@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +174,9 @@ class Ours:
         self.trainer.close()
 
 
+SYNC_SITES: Counter[str] = Counter()
+
+
 def timed(loop, steps: int, device: torch.device, syncs: list[int] | None = None) -> float:
     """Steps per second over `steps` steps; on a GPU with `syncs`, the window runs under
     torch.cuda.set_sync_debug_mode("warn") and the host-device syncs it warned of are appended."""
@@ -191,7 +195,10 @@ def timed(loop, steps: int, device: torch.device, syncs: list[int] | None = None
         sync(device)
         elapsed = time.perf_counter() - start
     if watch:
-        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        found = [w for w in caught if "synchroniz" in str(w.message)]
+        syncs.append(len(found))
+        # The Python line that made each sync: what to fix when the count is not 0.
+        SYNC_SITES.update(f"{Path(w.filename).name}:{w.lineno}" for w in found)
     return steps / elapsed
 
 
@@ -257,7 +264,10 @@ def main() -> None:
                   flush=True)
             report["workloads"][key] = {"batch": w.batch, "plain_steps_s": statistics.median(rates["plain"]),
                                         "ours_steps_s": statistics.median(rates["ours"]), "ratio": med, "rounds": ratios,
-                                        "syncs": sum(syncs) if on_gpu else None}
+                                        "syncs": sum(syncs) if on_gpu else None, "sync_sites": dict(SYNC_SITES.most_common(12))}
+            if SYNC_SITES:
+                print(f"{'':10s} where ours synced: {dict(SYNC_SITES.most_common(12))}", flush=True)
+            SYNC_SITES.clear()
             if args.host_overhead:  # time per step is host time here: ours over plain, less one
                 extra = statistics.median(1 / r - 1 for r in ratios)
                 print(f"{'':10s} extra host time per step: {100 * extra:+.1f} % "

@@ -19,7 +19,12 @@ from training.errors import CampaignError
 T = TypeVar("T")
 DeviceCount = Union[int, tuple[int, int], Literal["auto"]]
 SAFETY_MARGIN = 1.25  # allocator fragmentation, workspace buffers, the framework's own use
-GPU_CONTEXT_BYTES = 512 * 2**20  # CUDA context and kernels, per process
+GPU_CONTEXT_BYTES = 512 * 2**20  # CUDA context and kernels, per process (outside PyTorch's allocator)
+# cuBLAS workspaces, inside PyTorch's allocator: one per handle, and a step uses two (the
+# forward's thread and autograd's device thread), 32 MiB each on Hopper by PyTorch's default.
+# Measured on an H200 (docs/gpu-proof/): SmallCNN's peak allocated was 68 MB where its
+# tensors were 2 MB.
+GPU_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 
 class SizingError(CampaignError):
@@ -143,5 +148,5 @@ def measure_memory(model, example_input, example_target, loss_fn, optimizer_stat
     return MemoryEstimate(
         params_bytes=params, grads_bytes=trainable,
         optimizer_bytes=trainable * optimizer_state_per_param,
-        activations_bytes=saved, overhead_bytes=GPU_CONTEXT_BYTES if on_gpu else 0,
+        activations_bytes=saved, overhead_bytes=GPU_CONTEXT_BYTES + GPU_WORKSPACE_BYTES if on_gpu else 0,
     )

@@ -141,7 +141,11 @@ def test_no_step_reads_a_value_on_the_host(example, tmp_path, digits_npz):
 def test_a_gpu_feed_pins_its_batches_for_asynchronous_copies_and_a_cpu_feed_does_not():
     from training.batches import loader_options
 
-    assert loader_options(torch.device("cuda", 0), 2) == {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4}
+    on_gpu = loader_options(torch.device("cuda", 0), 2)
+    assert {k: on_gpu[k] for k in ("num_workers", "pin_memory", "prefetch_factor")} == {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4}
+    # workers never fork the trainer, which runs threads: they come from a fork server
+    assert on_gpu["multiprocessing_context"].get_start_method() == "forkserver"
     assert loader_options(torch.device("cuda", 0), 0)["pin_memory"] is True  # pinned even without workers
-    assert loader_options(torch.device("cpu"), 2) == {"num_workers": 2, "pin_memory": False, "prefetch_factor": 4}
+    on_cpu = loader_options(torch.device("cpu"), 2)
+    assert (on_cpu["pin_memory"], on_cpu["multiprocessing_context"].get_start_method()) == (False, "forkserver")
     assert loader_options(torch.device("cpu"), 0)["prefetch_factor"] is None  # DataLoader refuses one without workers

@@ -180,16 +180,18 @@ def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, us
     Path(held.trial_dir).mkdir(parents=True)
     (Path(held.trial_dir) / "hold").touch()  # the trainer waits before step 50: the kill lands there
     proc = launch(held, 2, user_root)
-    deadline = time.time() + 120
-    while json.loads((Path(held.progress_path).read_text() if Path(held.progress_path).exists() else "{}") or "{}").get("state") != "held":
-        assert proc.poll() is None, (Path(held.trial_dir) / "train.log").read_text()[-3000:]
-        assert time.time() < deadline, "the trial never reached its hold step"
-        time.sleep(0.05)
-    while max([m.step for m in client.get_metric_history(run_id, "train_loss")], default=0) < 45:  # the sink flushed step 45
-        assert time.time() < deadline, "step 45 never reached MLflow"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.time() + 120
+        while json.loads((Path(held.progress_path).read_text() if Path(held.progress_path).exists() else "{}") or "{}").get("state") != "held":
+            assert proc.poll() is None, (Path(held.trial_dir) / "train.log").read_text()[-3000:]
+            assert time.time() < deadline, "the trial never reached its hold step"
+            time.sleep(0.05)
+        while max([m.step for m in client.get_metric_history(run_id, "train_loss")], default=0) < 45:  # the sink flushed step 45
+            assert time.time() < deadline, "step 45 never reached MLflow"
+            time.sleep(0.2)
+    finally:  # killed here as the test intends, and also when a wait above fails: nothing left running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert [p.name for p in list_checkpoints(held.checkpoint_dir)] == ["step-00000040", "step-00000020"]
     assert not Path(held.result_path).exists()
 

@@ -22,7 +22,10 @@ Two feeds deliver a process's micro-batches in order:
 
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing
+import multiprocessing.context
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -91,7 +94,10 @@ class DeviceFeed:
         if epoch not in self._perms:  # once an epoch: the host draws it, the device keeps it
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))
-            self._perms[epoch] = torch.from_numpy(self.order.permutation(epoch)).to(self.device)
+            order = torch.from_numpy(self.order.permutation(epoch))
+            if self.device.type == "cuda":  # a pageable copy waits for the device; a pinned one is queued
+                order = order.pin_memory()
+            self._perms[epoch] = order.to(self.device, non_blocking=True)
         return self._perms[epoch]
 
     def indices(self, step: int, span: Span) -> torch.Tensor:
@@ -136,8 +142,23 @@ class SpanSampler:
 def loader_options(device: torch.device, workers: int) -> dict[str, Any]:
     """How a DataLoader feeds `device`: on a GPU, batches land in pinned (page-locked)
     memory, so that their copy to the device (`move(..., non_blocking=True)`) is an
-    asynchronous DMA the host does not wait for; workers prefetch 4 batches each."""
-    return {"num_workers": workers, "pin_memory": device.type == "cuda", "prefetch_factor": 4 if workers else None}
+    asynchronous DMA the host does not wait for; workers prefetch 4 batches each, and are
+    started from a fork server (see `worker_context`)."""
+    options = {"num_workers": workers, "pin_memory": device.type == "cuda", "prefetch_factor": 4 if workers else None}
+    if workers:
+        options["multiprocessing_context"] = worker_context()
+    return options
+
+
+@functools.cache
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Loader workers come from a fork server, not a fork of the trainer: the trainer runs
+    threads (the metrics sink, gloo, the lease fence), and a fork taken while one of them
+    holds an interpreter lock deadlocks the child (seen: a worker stuck in
+    PyOS_AfterFork_Child). The server imports torch once, so a worker starts in milliseconds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "training.batches"])
+    return context
 
 
 class LoaderFeed:
