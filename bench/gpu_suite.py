@@ -1,6 +1,7 @@
 """The GPU proof in one command (issue 29): every GPU claim measured, one report.
 
-    source .gpu-wheels/device-setup.sh && python bench/gpu_suite.py --out "$OUT"   # on the lent GPU machine
+    source .gpu-wheels/device-setup.sh && pip install -q --no-index --find-links .gpu-wheels optuna \
+        && python bench/gpu_suite.py --out "$OUT"                                     # on the lent GPU machine
     .venv/bin/python bench/gpu_suite.py --dry-run --out /tmp/suite                 # anywhere: every step, tiny, on the CPU
 
 Writes `report.md` and `report.json` into `--out`. Steps, each a subprocess whose figures
