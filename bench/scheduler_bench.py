@@ -65,7 +65,8 @@ SWEEP = {
     "las power 0": {"las_power": 0.0}, "las power 0.5": {"las_power": 0.5}, "las power 2": {"las_power": 2.0},
     "las scale 600 s": {"las_scale_s": 600.0}, "las scale 7200 s": {"las_scale_s": 7200.0},
     "las cap 4 h": {"las_cap_s": 4 * 3600.0}, "no las cap": {"las_cap_s": 1e9}, "min gain 0": {"min_gain": 0.0},
-    "starvation 1 h": {"starvation_s": 3600.0}, "min run 1800 s": {"min_run_s": 1800.0}, "grow after 1800 s": {"grow_after_s": 1800.0},
+    "starvation 1 h": {"starvation_s": 3600.0}, "min run 1800 s": {"min_run_s": 1800.0},
+    "min run 5400 s": {"min_run_s": 5400.0}, "min run 7200 s": {"min_run_s": 7200.0}, "grow after 1800 s": {"grow_after_s": 1800.0},
     "min run + grow after 600 s": {"min_run_s": 600.0, "grow_after_s": 600.0}, "preemption budget 6": {"preemption_budget": 6},
 }
 POLLUX_BUDGET_S = 0.6  # at 4,096 GPUs its search stops in time for a decision within 1 s (replays run all its generations)
