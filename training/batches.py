@@ -26,6 +26,9 @@ import functools
 import math
 import multiprocessing
 import multiprocessing.context
+import os
+import select
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -147,6 +150,7 @@ def loader_options(device: torch.device, workers: int) -> dict[str, Any]:
     options = {"num_workers": workers, "pin_memory": device.type == "cuda", "prefetch_factor": 4 if workers else None}
     if workers:
         options["multiprocessing_context"] = worker_context()
+        options["worker_init_fn"] = functools.partial(exit_with, os.getpid())
     return options
 
 
@@ -159,6 +163,23 @@ def worker_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "training.batches"])
     return context
+
+
+def exit_with(trainer_pid: int, worker_id: int) -> None:
+    """A loader worker's first act: end when the trainer that feeds it ends. A forked worker
+    learns it from its parent's death; a fork server's worker has the server as its parent,
+    which outlives a killed trainer (and the worker keeps the server alive): without this, a
+    SIGKILLed trainer left both behind, holding memory, for good."""
+    try:
+        trainer = os.pidfd_open(trainer_pid)
+    except ProcessLookupError:
+        os._exit(0)
+
+    def watch() -> None:
+        select.select([trainer], [], [])  # readable once the trainer has exited
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-trainer", daemon=True).start()
 
 
 class LoaderFeed:
