@@ -272,6 +272,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _replace(text: str, replacements: dict[str, str]) -> str:
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny: checks the suite itself")
@@ -296,8 +302,10 @@ def main() -> int:
             print(f"{name}: {'ok' if report['steps'][name]['ok'] else 'FAILED'} in {report['steps'][name]['seconds']:.0f} s", flush=True)
             # Written after every step: a lease that ends mid-suite still brings back what was measured.
             report["seconds"] = time.time() - started
-            (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-            (args.out / "report.md").write_text(markdown(report))
+            # The report names no folder of the machine it ran on: it is kept beside the code.
+            portable = {str(tmp): "<work>", str(ROOT): "."}
+            (args.out / "report.json").write_text(_replace(json.dumps(report, indent=2, default=str), portable))
+            (args.out / "report.md").write_text(_replace(markdown(report), portable))
     print(f"report: {args.out / 'report.md'} ({report['seconds']:.0f} s)")
     return 0 if all(step["ok"] for step in report["steps"].values()) else 1
 

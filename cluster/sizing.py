@@ -22,8 +22,8 @@ SAFETY_MARGIN = 1.25  # allocator fragmentation, workspace buffers, the framewor
 GPU_CONTEXT_BYTES = 512 * 2**20  # CUDA context and kernels, per process (outside PyTorch's allocator)
 # cuBLAS workspaces, inside PyTorch's allocator: one per handle, and a step uses two (the
 # forward's thread and autograd's device thread), 32 MiB each on Hopper by PyTorch's default.
-# Measured on an H200 (docs/gpu-proof/): SmallCNN's peak allocated was 68 MB where its
-# tensors were 2 MB.
+# On an H200 (docs/gpu-proof/) SmallCNN's peak allocated was 68 MB where its tensors were
+# 2 MB: the gap is these two workspaces' size (inferred, not measured apart).
 GPU_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 

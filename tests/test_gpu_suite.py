@@ -34,3 +34,7 @@ def test_every_step_of_the_gpu_suite_runs_on_the_cpu_and_reports(tmp_path):
     assert {k: len(v) for k, v in accuracy.items()} == {"fp32": 2, "bf16": 2}
     markdown = (tmp_path / "report.md").read_text()
     assert "dry run on the CPU" in markdown and "goal not judged (dry run)" in markdown
+    # Reports are kept in the repository (docs/gpu-proof/): they name no folder of the machine.
+    assert "<work>/packed" in " ".join(steps["profile"]["figures"]["peak lines"])
+    for text in (markdown, (tmp_path / "report.json").read_text()):
+        assert "gpu-suite-" not in text and str(REPO) not in text

@@ -35,8 +35,8 @@ def test_measured_memory_counts_weights_and_saved_activations():
 
 
 def test_a_gpu_estimate_holds_the_context_and_the_cublas_workspaces_once_per_process():
-    """Measured on an H200 (docs/gpu-proof/): a 2 MB model's peak allocated was 68 MB, two
-    32 MiB cuBLAS workspaces; the CUDA context lies outside the allocator on top of it."""
+    """On an H200 (docs/gpu-proof/) a 2 MB model's peak allocated was 68 MB, the size of two
+    32 MiB cuBLAS workspaces; the CUDA context lies outside the allocator, on top of it."""
     from cluster.sizing import GPU_CONTEXT_BYTES, GPU_WORKSPACE_BYTES
 
     model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
