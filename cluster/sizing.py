@@ -3,8 +3,11 @@
 `size_request` is pure. `measure_memory` makes the estimate behind `auto` from a short
 measured dry run of the trial's model and batch: the bytes of the parameters, gradients
 and optimizer state, plus the activations autograd actually saves for backward (counted
-with saved-tensor hooks), times a safety margin. In data parallelism every device holds a
-whole replica and 1/n of the batch's activations, so more devices shrink only the latter.
+with saved-tensor hooks, under the trial's autocast), or the evaluation forward's peak of
+live tensors where that is larger, times a safety margin; plus what stays on the device
+whatever the step (the data set when the feed keeps it there, the CUDA context, cuBLAS's
+workspaces). In data parallelism every device holds a whole replica and 1/n of the batch's
+activations, so more devices shrink only the latter.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ GPU_CONTEXT_BYTES = 512 * 2**20  # CUDA context and kernels, per process (outsid
 # forward's thread and autograd's device thread), 32 MiB each on Hopper by PyTorch's default.
 # On an H200 (docs/gpu-proof/) SmallCNN's peak allocated was 68 MB where its tensors were
 # 2 MB: the gap is these two workspaces' size (inferred, not measured apart).
-GPU_WORKSPACE_BYTES = 2 * 32 * 2**20
+GPU_WORKSPACE_BYTES = 2 * 32 * 2**20 + 4 * 2**20
+# ...plus 4 MiB: on the H200 the allocator's small pool (blocks up to 1 MB) peaked at 3.5 MiB
+# for SmallCNN at widths 8 and 16 alike, about 2.5 MiB above the small tensors the estimate
+# counts (cuBLASLt's workspaces are 1 MiB blocks; the rest is inferred, not measured apart).
+# Whether sharing a GPU pays (`packing_pays`): a process's start on a GPU (imports, CUDA
+# context, first kernels) took ~8 s on the H200 before its first step, where a warm worker
+# starts its next one-device trial in ~0.05 s; and an eager step costs at least ~15 us of
+# host time per op dispatched (ResNet-20: 685 ops, 10 ms a step there).
+GPU_PROCESS_START_S = 8.0
+HOST_S_PER_OP = 15e-6
 
 
 class SizingError(CampaignError):
@@ -38,11 +50,17 @@ class MemoryEstimate:
     optimizer_bytes: int
     activations_bytes: int  # the whole global batch on one device
     margin: float = SAFETY_MARGIN
-    overhead_bytes: int = 0  # per process, added after the margin (CUDA context)
+    overhead_bytes: int = 0  # per process, added after the margin (CUDA context, workspaces)
+    eval_bytes: int = 0  # the evaluation forward's peak of live tensors (no grad), on one process
+    ops_per_step: int = 0  # ops a forward and backward on the batch dispatch (the optimizer's few foreach ops aside)
+    resident_bytes: int = 0  # per process, exact: the data set when the feed keeps it on the device
 
     def per_device(self, devices: int) -> int:
         replica = self.params_bytes + self.grads_bytes + self.optimizer_bytes
-        return int(math.ceil((replica + self.activations_bytes / devices) * self.margin)) + self.overhead_bytes
+        # Evaluation runs between steps with the gradients still held, so the larger of the
+        # two transient peaks counts, not their sum.
+        transient = max(self.activations_bytes / devices, self.eval_bytes)
+        return int(math.ceil((replica + transient) * self.margin)) + self.resident_bytes + self.overhead_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +124,22 @@ def size_request(
     return SizedRequest(trial_id, low, high, tuple(memory))
 
 
+def device_seconds(estimate: MemoryEstimate, steps: int, passes_per_step: int = 1) -> float:
+    """A lower bound of a trial's time on a GPU: every op it dispatches costs the host at
+    least HOST_S_PER_OP (a small model's step is launch-bound; a large one is slower still)."""
+    return steps * passes_per_step * estimate.ops_per_step * HOST_S_PER_OP
+
+
+def packing_pays(trial_seconds: list[float], expected_trials: int) -> bool:
+    """Whether trials that could share a GPU should. Packed, each needs a process of its own,
+    started together (~GPU_PROCESS_START_S, contended); one at a time, a warm worker runs
+    them back to back after one start. Sharing saves at most the trials' own time, so it
+    pays only when their work in all outweighs a process's start."""
+    if not trial_seconds:
+        return False
+    return sum(trial_seconds) / len(trial_seconds) * max(expected_trials, len(trial_seconds)) >= GPU_PROCESS_START_S
+
+
 def start_size(request: SizedRequest, place: Callable[[int], T | None], others_waiting_min: int, free_devices: int) -> T | None:
     """Place a trial at the size to start it at now; None if not even its minimum fits.
 
@@ -120,13 +154,22 @@ def start_size(request: SizedRequest, place: Callable[[int], T | None], others_w
     return None
 
 
-def measure_memory(model, example_input, example_target, loss_fn, optimizer_state_per_param: int, on_gpu: bool) -> MemoryEstimate:
+def measure_memory(model, example_input, example_target, loss_fn, optimizer_state_per_param: int, on_gpu: bool,
+                   eval_input=None, autocast_dtype=None, resident_bytes: int = 0) -> MemoryEstimate:
     """One forward/backward pass of `model` on the whole batch, counting what it keeps.
 
     `optimizer_state_per_param`: tensors of optimizer state per parameter (SGD with momentum:
-    1, Adam: 2). Runs wherever the model's parameters are.
+    1, Adam: 2). `eval_input`: an evaluation batch, whose no-grad forward's peak of live
+    tensors is measured too. `autocast_dtype`: the trial's autocast (activations saved in it).
+    `resident_bytes`: what the trial keeps on the device besides (its data set). Runs
+    wherever the model's parameters are.
     """
+    import contextlib
+
     import torch
+
+    device_type = next(model.parameters()).device.type
+    cast = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
 
     saved = 0
     seen: set[int] = set()
@@ -140,13 +183,66 @@ def measure_memory(model, example_input, example_target, loss_fn, optimizer_stat
         return t
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model(example_input), example_target)
-    loss.backward()
+    with op_count() as ops:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            loss = loss_fn(model(example_input), example_target)
+        loss.backward()
     model.zero_grad(set_to_none=True)
+    evaluation = 0
+    if eval_input is not None:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), cast, live_peak() as live:
+            model(eval_input)
+        model.train(was_training)
+        evaluation = live.peak
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return MemoryEstimate(
         params_bytes=params, grads_bytes=trainable,
         optimizer_bytes=trainable * optimizer_state_per_param,
         activations_bytes=saved, overhead_bytes=GPU_CONTEXT_BYTES + GPU_WORKSPACE_BYTES if on_gpu else 0,
+        eval_bytes=evaluation, resident_bytes=resident_bytes, ops_per_step=ops.count,
     )
+
+
+def op_count():
+    """A dispatch mode counting the ops that run under it (each one kernel launch, or more, on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _OpCount(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    return _OpCount()
+
+
+def live_peak():
+    """A dispatch mode that follows the bytes of the tensors ops create while they live
+    (by their storage's reference count), and keeps the peak: what a no-grad forward holds
+    at once, which saved-tensor hooks cannot see."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class _LivePeak(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+            self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+                del self.live[key]
+            for t in tree_leaves(out):
+                if hasattr(t, "untyped_storage"):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() and storage.data_ptr() not in self.live:
+                        self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+            return out
+
+    return _LivePeak()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.sizing import MemoryEstimate, SizedRequest, SizingError, measure_memory, size_request
+from dataclasses import replace
+
+from cluster.sizing import MemoryEstimate, SizedRequest, SizingError, device_seconds, measure_memory, packing_pays, size_request
 from cluster.types import Inventory
 from training.spec import CampaignSpec, TrialSpec
 from tasks.grid import Trial
@@ -21,31 +23,42 @@ def optimizer_slots(optimizer: dict, lr: float) -> int:
     return sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel())
 
 
-def estimate_memory(trial: TrialSpec, on_gpu: bool) -> MemoryEstimate:
-    """A dry run of the trial's model on its whole global batch of real samples (on the CPU: same bytes)."""
+def estimate_memory(trial: TrialSpec, on_gpu: bool, device_memory: int = 0) -> MemoryEstimate:
+    """A dry run of the trial's model on its whole global batch of real samples, and a
+    no-grad forward on an evaluation batch, under the trial's autocast (on the CPU: the same
+    bytes). On a GPU, the data sets the feed keeps there (`data.on_device`) count as resident."""
+    from training.batches import EVAL_BATCH_MIN, kept_on_device
     from tasks.workload import trial_workload
+    from training.trainer import PRECISIONS
     from training.workload import build_loss, build_model, datasets, sample_batch
 
     work = trial_workload(trial)
     model = build_model(work["model"])
-    train, _ = datasets(work["data"])
+    train, val = datasets(work["data"])
     x, y = sample_batch(train, trial.training.batch_size)
+    eval_x, _ = sample_batch(val, min(len(val), max(trial.training.batch_size, EVAL_BATCH_MIN)))
     slots = optimizer_slots(work["optimizer"], trial.training.lr)
-    return measure_memory(model, x, y, build_loss(work["loss"]), slots, on_gpu)
+    on_device = trial.data.on_device
+    resident = sum(kept_on_device(d, on_device, device_memory) or 0 for d in (train, val)) if on_gpu else 0
+    return measure_memory(model, x, y, build_loss(work["loss"]), slots, on_gpu, eval_input=eval_x,
+                          autocast_dtype=PRECISIONS[trial.training.precision], resident_bytes=resident)
 
 
 def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
     """Every trial's request; raises SizingError or PlacementError naming the trial."""
     needs_estimate = spec.resources.devices == "auto" or spec.resources.memory_gb == "auto"
     cache: dict[str, MemoryEstimate] = {}
-    sized = {}
+    sized: dict[str, SizedRequest] = {}
+    seconds: dict[str, float] = {}
     for trial in trials:
         estimate = None
         if needs_estimate:
-            key = trial.spec.model.model_dump_json() + trial.spec.data.model_dump_json() + str(trial.spec.training.batch_size)
+            key = (trial.spec.model.model_dump_json() + trial.spec.data.model_dump_json()
+                   + f"{trial.spec.training.batch_size} {trial.spec.training.precision}")
             if key not in cache:
                 try:
-                    cache[key] = estimate_memory(trial.spec, on_gpu=inventory.kind == "gpu")
+                    device_memory = max((d.memory_bytes for d in inventory.devices), default=0)
+                    cache[key] = estimate_memory(trial.spec, on_gpu=inventory.kind == "gpu", device_memory=device_memory)
                 except Exception as e:  # a model that cannot run its dry run
                     raise SizingError(f"trial {trial.id!r}: the memory estimate failed ({e.__class__.__name__}: {e}); set resources.memory_gb and resources.devices by hand") from e
             estimate = cache[key]
@@ -57,4 +70,19 @@ def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -
             raise SizingError(f"trial {trial.id!r}: sized to {request.max_devices} devices but training.logical_ranks is {logical}: "
                               "every process holds at least one logical rank; raise training.logical_ranks")
         sized[trial.id] = request
+        if estimate is not None:
+            seconds[trial.id] = device_seconds(estimate, trial.spec.training.steps, trial.spec.training.logical_ranks or 1)
+    if spec.resources.memory_gb == "auto" and inventory.kind == "gpu" and not packing_pays(list(seconds.values()), expected_trials(spec, trials)):
+        # Too little work to share a GPU for: each trial gets whole devices, and warm workers
+        # run them back to back (bench/gpu_suite.py measured the default campaign 0.88x packed).
+        whole = max(d.memory_bytes for d in inventory.devices)
+        sized = {tid: replace(r, memory_for=(whole,) * len(r.memory_for)) for tid, r in sized.items()}
     return sized
+
+
+def expected_trials(spec: CampaignSpec, trials: list[Trial]) -> int:
+    """How many trials the campaign will run: the grid's, or the search's budget (its trials
+    come one at a time)."""
+    search = getattr(spec, "search", None)
+    budget = (search.trials or 0) * search.seeds if search is not None else 0
+    return max(len(trials), budget)

@@ -23,11 +23,14 @@ def test_every_step_of_the_gpu_suite_runs_on_the_cpu_and_reports(tmp_path):
     steps = report["steps"]
     assert set(steps) == {"throughput", "packing", "exact", "profile", "precision"} and report["dry_run"]
     assert steps["throughput"]["figures"]["small_cnn (fp32)"]["ratio"] > 0
-    assert steps["packing"]["figures"]["packed (memory_gb: auto)"]["trials"] == 4
-    assert any(name.startswith("system/") for name in steps["packing"]["figures"]["packed (memory_gb: auto)"]["system_metrics"])
-    assert any(key.startswith("system/") for key in steps["packing"]["figures"]["packed (memory_gb: auto)"]["mean_utilisation_percent"])
-    estimates = steps["packing"]["figures"]["memory estimate / peak allocated"]
-    assert len(estimates) == 4 and all(e["estimate_gb"] > 0 and e["peak_allocated_gb"] is None for e in estimates.values())  # CPU slots
+    for campaign, trials in (("default campaign", 4), ("ResNet-20 grid", 2)):
+        packed = steps["packing"]["figures"][campaign]["packed (memory_gb: auto)"]
+        assert packed["trials"] == trials and len(packed["timeline_s"]) == trials
+        assert all(0 <= start < end for start, end in packed["timeline_s"].values())
+        assert any(name.startswith("system/") for name in packed["system_metrics"])
+        assert any(key.startswith("system/") for key in packed["mean_utilisation_percent"])
+        estimates = steps["packing"]["figures"][campaign]["memory estimate / peak allocated"]
+        assert len(estimates) == trials and all(e["estimate_gb"] > 0 and e["peak_allocated_gb"] is None for e in estimates.values())  # CPU slots
     assert steps["exact"]["figures"]["bit_for_bit"] is True
     assert steps["profile"]["figures"]["peak lines"] and "bf16 speed-up" in steps["precision"]["figures"]
     accuracy = steps["precision"]["figures"]["final val_accuracy (per seed)"]
@@ -35,6 +38,6 @@ def test_every_step_of_the_gpu_suite_runs_on_the_cpu_and_reports(tmp_path):
     markdown = (tmp_path / "report.md").read_text()
     assert "dry run on the CPU" in markdown and "goal not judged (dry run)" in markdown
     # Reports are kept in the repository (docs/gpu-proof/): they name no folder of the machine.
-    assert "<work>/packed" in " ".join(steps["profile"]["figures"]["peak lines"])
+    assert "<work>/default_campaign/packed" in " ".join(steps["profile"]["figures"]["peak lines"])
     for text in (markdown, (tmp_path / "report.json").read_text()):
         assert "gpu-suite-" not in text and str(REPO) not in text

@@ -40,6 +40,7 @@ from training.workload import WorkloadError, dataset_bytes, move, split_pair
 
 DEVICE_BYTES_AUTO = 2 * 2**30  # `on_device: auto` keeps a TensorDataset on a GPU up to this size...
 DEVICE_FRACTION_AUTO = 0.25  # ...and this share of the GPU's memory
+EVAL_BATCH_MIN = 256  # evaluation batches: the training batch, or this many where it is smaller
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,15 +221,27 @@ def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
 def keeps_on_device(dataset: Dataset, on_device: bool | str, device: torch.device) -> bool:
     """Whether the dataset is fed from device memory: always when asked; for `auto`, a
     TensorDataset of two tensors that is small enough (on the CPU: always, it is there already)."""
-    if on_device is True:
-        return True
-    if on_device is False or not (isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2):
-        return False
     if device.type != "cuda":
-        return True
-    size = dataset_bytes(dataset) or 0
-    total = torch.cuda.get_device_properties(device).total_memory
-    return size <= min(DEVICE_BYTES_AUTO, DEVICE_FRACTION_AUTO * total)
+        return on_device is not False and (on_device is True or _two_tensors(dataset))
+    return kept_on_device(dataset, on_device, torch.cuda.get_device_properties(device).total_memory) is not None
+
+
+def kept_on_device(dataset: Dataset, on_device: bool | str, device_memory: int) -> int | None:
+    """The bytes a GPU of `device_memory` bytes holds of `dataset` when the feed keeps it
+    there, None when it does not (pure: the packer's estimate asks it before any trial runs)."""
+    if on_device is False or (on_device == "auto" and not _two_tensors(dataset)):
+        return None
+    size = dataset_bytes(dataset)
+    if size is None:  # on_device: true on another dataset: stacked, its bytes are its samples'
+        x, y = materialize(dataset)
+        size = x.numel() * x.element_size() + y.numel() * y.element_size()
+    if on_device is True or size <= min(DEVICE_BYTES_AUTO, DEVICE_FRACTION_AUTO * device_memory):
+        return size
+    return None
+
+
+def _two_tensors(dataset: Dataset) -> bool:
+    return isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2
 
 
 def make_feed(dataset: Dataset, order: SampleOrder, batch_size: int, device: torch.device,

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from training.batches import Phase, Span, eval_batches, local_spans, make_feed
+from training.batches import EVAL_BATCH_MIN, Phase, Span, eval_batches, local_spans, make_feed
 from training.checkpoint import Checkpointer
 from training.checkpoint_remote import remote_for
 from training.progress import progress_now
@@ -97,6 +97,33 @@ PROGRESS_EVERY_S = 1.0
 StopCheck = Callable[[int], bool]
 
 
+@dataclass
+class LogWindow:
+    """A log window's figures; its mean loss still on the device, or on its way to the host."""
+
+    step: int
+    lr: float
+    step_time_s: float
+    mean_loss: torch.Tensor
+    landed_event: "torch.cuda.Event | None" = None
+
+    def copy_to_host(self) -> "LogWindow":
+        """Start the loss's copy into pinned host memory; it lands when the device reaches it."""
+        host = torch.empty((), dtype=self.mean_loss.dtype, pin_memory=True)
+        host.copy_(self.mean_loss, non_blocking=True)
+        self.mean_loss, self.landed_event = host, torch.cuda.Event()
+        self.landed_event.record()
+        return self
+
+    def landed(self) -> bool:
+        return self.landed_event is None or self.landed_event.query()
+
+    def loss(self) -> float:
+        if self.landed_event is not None:
+            self.landed_event.synchronize()  # at an evaluation or the end: the device is waited on anyway
+        return self.mean_loss.item()
+
+
 class Trainer(Stateful):
     def __init__(self, cfg: TrialConfig, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -122,6 +149,8 @@ class Trainer(Stateful):
         # fp16 needs its loss scaled against underflow; bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
         self.buffers = list(self.model.buffers())  # BatchNorm's running statistics and the like
+        self._allocated_after_setup = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self._pending_logs: list[LogWindow] = []  # log windows whose loss is on its way to the host
         self.last_step_at: float | None = None  # wall time the latest step completed
         self.latest: dict[str, float] = {}
         self.env: DistEnv | None = None
@@ -461,7 +490,7 @@ class Trainer(Stateful):
         self.model.eval()
         loss_sum = correct = count = 0.0
         try:
-            for x, y in eval_batches(self.val_set, max(self.cfg.batch_size, 256), self.device,
+            for x, y in eval_batches(self.val_set, max(self.cfg.batch_size, EVAL_BATCH_MIN), self.device,
                                      self.cfg.data.get("on_device", "auto"), self.cfg.data.get("workers", 0), self._val_cache):
                 with self._autocast():
                     out = self.model(x)
@@ -505,6 +534,7 @@ class Trainer(Stateful):
         while not self.done:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
                 self._batches_next = self.step  # a later call at this step goes on with the same feed
+                self._flush_logs(wait=True)
                 return None
             if self.step == cfg.hold_at_step:
                 self.hold()
@@ -520,24 +550,26 @@ class Trainer(Stateful):
                 window_loss = loss if window_loss is None else window_loss.add_(loss)
                 window_steps += 1
                 if evaluate or self.step % cfg.log_every == 0:
-                    # Logged every log_every steps, as means over the window: reading the loss
-                    # waits for the device, and a metric costs CPU on the training core.
-                    now = time.perf_counter()
-                    self.latest.update(train_loss=window_loss.item() / window_steps,
-                                       lr=self.lr, step_time_s=(now - window_start) / window_steps)
-                    noise = self.noise.value()  # in samples; none until a measurement says so
-                    if noise is not None:  # (carried through a resize to a size that cannot measure it)
-                        self.latest["grad_noise_scale"] = noise
-                    else:
-                        self.latest.pop("grad_noise_scale", None)
+                    # Logged every log_every steps, as means over the window (a metric costs CPU
+                    # on the training core). On a GPU the window's loss comes back by an
+                    # asynchronous copy, logged at a later log step once it has landed: reading
+                    # it now would wait for the device. An evaluation waits anyway: all land.
+                    window = LogWindow(self.progress_step, self.lr, (time.perf_counter() - window_start) / window_steps,
+                                       window_loss / window_steps)
                     window_loss, window_steps = None, 0
+                    if evaluate or self.device.type != "cuda":
+                        self._pending_logs.append(window)
+                        self._flush_logs(wait=True, hold_last_line=evaluate)
+                    else:
+                        self._pending_logs.append(window.copy_to_host())
+                        self._flush_logs(wait=False)
                     if evaluate:
                         self.latest.update(self.evaluate())
                         stop_here = self.pruning is not None and not self.done and self.pruning.should_stop(self.progress_step, self.latest)
-                    # Evaluation metrics go to MLflow at the steps they were measured, not again at
-                    # each log step (a curve of repeats); the latest stay in progress.json and the log.
-                    self.metrics.log(self.progress_step, **{k: v for k, v in self.latest.items() if evaluate or not k.startswith("val_")})
-                    print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)  # the log follows training
+                        # Evaluation metrics go to MLflow at the steps they were measured, not again at
+                        # each log step (a curve of repeats); the latest stay in progress.json and the log.
+                        self.metrics.log(self.progress_step, **{k: v for k, v in self.latest.items() if k.startswith("val_")})
+                        print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)
                     window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and not self.done and self._agree(stop_here):
                 self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
@@ -560,11 +592,39 @@ class Trainer(Stateful):
             # What the trial's packing estimate is held against (bench/gpu_suite.py): this
             # process's peak of allocated device memory, None on a CPU slot.
             "peak_device_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            "device_memory": self._device_memory(),
         }
         if self.is_rank0:
             self.write_progress("finished")
             write_json_atomic(cfg.result_path, result)
         return result
+
+    def _flush_logs(self, wait: bool, hold_last_line: bool = False) -> None:
+        """Log the windows whose loss has reached the host, in order (all of them if `wait`);
+        `hold_last_line`: the last one's progress line is printed by the caller (with the
+        evaluation's metrics)."""
+        while self._pending_logs and (wait or self._pending_logs[0].landed()):
+            window = self._pending_logs.pop(0)
+            self.latest.update(train_loss=window.loss(), lr=window.lr, step_time_s=window.step_time_s)
+            noise = self.noise.value()  # in samples; none until a measurement says so
+            if noise is not None:  # (carried through a resize to a size that cannot measure it)
+                self.latest["grad_noise_scale"] = noise
+            else:
+                self.latest.pop("grad_noise_scale", None)
+            self.metrics.log(window.step, **{k: v for k, v in self.latest.items() if not k.startswith("val_")})
+            if not (hold_last_line and not self._pending_logs):
+                print(progress_line(self.cfg.trial_id, window.step, self.cfg.steps, self.latest), flush=True)  # the log follows training
+
+    def _device_memory(self) -> dict[str, int] | None:
+        """Where the peak came from: the allocator's pools (large: blocks over 1 MB, such as
+        cuBLAS's workspaces) and what was allocated once the model and data were placed."""
+        if self.device.type != "cuda":
+            return None
+        stats = torch.cuda.memory_stats(self.device)
+        return {"after_setup": self._allocated_after_setup,
+                "large_pool_peak": stats.get("allocated_bytes.large_pool.peak", 0),
+                "small_pool_peak": stats.get("allocated_bytes.small_pool.peak", 0),
+                "reserved_peak": stats.get("reserved_bytes.all.peak", 0)}
 
     def _agree(self, decision: bool) -> bool:
         """Rank 0's decision, on every rank (collective; called at the same steps everywhere)."""
