@@ -96,7 +96,7 @@ def size_request(
     """
     largest_node = max((sum(d.node == n for d in inventory.devices) for n in inventory.nodes), default=0)
     device_memory = max((d.memory_bytes for d in inventory.devices), default=0)
-    needs_estimate = devices == "auto" or memory_gb == "auto"
+    needs_estimate = devices == "auto" or (memory_gb == "auto" and inventory.kind != "cpu")  # CPU slots are never shared
     if needs_estimate and estimate is None:
         raise SizingError(f"trial {trial_id!r}: `auto` sizing needs a memory estimate, and none could be made")
 

@@ -29,7 +29,6 @@ from cluster.sizing import SizedRequest, start_size
 from cluster.types import Inventory, Placement
 from training.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
-from tasks.profile import load_prior, profile_dir
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_function, trial_workload
@@ -193,6 +192,8 @@ class CampaignRun:
     def add_pending(self, trial: Trial) -> None:
         self.pending.append(trial)
         if self.scheduler is not None:
+            from tasks.profile import load_prior, profile_dir  # torch, MLflow: only for elastic trials
+
             r = self.requests[trial.id]
             prior = load_prior(profile_dir(self.spec.tracking.runs_dir, self.name, trial.id))  # `campaign profile` ran on it
             if prior is not None:

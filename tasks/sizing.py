@@ -46,7 +46,8 @@ def estimate_memory(trial: TrialSpec, on_gpu: bool, device_memory: int = 0) -> M
 
 def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -> dict[str, SizedRequest]:
     """Every trial's request; raises SizingError or PlacementError naming the trial."""
-    needs_estimate = spec.resources.devices == "auto" or spec.resources.memory_gb == "auto"
+    # CPU slots are never shared: their memory needs no estimate (and the model is not built).
+    needs_estimate = spec.resources.devices == "auto" or (spec.resources.memory_gb == "auto" and inventory.kind != "cpu")
     cache: dict[str, MemoryEstimate] = {}
     sized: dict[str, SizedRequest] = {}
     seconds: dict[str, float] = {}

@@ -37,8 +37,6 @@ def trial_workload(spec: TrialSpec, root: Path = Path(".")) -> dict[str, Any]:
 def check_trials(trials: list[Trial]) -> None:
     """Build each distinct workload once and run a training step on two real samples; the
     first failure is raised naming the field (and the trial, when the grid varies it)."""
-    from training.workload import check_workload
-
     seen: set[str] = set()
     for trial in trials:
         if trial.spec.training.target is not None:
@@ -49,32 +47,63 @@ def check_trials(trials: list[Trial]) -> None:
         if key in seen:
             continue
         seen.add(key)
+        passed = passed_check(work, trial.spec.training.lr)
+        if passed.exists():  # this workload passed with this code and data: no model built, torch not imported
+            continue
+        from training.workload import check_workload  # torch: only when a workload is checked
+
         try:
             check_workload(**work, lr=trial.spec.training.lr)
         except CampaignError as e:
             where = f"trial {trial.id} ({trial.label}): " if len(trials) > 1 and trial.overrides else ""
             raise type(e)(f"{where}{e}") from None
+        passed.parent.mkdir(parents=True, exist_ok=True)
+        passed.touch()
 
 
-def _check_function(trial: Trial, seen: set[str], several: bool) -> None:
-    """A function trial's target (and its check hook, in a folder of its own) once per distinct one."""
-    import tempfile
+CHECK_CACHE_ENV = "CAMPAIGN_CHECK_CACHE"  # where workloads that passed their check are remembered
+MAX_FINGERPRINT_ENTRIES = 20_000  # files and folders walked to fingerprint the code
 
-    from training.config import TrialConfig
-    from training.function import check_function
 
-    t = trial.spec.training
-    check = {"target": t.check, "kwargs": dict(t.kwargs)} if t.check else None
-    key = json.dumps([trial_function(trial.spec)["function"], check], sort_keys=True, default=str)
-    if key in seen:
-        return
-    seen.add(key)
-    with tempfile.TemporaryDirectory(prefix="campaign-check-") as folder:
-        cfg = TrialConfig(trial_id=trial.id, seed=trial.spec.seed, model={}, data={}, steps=1, batch_size=t.batch_size,
-                          lr=t.lr, checkpoint_every=t.checkpoint_every, keep_checkpoints=1, trial_dir=folder,
-                          async_checkpoints=False, **trial_function(trial.spec))
+def passed_check(work: dict[str, Any], lr: float) -> Path:
+    """The file that says `work` passed its check, named by everything the check depends
+    on: the workload, torch's version, the data file, and every Python file of the project
+    and of the folder the campaign runs in (size and modification time), so that any edit
+    checks again. In the user's cache folder: every campaign of the machine shares it."""
+    import hashlib
+    import os
+    from importlib.metadata import version
+
+    root = Path(os.environ.get(CHECK_CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "campaign" / "checks")
+    digest = hashlib.sha256(json.dumps([work, lr, version("torch")], sort_keys=True, default=str).encode())
+    data = work.get("data", {}).get("path")
+    sources = _python_files()
+    if sources is None:  # too large a folder to fingerprint quickly: always checked
+        import uuid
+
+        digest.update(uuid.uuid4().bytes)
+        sources = []
+    for path in ([Path(data)] if data else []) + sources:
         try:
-            check_function(cfg.function, check, cfg)
-        except CampaignError as e:
-            where = f"trial {trial.id} ({trial.label}): " if several and trial.overrides else ""
-            raise type(e)(f"{where}{e}") from None
+            stat = path.stat()
+        except OSError:
+            continue
+        digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return root / digest.hexdigest()
+
+
+def _python_files() -> list[Path] | None:
+    """The .py files of this project and of the working folder (not in hidden folders or
+    virtual environments); None where the folders hold more than MAX_FINGERPRINT_ENTRIES."""
+    import os
+
+    files: list[Path] = []
+    seen = 0
+    for top in dict.fromkeys([Path(__file__).resolve().parent.parent, Path.cwd().resolve()]):
+        for folder, dirs, names in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__", "venv")]
+            seen += len(names) + len(dirs)
+            if seen > MAX_FINGERPRINT_ENTRIES:
+                return None
+            files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files)

@@ -26,6 +26,8 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # Tests never touch the host-wide lease store of real campaigns.
 os.environ["CAMPAIGN_LEASE_DB"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-leases-{os.getpid()}.db")
 os.environ["CAMPAIGN_CHECKPOINT_KEY"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-key-{os.getpid()}")
+# Workloads that passed their check are remembered per test run, not in the user's cache.
+os.environ["CAMPAIGN_CHECK_CACHE"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-checks-{os.getpid()}")
 # Subprocesses (torchrun, dvc) must find the venv's console scripts and this checkout.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"

@@ -45,6 +45,47 @@ def test_a_good_workload_is_checked_on_real_samples(user_root, digits_npz, monke
     assert found.train_samples > 1000 and found.val_samples > 300
 
 
+def test_a_workload_that_passed_is_not_built_again_until_its_code_or_data_changes(tmp_path, digits_npz, monkeypatch):
+    """`campaign launch` checks each workload before anything runs; a workload that passed
+    with the same code, data and torch is not rebuilt (no torch import on a relaunch)."""
+    import training.workload
+    from tasks.grid import expand_grid
+    from tasks.workload import CHECK_CACHE_ENV, check_trials
+    from training.spec import parse_spec
+
+    monkeypatch.setenv(CHECK_CACHE_ENV, str(tmp_path / "cache"))
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    (project / "helpers.py").write_text("X = 1\n")
+    built = []
+    real = training.workload.check_workload
+    monkeypatch.setattr(training.workload, "check_workload", lambda **kw: built.append(kw["model"]) or real(**kw))
+
+    def spec(width: int):
+        return parse_spec({"campaign": {"name": "c"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": width},
+                           "training": {"steps": 2, "batch_size": 8, "lr": 0.1}})
+
+    check_trials(expand_grid(spec(8)))
+    check_trials(expand_grid(spec(8)))
+    assert len(built) == 1  # the second launch found it passed
+    check_trials(expand_grid(spec(16)))
+    assert len(built) == 2  # another workload is checked
+    (project / "helpers.py").write_text("X = 22\n")  # an edit in the campaign's folder: checked again
+    check_trials(expand_grid(spec(8)))
+    assert len(built) == 3
+    os.utime(digits_npz)  # the data file changed (its time): checked again
+    check_trials(expand_grid(spec(8)))
+    assert len(built) == 4
+
+    # A workload that fails is never remembered: it fails again, naming the field.
+    monkeypatch.setattr(training.workload, "check_workload", lambda **kw: built.append(kw["model"]) or (_ for _ in ()).throw(WorkloadError("model: broken")))
+    for _ in range(2):
+        with pytest.raises(WorkloadError, match="model: broken"):
+            check_trials(expand_grid(spec(32)))
+    assert len(built) == 6
+
+
 BAD_TARGETS = [
     # (what to change, words the error must contain)
     ({"model": {"target": "nosuchpkg.nets:make"}}, ["model.target", "cannot import 'nosuchpkg.nets'", "importable from"]),

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 from training.loopback import loopback_store

@@ -16,9 +16,7 @@ import os
 import socket
 from datetime import timedelta
 
-import torch.distributed as dist
-
-_TCPStore = dist.TCPStore
+_TCPStore = None  # torch's own TCPStore, kept before patch_torch_stores replaces it (torch imported when needed)
 _PARAMS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd", "use_libuv")
 
 
@@ -40,25 +38,36 @@ def loopback_listener(port: int = 0, address: str | None = None) -> int:
     return sock.detach()  # the store owns the fd from here on
 
 
-def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300), **kwargs) -> dist.TCPStore:
+def _torch_store():
+    global _TCPStore
+    if _TCPStore is None:
+        import torch.distributed as dist
+
+        _TCPStore = dist.TCPStore
+    return _TCPStore
+
+
+def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300), **kwargs) -> "dist.TCPStore":
     """A TCPStore server on 127.0.0.1 (port 0: a free one; read it back from `.port`)."""
-    return _TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, master_listen_fd=loopback_listener(port, "127.0.0.1"), **kwargs)
+    return _torch_store()("127.0.0.1", port, is_master=True, timeout=timeout, master_listen_fd=loopback_listener(port, "127.0.0.1"), **kwargs)
 
 
-def _store(*args, **kwargs) -> dist.TCPStore:
+def _store(*args, **kwargs) -> "dist.TCPStore":
     """TCPStore as torch calls it, except that a server listens on bind_address() only."""
     named = dict(zip(_PARAMS, args)) | kwargs
     if named.get("is_master") and named.get("master_listen_fd") is None:
         named["master_listen_fd"] = loopback_listener(int(named.get("port", 0)))
         named["use_libuv"] = True  # the listening fd is only taken by the libuv server
-    return _TCPStore(**named)
+    return _torch_store()(**named)
 
 
 def patch_torch_stores() -> None:
     """Every TCPStore server made in this process from here on listens on bind_address() only."""
+    import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
     import torch.distributed.elastic.utils.distributed as elastic_distributed
 
+    _torch_store()  # the original, before it is replaced
     dist.TCPStore = _store  # dynamic_rendezvous and elastic.utils.distributed call it through the module
     c10d_backend.TCPStore = _store  # imported by name there
     assert elastic_distributed.dist is dist
