@@ -613,7 +613,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     write_campaign(spec.tracking.runs_dir, dataclasses.replace(
         before, launches=before.launches + 1, params=str(Path(params_path).resolve()), mlflow_run_id=parent_run_id,
         owner=process_identity(), state="running", started=time.time(), ended=None,
-        prefect_api=os.environ.get("PREFECT_API_URL") or None,
+        # A server that lives as long as this launch is not one to come back to.
+        prefect_api=os.environ.get("PREFECT_API_URL") if os.environ.get("PREFECT_API_URL") != os.environ.get("CAMPAIGN_PREFECT_TEMPORARY") else None,
         # Where people look: the live view prints these links (flows/live_view.py: campaign_links).
         flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
         mlflow_ui=mlflow_ui(uri), mlflow_experiment_id=run_experiment(uri, parent_run_id),

@@ -1,10 +1,13 @@
-"""Prefect's temporary API server, started while `campaign launch` checks the spec.
+"""Prefect's temporary API server, started the moment `campaign launch` begins.
 
 Without PREFECT_API_URL, Prefect starts a server of its own (a uvicorn process) the first
-time a flow needs its API, and a launch waited for it after every check had run (4-10 s on
-two cores). Started here on a thread, the process boots while the checks import and size the
-trials; the flow then finds it running (Prefect keeps one per process). If it fails to
-start, the flow's own start tries again and reports the error as it always has.
+time a flow needs its API: the launch then waited for it after every check had run, and
+before that it imported Prefect's whole server app in this process just to start one.
+Here the same uvicorn command (as `prefect.server.api.server.SubprocessASGIServer` runs it)
+is started before anything is imported, so it boots on another core while this process
+imports and checks; this process then talks to it as to any server (PREFECT_API_URL) and
+never loads the server app itself. The server ends with the launch: at its exit, or by the
+kernel if the launch is killed outright.
 
 Nothing else is made ahead: the checks must leave nothing behind when they refuse the spec,
 so the MLflow store (a file) is created by the flow, after them.
@@ -12,53 +15,91 @@ so the MLflow store (a file) is created by the flow, after them.
 
 from __future__ import annotations
 
-import logging
+import atexit
+import importlib.util
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from training.process import die_with_parent
+
+TEMPORARY_ENV = "CAMPAIGN_PREFECT_TEMPORARY"  # the API URL of the server started here (none recorded for it)
+STARTUP_TIMEOUT_S = 60.0
+PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
 
 
-class _HeldBack(logging.Filter):
-    """Holds the records one thread logs to a logger: they are told once the launch has
-    chosen where its logs go (the live view sends Prefect's lines to campaign.log)."""
-
-    def __init__(self, thread: threading.Thread) -> None:
-        super().__init__()
-        self.thread, self.records = thread, []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.thread == self.thread.ident:
-            self.records.append(record)
-            return False
-        return True
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class WarmUp:
     def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
+        self.process: subprocess.Popen | None = None
+        self.ready_after: threading.Thread | None = None  # other preparation the flow needs done
         if os.environ.get("PREFECT_API_URL"):  # a server of the user's, the pool's or `campaign ui`'s
             return
-        # A daemon thread: a launch refused for bad input exits at once, and Prefect's atexit
-        # hook stops whatever was started.
-        self.thread = threading.Thread(target=self._start_api, name="prefect-api-start", daemon=True)
-        self.held = _HeldBack(self.thread)
-        logging.getLogger("prefect").addFilter(self.held)  # "Starting temporary server on ..."
-        self.thread.start()
+        self._start()
+        # Before Prefect is imported here: its settings read the environment once.
+        os.environ["PREFECT_API_URL"] = os.environ[TEMPORARY_ENV] = self.api_url
+        atexit.register(self.stop)
 
-    @staticmethod
-    def _start_api() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
 
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # the flow's own start (the same server object) tries again, and says why
-            pass
+    def _start(self) -> None:
+        self.port = free_port()
+        site = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory", "prefect.server.api.server:create_app",
+             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     def ready(self) -> None:
-        """Wait for the server; what its start logged is told now, where logs go from here on."""
-        if self.thread is None:
+        """Wait until the server answers (and `ready_after` has ended)."""
+        self._wait_for_server()
+        if self.ready_after is not None:
+            self.ready_after.join()
+
+    def _wait_for_server(self) -> None:
+        if self.process is None:
             return
-        self.thread.join()
-        logging.getLogger("prefect").removeFilter(self.held)
-        for record in self.held.records:
-            logging.getLogger(record.name).handle(record)
-        self.held.records.clear()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code == PORT_IN_USE:  # another process took the port since it was chosen
+                self._start()
+                os.environ["PREFECT_API_URL"] = os.environ[TEMPORARY_ENV] = self.api_url
+                continue
+            if code is not None:
+                raise RuntimeError(f"Prefect's temporary server exited with code {code} before it answered")
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"Prefect's temporary server did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        # Waited for, as Prefect waits for its own: it closes its database in PREFECT_HOME.
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
