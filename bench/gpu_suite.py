@@ -11,10 +11,12 @@ are parsed from what it prints or writes:
    fp32, ResNet-20 and char-GPT in bf16, median of 5 alternating rounds, with the host-device
    syncs counted in our timed steps under `torch.cuda.set_sync_debug_mode("warn")` (goals:
    ratio >= 0.97, 0 syncs);
-2. packing: the default campaign's trials with `memory_gb: auto` (they share the GPU) against
-   the same trials one at a time (whole device): samples/s over the span from the first
-   start to the last end, from the campaign's own allocations.jsonl (goal >= 1.5x where the
-   trials are small), and whether the trials' MLflow runs carry system metrics;
+2. packing: the default campaign's trials and an 8-trial ResNet-20 grid with `memory_gb:
+   auto` (they share the GPU where sharing pays) against the same trials one at a time
+   (whole device): samples/s over the span from the first start to the last end, and each
+   trial's start and end, from the campaign's own allocations.jsonl (goal >= 1.5x where
+   the trials are small, never < 0.95x: `auto` refuses to pack where it would lose), and
+   whether the trials' MLflow runs carry system metrics;
 3. profile: `campaign profile` on the default campaign (peaks at the trial's precision);
    Beside it: each run's mean device utilisation (NVML's, from the system metrics on the
    trials' MLflow runs), and each packed trial's memory estimate (what the packer gave it,
