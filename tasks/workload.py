@@ -107,3 +107,27 @@ def _python_files() -> list[Path] | None:
                 return None
             files += [Path(folder) / n for n in names if n.endswith(".py")]
     return sorted(files)
+
+
+def _check_function(trial: Trial, seen: set[str], several: bool) -> None:
+    """A function trial's target (and its check hook, in a folder of its own) once per distinct one."""
+    import tempfile
+
+    from training.config import TrialConfig
+    from training.function import check_function
+
+    t = trial.spec.training
+    check = {"target": t.check, "kwargs": dict(t.kwargs)} if t.check else None
+    key = json.dumps([trial_function(trial.spec)["function"], check], sort_keys=True, default=str)
+    if key in seen:
+        return
+    seen.add(key)
+    with tempfile.TemporaryDirectory(prefix="campaign-check-") as folder:
+        cfg = TrialConfig(trial_id=trial.id, seed=trial.spec.seed, model={}, data={}, steps=1, batch_size=t.batch_size,
+                          lr=t.lr, checkpoint_every=t.checkpoint_every, keep_checkpoints=1, trial_dir=folder,
+                          async_checkpoints=False, **trial_function(trial.spec))
+        try:
+            check_function(cfg.function, check, cfg)
+        except CampaignError as e:
+            where = f"trial {trial.id} ({trial.label}): " if several and trial.overrides else ""
+            raise type(e)(f"{where}{e}") from None
