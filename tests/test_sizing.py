@@ -210,3 +210,22 @@ def test_the_default_campaign_fits_a_one_gpu_machine(digits_npz):
     wide = parse_spec(raw)
     with pytest.raises(PlacementError, match=r"needs 2 devices; the largest node, 'box', has 1 \(gpu device\)"):
         checked_requests(wide, expand_grid(wide), one_gpu)
+
+
+def test_the_data_a_gpu_feed_keeps_is_what_the_estimate_counts():
+    """The feed keeps a tensor data set on the GPU when asked or when it is small enough; the
+    packer's estimate counts exactly those bytes (pure: no GPU needed)."""
+    from torch.utils.data import TensorDataset
+
+    from training.batches import DEVICE_BYTES_AUTO, keeps_on_device, kept_on_device
+
+    small = TensorDataset(torch.zeros(10, 4), torch.zeros(10))
+    assert kept_on_device(small, "auto", 16 * GIB) == 10 * 4 * 4 + 10 * 4
+    assert kept_on_device(small, "auto", 0) is None and kept_on_device(small, False, 16 * GIB) is None
+    big = TensorDataset(torch.zeros(1, 1).expand(DEVICE_BYTES_AUTO // 4 + 1, 1), torch.zeros(1).expand(DEVICE_BYTES_AUTO // 4 + 1))
+    assert kept_on_device(big, "auto", 1024 * GIB) is None and kept_on_device(big, True, 0) is not None
+    pairs = [(torch.zeros(3), torch.tensor(1)) for _ in range(4)]  # not a TensorDataset: only when asked
+    assert kept_on_device(pairs, "auto", 16 * GIB) is None and kept_on_device(pairs, True, 0) == 4 * 3 * 4 + 4 * 8
+    cpu = torch.device("cpu")  # on the CPU the data is where the model is: kept unless refused
+    assert keeps_on_device(small, "auto", cpu) and keeps_on_device(pairs, True, cpu)
+    assert not keeps_on_device(small, False, cpu) and not keeps_on_device(pairs, "auto", cpu)

@@ -221,8 +221,8 @@ def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
 def keeps_on_device(dataset: Dataset, on_device: bool | str, device: torch.device) -> bool:
     """Whether the dataset is fed from device memory: always when asked; for `auto`, a
     TensorDataset of two tensors that is small enough (on the CPU: always, it is there already)."""
-    if device.type != "cuda":
-        return on_device is not False and (on_device is True or _two_tensors(dataset))
+    if on_device is True or device.type != "cuda":
+        return on_device is True or (on_device is not False and _two_tensors(dataset))
     return kept_on_device(dataset, on_device, torch.cuda.get_device_properties(device).total_memory) is not None
 
 
