@@ -84,6 +84,5 @@ def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -
 def expected_trials(spec: CampaignSpec, trials: list[Trial]) -> int:
     """How many trials the campaign will run: the grid's, or the search's budget (its trials
     come one at a time)."""
-    search = getattr(spec, "search", None)
-    budget = (search.trials or 0) * search.seeds if search is not None else 0
+    budget = (spec.search.trials or 0) * spec.search.seeds if spec.search is not None else 0
     return max(len(trials), budget)

@@ -38,6 +38,7 @@ def check_trials(trials: list[Trial]) -> None:
     """Build each distinct workload once and run a training step on two real samples; the
     first failure is raised naming the field (and the trial, when the grid varies it)."""
     seen: set[str] = set()
+    code: str | None = None  # the project's code, fingerprinted once for every workload
     for trial in trials:
         if trial.spec.training.target is not None:
             _check_function(trial, seen, len(trials) > 1)
@@ -47,7 +48,8 @@ def check_trials(trials: list[Trial]) -> None:
         if key in seen:
             continue
         seen.add(key)
-        passed = passed_check(work, trial.spec.training.lr)
+        code = code_fingerprint() if code is None else code
+        passed = passed_check(work, trial.spec.training.lr, code)
         if passed.exists():  # this workload passed with this code and data: no model built, torch not imported
             continue
         from training.workload import check_workload  # torch: only when a workload is checked
@@ -65,31 +67,45 @@ CHECK_CACHE_ENV = "CAMPAIGN_CHECK_CACHE"  # where workloads that passed their ch
 MAX_FINGERPRINT_ENTRIES = 20_000  # files and folders walked to fingerprint the code
 
 
-def passed_check(work: dict[str, Any], lr: float) -> Path:
+def passed_check(work: dict[str, Any], lr: float, code: str) -> Path:
     """The file that says `work` passed its check, named by everything the check depends
-    on: the workload, torch's version, the data file, and every Python file of the project
-    and of the folder the campaign runs in (size and modification time), so that any edit
-    checks again. In the user's cache folder: every campaign of the machine shares it."""
+    on: the workload, torch's version, the data file and the project's code (`code`:
+    code_fingerprint()), so that any edit checks again. In the user's cache folder: every
+    campaign of the machine shares it."""
     import hashlib
     import os
     from importlib.metadata import version
 
     root = Path(os.environ.get(CHECK_CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "campaign" / "checks")
-    digest = hashlib.sha256(json.dumps([work, lr, version("torch")], sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps([work, lr, version("torch"), code], sort_keys=True, default=str).encode())
     data = work.get("data", {}).get("path")
-    sources = _python_files()
-    if sources is None:  # too large a folder to fingerprint quickly: always checked
-        import uuid
+    if data:
+        try:
+            stat = Path(data).stat()
+            digest.update(f"{data}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        except OSError:
+            pass
+    return root / digest.hexdigest()
 
-        digest.update(uuid.uuid4().bytes)
-        sources = []
-    for path in ([Path(data)] if data else []) + sources:
+
+def code_fingerprint() -> str:
+    """Every Python file of the project and of the folder the campaign runs in (path, size,
+    modification time), hashed; a random one where the folders are too large to walk
+    quickly, so that their workloads are always checked."""
+    import hashlib
+    import uuid
+
+    sources = _python_files()
+    if sources is None:
+        return uuid.uuid4().hex
+    digest = hashlib.sha256()
+    for path in sources:
         try:
             stat = path.stat()
         except OSError:
             continue
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return root / digest.hexdigest()
+    return digest.hexdigest()
 
 
 def _python_files() -> list[Path] | None:
