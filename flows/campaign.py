@@ -36,7 +36,7 @@ from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
 from tasks.system_metrics import SystemSampler
-from tasks.timeline import intervals, read_events, timeline_rows, write_timeline
+from tasks.timeline import import_drawing_early, intervals, read_events, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.ui import mlflow_ui
 from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
@@ -52,6 +52,7 @@ from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import write_json_atomic
 from training.metrics import format_metrics
+from training.metrics_hub import MetricsHub
 from training.progress import read_progress
 from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
@@ -490,6 +491,13 @@ class CampaignRun:
     def run(self) -> None:
         ended = False
         busy_tries = 0  # rounds in a row that found the lease file locked
+        # The trials on this machine send their metrics through this process (MLflow is
+        # imported here already); a pool's trials run elsewhere and keep sinks of their own.
+        hub = MetricsHub() if self.pool is None else None
+        if hub is not None:
+            os.environ.update(hub.env())  # the trials' processes inherit it
+        if self.pending or self.search is not None:
+            import_drawing_early()
         try:
             while self.pending or self.running or (self.search is not None and self.search.remaining()):
                 try:
@@ -505,6 +513,10 @@ class CampaignRun:
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             close_warm_workers()
+            if hub is not None:  # every trial's process has exited: their metrics are sent before MLflow is read
+                for key in hub.env():
+                    os.environ.pop(key, None)
+                hub.close()
             self.heartbeat.close()
             if self.sampler is not None:
                 self.sampler.close()

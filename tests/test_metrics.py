@@ -1,4 +1,4 @@
-"""Rank-0 metrics reach a real MLflow store through the sink process, even when the trainer dies."""
+"""Rank-0 metrics reach a real MLflow store through the sink process or the campaign's hub, even when the trainer dies."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from training.metrics import MetricsLogger
@@ -95,6 +96,60 @@ def test_a_shared_sink_serves_trials_one_after_another(tmp_path, monkeypatch):
     for trial, run_id in enumerate(runs):
         assert [m.value for m in client.get_metric_history(run_id, "loss")] == [trial * 10 + 1.0, trial * 10 + 2.0, trial * 10 + 3.0]
     assert metrics._shared is None
+
+
+def test_a_campaigns_hub_takes_its_trainers_metrics_without_a_sink_process_each(tmp_path, monkeypatch):
+    """Trainers launched by a campaign on its machine log through the campaign's hub: no
+    sink process of their own; a trainer that dies without closing keeps what it sent whole;
+    a resumed trainer's replayed steps are logged once; the hub's close sends everything."""
+    from training.metrics import METRICS_SOCKET_ENV, _HubConnection
+    from training.metrics_hub import MetricsHub
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("hub")
+    killed, resumed = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
+    hub = MetricsHub(flush_s=30)  # nothing is sent before the close: the close must send it all
+    monkeypatch.setenv(METRICS_SOCKET_ENV, hub.env()[METRICS_SOCKET_ENV])
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from training.metrics import MetricsLogger
+        logger = MetricsLogger({uri!r}, {killed!r}, flush_s=30)
+        for step in range(5):
+            logger.log(step, train_loss=float(step))
+        print(type(logger._sink).__name__, flush=True)
+        os._exit(9)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 9 and done.stdout.strip() == "_HubConnection", done.stdout + done.stderr
+    first = MetricsLogger(uri, resumed, flush_s=30)
+    assert isinstance(first._sink, _HubConnection)
+    for step in range(1, 6):
+        first.log(step, loss=float(step))
+    first.close()
+    again = MetricsLogger(uri, resumed, flush_s=30)  # resumed from step 3: steps 4 and 5 come again
+    for step in range(4, 9):
+        again.log(step, loss=float(step) + 0.5)
+    again.close()
+    hub.close(timeout=30)
+    assert sorted(m.step for m in client.get_metric_history(killed, "train_loss")) == [0, 1, 2, 3, 4]
+    history = {m.step: m.value for m in client.get_metric_history(resumed, "loss")}
+    assert history == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0, 6: 6.5, 7: 7.5, 8: 8.5}
+    assert not Path(hub.path).exists()
+
+
+def test_a_hub_that_is_gone_leaves_the_trainer_its_own_sink(tmp_path, monkeypatch):
+    from training.metrics import METRICS_SOCKET_ENV, _Sink
+
+    uri, client, run_id = new_run(tmp_path)
+    monkeypatch.setenv(METRICS_SOCKET_ENV, str(tmp_path / "no-hub"))
+    with pytest.warns(UserWarning, match="metrics hub .* is unreachable"):
+        logger = MetricsLogger(uri, run_id, flush_s=0.2)
+    assert isinstance(logger._sink, _Sink)
+    logger.log(1, loss=1.0)
+    logger.close()
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
 
 
 # --- system metrics: each trial's own devices, under its MLflow run ---------------------------

@@ -16,6 +16,10 @@ next trial starts on the device (waiting there left a device idle for as long as
 sink took to import MLflow, seconds for a short trial). The worker's exit waits for them
 all (`close_shared_sink`), and a campaign ends its workers before it reads MLflow for its
 summary and pictures; a worker that is killed leaves its sink to send the rest by itself.
+
+A trainer launched by a campaign on this machine finds `CAMPAIGN_METRICS_SOCKET` in its
+environment and sends the same lines to the campaign's hub (training/metrics_hub.py)
+instead: no sink process, no MLflow import in the trial at all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +56,7 @@ def progress_line(trial_id: str, step: int, steps: int, metrics: dict[str, Any])
 
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+METRICS_SOCKET_ENV = "CAMPAIGN_METRICS_SOCKET"  # a campaign's hub on this machine (training/metrics_hub.py)
 
 
 class _Sink:
@@ -83,6 +89,44 @@ class _Sink:
             warnings.warn(f"MLflow metrics sink did not finish in {timeout:.0f} s; the last metrics may be missing")
 
 
+class _HubConnection:
+    """The campaign's hub (training/metrics_hub.py), in place of a sink process: the same
+    lines over a Unix socket. Closing it only closes the connection: the campaign sends the
+    rest before it reads MLflow."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+        self.closed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed
+
+    def send(self, lines: str) -> None:
+        self.sock.sendall(lines.encode())
+
+    def close(self, timeout: float) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+def _hub() -> _HubConnection | None:
+    """A connection to the campaign's hub when a campaign on this machine launched us."""
+    path = os.environ.get(METRICS_SOCKET_ENV)
+    if not path:
+        return None
+    try:
+        return _HubConnection(path)
+    except OSError as e:  # the campaign is gone or the path is stale: a sink of our own
+        warnings.warn(f"the campaign's metrics hub at {path} is unreachable ({e.__class__.__name__}); starting a sink process")
+        return None
+
+
 _shared: _Sink | None = None  # a warm worker's one sink for all its trials (share_sink)
 _share = False
 
@@ -99,9 +143,11 @@ class MetricsLogger:
         global _shared
         self.enabled = bool(tracking_uri and run_id)
         self._route = {"run": run_id, "uri": tracking_uri}
-        self._sink: _Sink | None = None
+        self._sink: _Sink | _HubConnection | None = None
         self._owned = not _share
-        if self.enabled and _share:
+        if self.enabled and (hub := _hub()) is not None:
+            self._sink, self._owned = hub, True
+        elif self.enabled and _share:
             if _shared is None or not _shared.alive:
                 _shared = _Sink(["--flush-s", str(flush_s)])
             self._sink = _shared
@@ -237,11 +283,14 @@ class _Runs:
             mine = [i for i in items if (i["uri"], i["run"]) == (uri, run)]
             logged = self.steps(uri, run)
             tags = [RunTag(i["key"], i["tag"]) for i in mine if "tag" in i]
-            # A resumed trial replays the steps after its checkpoint: those the run holds already are not logged twice.
-            fresh = [i for i in mine if "tag" not in i and i["step"] > logged.get(i["key"], -1)]
+            # A resumed trial replays the steps after its checkpoint: those the run holds already, or
+            # that came earlier in this batch (its killed process's, through a campaign's hub), are not logged twice.
+            fresh = []
+            for i in mine:
+                if "tag" not in i and i["step"] > logged.get(i["key"], -1):
+                    fresh.append(i)
+                    logged[i["key"]] = i["step"]
             metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in fresh]
-            for i in fresh:
-                logged[i["key"]] = max(i["step"], logged.get(i["key"], -1))
             for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
                 batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
                 try:
