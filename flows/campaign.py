@@ -491,8 +491,8 @@ class CampaignRun:
     def run(self) -> None:
         ended = False
         busy_tries = 0  # rounds in a row that found the lease file locked
-        # The trials on this machine send their metrics through this process (MLflow is
-        # imported here already); a pool's trials run elsewhere and keep sinks of their own.
+        # The trials on this machine send their metrics through one hub process (one MLflow
+        # import, not one per trial); a pool's trials run elsewhere and keep sinks of their own.
         hub = MetricsHub() if self.pool is None else None
         if hub is not None:
             os.environ.update(hub.env())  # the trials' processes inherit it

@@ -139,6 +139,37 @@ def test_a_campaigns_hub_takes_its_trainers_metrics_without_a_sink_process_each(
     assert not Path(hub.path).exists()
 
 
+def test_a_campaign_killed_outright_leaves_its_hub_to_send_what_its_trainers_logged(tmp_path, monkeypatch):
+    """The hub outlives its campaign: SIGKILL to the campaign closes the hub's stdin, and
+    the hub sends what a trainer logged once that trainer's connection ends."""
+    import signal
+
+    from training.metrics import METRICS_SOCKET_ENV
+
+    uri, client, run_id = new_run(tmp_path)
+    campaign = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from training.metrics_hub import MetricsHub
+        hub = MetricsHub(flush_s=30)
+        print(hub.path, hub.proc.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    path, hub_pid = campaign.stdout.readline().split()
+    monkeypatch.setenv(METRICS_SOCKET_ENV, path)
+    logger = MetricsLogger(uri, run_id, flush_s=30)
+    for step in range(1, 4):
+        logger.log(step, loss=float(step))
+    campaign.send_signal(signal.SIGKILL)
+    campaign.wait()
+    logger.close()  # the trainer ends after its campaign (the warden's kill, here a close)
+    for _ in range(600):  # the hub exits once it has sent everything
+        if not Path(f"/proc/{hub_pid}").exists() or "Z" in Path(f"/proc/{hub_pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3]
+
+
 def test_a_hub_that_is_gone_leaves_the_trainer_its_own_sink(tmp_path, monkeypatch):
     from training.metrics import METRICS_SOCKET_ENV, _Sink
 

@@ -1,83 +1,114 @@
-"""A campaign's one metrics sink, inside the campaign process, for the trials on its machine.
+"""A campaign's one metrics sink for the trials on its machine: a process that outlives a kill.
 
 A trainer that finds `CAMPAIGN_METRICS_SOCKET` in its environment sends its metric lines
 (the same JSON lines `training.metrics` pipes to a sink process) to this Unix socket
 instead of starting a sink of its own. Why: a sink process imports MLflow (~2 s of CPU on
 this kind of host) once per trainer or warm worker, and a warm worker's exit waited for
 it; for short trials that import was still running when the last trial ended, so the
-campaign returned seconds after its work was done. The campaign process has MLflow
-imported and its store open already, so here a trial's metrics cost one socket write per
-log step and a `log_batch` every `flush_s` on a thread.
+campaign returned seconds after its work was done. The hub imports MLflow once, while the
+campaign's first trials start, and a trainer's end only closes its connection.
 
-A trainer's close only closes its connection; the campaign closes the hub after its
-trials' processes have exited (`close`): every connection read to its end, the rest sent,
-before the campaign reads MLflow for its summary and pictures. A trainer that cannot reach
-the hub (no campaign on this machine: plain torchrun, a pool node) starts its own sink as before.
+The campaign binds the socket before any trial starts and hands it to the hub process
+(`python -m training.metrics_hub --listen-fd N`), so no trainer finds it missing while
+the hub imports MLflow: lines wait in the hub's buffer meanwhile. The hub is a process, not
+a thread of the campaign, for the same reason as the sink: a campaign killed outright
+must not take its trials' last metrics with it. Its stdin is a pipe from the campaign;
+when that closes (the campaign's end, or its death) the hub takes no new connection, reads
+every open one to its end (the trials' processes have exited, or the warden ends them),
+sends the rest and exits. The campaign waits for that before it reads MLflow.
+
+A trainer that cannot reach a hub (no campaign on this machine: plain torchrun, a pool
+node) starts its own sink, as before.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
-import time
+import warnings
 
-from training.metrics import METRICS_SOCKET_ENV, _Runs
+from training.metrics import METRICS_SOCKET_ENV, _ignore_signals, _package_root, _Runs
 
 
 class MetricsHub:
-    """Listens on a Unix socket in a private folder (0700: only this user's processes
-    connect) and sends what arrives to MLflow from one thread."""
+    """The campaign's side: the socket (in a private 0700 folder: only this user's
+    processes connect), the hub process, and the wait for it at the end."""
 
     def __init__(self, flush_s: float = 2.0):
-        self.flush_s = flush_s
         self.folder = tempfile.mkdtemp(prefix="campaign-metrics-")  # short: a socket path has ~100 characters
         self.path = os.path.join(self.folder, "sink")
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.path)
-        self._server.listen(64)
-        self._buffer: list[dict] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closing = threading.Event()  # no new connections
-        self._drained = threading.Event()  # every connection read to its end: send the rest and stop
-        self._readers: list[threading.Thread] = []
-        self._runs = _Runs()
-        self._seen: set[tuple[str, str]] = set()
-        self._acceptor = threading.Thread(target=self._accept, name="metrics-hub-accept", daemon=True)
-        self._sender = threading.Thread(target=self._send, name="metrics-hub-send", daemon=True)
-        self._acceptor.start()
-        self._sender.start()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(self.path)
+            server.listen(64)  # connections wait in the backlog until the hub takes them
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "training.metrics_hub", "--listen-fd", str(server.fileno()), "--path", self.path,
+                 "--flush-s", str(flush_s)],
+                stdin=subprocess.PIPE, pass_fds=(server.fileno(),), env={**os.environ, "PYTHONPATH": _package_root()})
 
     def env(self) -> dict[str, str]:
         """What a trial's processes need in their environment to log here."""
         return {METRICS_SOCKET_ENV: self.path}
 
+    def close(self, timeout: float = 60.0) -> None:
+        """After the trials' processes have exited: the hub reads every connection to its
+        end, sends what is left, and exits; warn if it could not in time."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            warnings.warn(f"the metrics hub did not finish in {timeout:.0f} s; the trials' last metrics may be missing")
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Hub:
+    """The hub process: a reader thread per connection, one sender (a `log_batch` per run
+    every `flush_s`, and at once for a run not seen before: its store is opened then)."""
+
+    def __init__(self, server: socket.socket, path: str, flush_s: float):
+        self.server, self.path, self.flush_s = server, path, flush_s
+        self.buffer: list[dict] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.closing = threading.Event()  # no new connections
+        self.drained = threading.Event()  # every connection read to its end: send the rest and stop
+        self.readers: list[threading.Thread] = []
+        self.seen: set[tuple[str, str]] = set()
+        self.acceptor = threading.Thread(target=self._accept, name="accept", daemon=True)
+        self.acceptor.start()
+
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._server.accept()
+                conn, _ = self.server.accept()
             except OSError:  # closed under us
                 return
             self._start_reader(conn)
-            if self._closing.is_set():  # woken by close(): take what else waits in the backlog, then stop
-                self._server.setblocking(False)
+            if self.closing.is_set():  # woken by close(): take what else waits in the backlog, then stop
+                self.server.setblocking(False)
                 while True:
                     try:
-                        conn, _ = self._server.accept()
+                        conn, _ = self.server.accept()
                     except OSError:  # nothing more (BlockingIOError), or closed
                         return
                     self._start_reader(conn)
 
     def _start_reader(self, conn: socket.socket) -> None:
         conn.setblocking(True)  # an accepted socket may inherit the listener's non-blocking mode
-        reader = threading.Thread(target=self._read, args=(conn,), name="metrics-hub-read", daemon=True)
-        with self._lock:
-            self._readers.append(reader)
+        reader = threading.Thread(target=self._read, args=(conn,), name="read", daemon=True)
+        with self.lock:
+            self.readers.append(reader)
         reader.start()
 
     def _read(self, conn: socket.socket) -> None:
@@ -85,42 +116,54 @@ class MetricsHub:
             try:
                 for line in lines:
                     item = json.loads(line)
-                    with self._lock:
-                        self._buffer.append(item)
-                        new_run = "run" in item and (item["uri"], item["run"]) not in self._seen
-                        self._seen.add((item.get("uri"), item.get("run")))
-                    if new_run:  # its store and logged steps are read now, while the trial trains, not at its end
-                        self._wake.set()
+                    with self.lock:
+                        self.buffer.append(item)
+                        new_run = "run" in item and (item["uri"], item["run"]) not in self.seen
+                        self.seen.add((item.get("uri"), item.get("run")))
+                    if new_run:
+                        self.wake.set()
             except (OSError, ValueError) as e:  # a trainer killed mid-line: what came whole is kept
                 print(f"metrics hub: a connection ended badly ({e.__class__.__name__}: {e})", file=sys.stderr, flush=True)
 
-    def _send(self) -> None:
+    def send_until_drained(self, runs: _Runs) -> None:
         while True:
-            self._wake.wait(self.flush_s)
-            self._wake.clear()
-            done = self._drained.is_set()
-            with self._lock:
-                items, self._buffer = self._buffer, []
+            self.wake.wait(self.flush_s)
+            self.wake.clear()
+            done = self.drained.is_set()
+            with self.lock:
+                items, self.buffer = self.buffer, []
             if items:
-                self._runs.send(items)
+                runs.send(items)
             if done:
                 return
 
-    def close(self, timeout: float = 30.0) -> None:
-        """After the trials' processes have exited: read every connection to its end, send
-        what is left, and stop. A connection still open after `timeout` (a process that
-        outlived its trial) is left; what it sent until then is sent."""
-        self._closing.set()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:  # the accept loop wakes and sees `_closing`
+    def close(self) -> None:
+        """No new connections; once every open one has ended, the sender sends the rest."""
+        self.closing.set()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:  # the accept loop wakes and sees `closing`
             wake.connect(self.path)
-        self._acceptor.join()
-        self._server.close()
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            readers = list(self._readers)
-        for reader in readers:
-            reader.join(max(0.0, deadline - time.monotonic()))
-        self._drained.set()
-        self._wake.set()
-        self._sender.join(max(1.0, deadline - time.monotonic()))
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.acceptor.join()
+        self.server.close()
+        with self.lock:
+            readers = list(self.readers)
+        for reader in readers:  # no time limit: a trainer still running keeps sending (as its own sink would take)
+            reader.join()
+        self.drained.set()
+        self.wake.set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A campaign's metrics hub: JSON lines from its trainers over a Unix socket, to MLflow.")
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--path", required=True)
+    parser.add_argument("--flush-s", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    _ignore_signals()  # a signal to the campaign's process group is not for the hub: its stdin closing is
+    hub = Hub(socket.socket(fileno=args.listen_fd), args.path, args.flush_s)  # accepting before MLflow is imported
+    closer = threading.Thread(target=lambda: (sys.stdin.read(), hub.close()), name="stdin", daemon=True)
+    closer.start()
+    hub.send_until_drained(_Runs())
+
+
+if __name__ == "__main__":
+    main()
