@@ -52,7 +52,7 @@ from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import write_json_atomic
 from training.metrics import format_metrics
-from training.metrics_hub import MetricsHub
+from training.metrics_hub import close_metrics_hub, end_metrics_hub, open_metrics_hub
 from training.progress import read_progress
 from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
@@ -491,11 +491,8 @@ class CampaignRun:
     def run(self) -> None:
         ended = False
         busy_tries = 0  # rounds in a row that found the lease file locked
-        # The trials on this machine send their metrics through one hub process (one MLflow
-        # import, not one per trial); a pool's trials run elsewhere and keep sinks of their own.
-        hub = MetricsHub() if self.pool is None else None
-        if hub is not None:
-            os.environ.update(hub.env())  # the trials' processes inherit it
+        # A pool's trials run elsewhere and keep sinks of their own.
+        hub = open_metrics_hub() if self.pool is None else None
         if self.pending or self.search is not None:
             import_drawing_early()
         try:
@@ -513,10 +510,8 @@ class CampaignRun:
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             close_warm_workers()
-            if hub is not None:  # every trial's process has exited: their metrics are sent before MLflow is read
-                for key in hub.env():
-                    os.environ.pop(key, None)
-                hub.close()
+            if hub is not None:  # every trial's process has exited: the hub sends the rest while the summary is written
+                end_metrics_hub()
             self.heartbeat.close()
             if self.sampler is not None:
                 self.sampler.close()
@@ -655,10 +650,12 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
         labels = {t.id: t.label for t in known}
+        close_metrics_hub()  # the trials' metrics are all in MLflow now
         if curves := campaign_curves(uri, run.run_ids, labels, f"campaign {name}", run.root / "curves.png"):
             log_files(uri, parent_run_id, [curves], "curves")
     except Exception as e:
         logger.warning(f"the campaign's pictures could not be drawn ({e.__class__.__name__}: {e})")
+    close_metrics_hub()  # where the pictures failed first
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")
     return summary

@@ -24,6 +24,7 @@ node) starts its own sink, as before.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -51,18 +52,24 @@ class MetricsHub:
                 [sys.executable, "-m", "training.metrics_hub", "--listen-fd", str(server.fileno()), "--path", self.path,
                  "--flush-s", str(flush_s)],
                 stdin=subprocess.PIPE, pass_fds=(server.fileno(),), env={**os.environ, "PYTHONPATH": _package_root()})
+        self.ended = False
 
     def env(self) -> dict[str, str]:
         """What a trial's processes need in their environment to log here."""
         return {METRICS_SOCKET_ENV: self.path}
 
-    def close(self, timeout: float = 60.0) -> None:
-        """After the trials' processes have exited: the hub reads every connection to its
-        end, sends what is left, and exits; warn if it could not in time."""
+    def end_input(self) -> None:
+        """The trials' processes have exited: the hub reads every connection to its end,
+        sends what is left, and exits (`close` waits for that)."""
+        self.ended = True
         try:
             self.proc.stdin.close()
         except OSError:
             pass
+
+    def close(self, timeout: float = 60.0) -> None:
+        """End the input and wait until the hub has sent everything; warn if it could not in time."""
+        self.end_input()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -70,6 +77,42 @@ class MetricsHub:
             self.proc.wait()
             warnings.warn(f"the metrics hub did not finish in {timeout:.0f} s; the trials' last metrics may be missing")
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_hub: MetricsHub | None = None
+
+
+def open_metrics_hub() -> MetricsHub:
+    """The hub the trials on this machine send their metrics through (one MLflow import,
+    not one per trial), opened as the campaign's loop starts. Its path is in the environment
+    the trials' processes inherit."""
+    global _hub
+    if _hub is not None and _hub.ended:  # an earlier campaign of this process that did not wait for its own
+        close_metrics_hub()
+    if _hub is None:
+        _hub = MetricsHub()
+        os.environ.update(_hub.env())
+        atexit.register(close_metrics_hub)  # a launch that fails before its flow ends it too
+    return _hub
+
+
+def end_metrics_hub() -> None:
+    """The trials' processes have exited: no new trial logs here, and the hub starts sending
+    the rest while the campaign writes its summary (`close_metrics_hub` waits for it)."""
+    if _hub is not None:
+        for key in _hub.env():
+            os.environ.pop(key, None)
+        _hub.end_input()
+
+
+def close_metrics_hub() -> None:
+    """Wait until the hub has sent every trial's metrics: before MLflow is read."""
+    global _hub
+    hub, _hub = _hub, None
+    if hub is not None:
+        for key in hub.env():
+            os.environ.pop(key, None)
+        hub.close()
 
 
 class Hub:
