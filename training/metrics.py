@@ -91,8 +91,8 @@ class _Sink:
 
 class _HubConnection:
     """The campaign's hub (training/metrics_hub.py), in place of a sink process: the same
-    lines over a Unix socket. Closing it only closes the connection: the campaign sends the
-    rest before it reads MLflow."""
+    lines over a Unix socket. Closing it only closes the connection: the hub sends the rest,
+    and the campaign waits for that before it reads MLflow."""
 
     def __init__(self, path: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -108,10 +108,9 @@ def end_metrics_hub() -> None:
 def close_metrics_hub() -> None:
     """Wait until the hub has sent every trial's metrics: before MLflow is read."""
     global _hub
+    end_metrics_hub()
     hub, _hub = _hub, None
     if hub is not None:
-        for key in hub.env():
-            os.environ.pop(key, None)
         hub.close()
 
 
