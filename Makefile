@@ -26,12 +26,17 @@ setup: $(STAMP)
 campaign: setup
 	dvc repro
 
+# Three workers on the two cores: the end-to-end tests wait on processes they start as much
+# as they compute (27 min in one worker, 20 with three). Each worker has its own lease store,
+# Prefect harness and temporary folders (tests/conftest.py keys them by process).
+XDIST := -n 3 --dist worksteal
+
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # The same without the slow end-to-end tests (real campaigns, torchrun, elastic trials).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: setup
 	$(PY) bench/packing_bench.py

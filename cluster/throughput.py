@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-from scipy.optimize import nnls
 
 from cluster.types import StepTimeModel
 
@@ -135,6 +134,8 @@ def _fit_ratio(a: np.ndarray, y: np.ndarray, w: np.ndarray, extra: tuple[np.ndar
     than twice too fast; dividing by the geometric mean of target and fit treats both
     alike, and a few reweighted passes settle it. `extra` rows are appended unscaled.
     """
+    from scipy.optimize import nnls  # here, not at the top: it costs a campaign's start 0.3 s, and most never fit
+
     scale = y
     for _ in range(3):
         rows, targets = a * (w / scale)[:, None], w * y / scale

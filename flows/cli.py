@@ -176,7 +176,8 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
             summary = _launch_live(spec, params, pool, warm)
         else:
             warm.ready()
-            summary = campaign_flow(str(params), pool=pool)
+            with warm.flow_settings():
+                summary = campaign_flow(str(params), pool=pool)
     except Terminated:
         _fail("stopped by SIGTERM: running trials were stopped and their devices released; `campaign launch` again "
               "resumes from their checkpoints", code=143)
@@ -213,7 +214,7 @@ def _launch_live(spec, params: Path, pool: str | None, warm):
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
     chatter_to_file(log_path)
     warm.ready()  # Prefect's lines from its server's start go to the file too
-    with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path):
+    with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path), warm.flow_settings():
         return campaign_flow(str(params), pool=pool)
 
 
