@@ -29,7 +29,7 @@ campaign: setup
 # Three workers on the two cores: the end-to-end tests wait on processes they start as much
 # as they compute (27 min in one worker, 20 with three). Each worker has its own lease store,
 # Prefect harness and temporary folders (tests/conftest.py keys them by process).
-XDIST := -n 3 --dist worksteal
+XDIST := -n 3 --dist load
 
 test: setup
 	$(PY) -m pytest -q $(XDIST) --durations=25

@@ -63,3 +63,9 @@ def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits
 
     return prepare_digits(tmp_path_factory.mktemp("data") / "digits.npz")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow end-to-end tests first: with several workers (`make test` runs three), a long
+    test that starts last keeps one worker busy while the others sit idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
