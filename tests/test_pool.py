@@ -51,6 +51,20 @@ def test_the_pool_inventory_is_its_live_nodes_devices_and_survives_json():
     assert [d.id for d in merged.devices] == [d.id for d in a.devices] and merged.link(*[d.id for d in a.devices]) == Link.NVLINK
 
 
+def test_a_node_finds_its_interface_and_refuses_an_address_it_does_not_have(monkeypatch):
+    from flows.pool.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
+    from flows.pool.worker import interface_of, require_server, worker_env
+
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(PoolError, match="--address"):
+        interface_of("192.0.2.123")  # TEST-NET-1: no machine here has it
+    env = worker_env("gpu-a", "10.0.0.2", "eth1")
+    assert (env[NODE_ENV], env[ADDRESS_ENV], env[INTERFACE_ENV]) == ("gpu-a", "10.0.0.2", "eth1")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(PoolError, match="PREFECT_API_URL"):
+        require_server()
+
+
 @pytest.mark.parametrize("name", ["Node A", "-x", "a" * 64, "a/b"])
 def test_bad_node_names_say_what_to_use(name):
     with pytest.raises(PoolError, match="lowercase letters, digits"):

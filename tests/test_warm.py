@@ -21,7 +21,6 @@ from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.workload import build_model
 
-pytestmark = pytest.mark.slow  # real trainers, torchrun
 
 
 def config(trial_dir: Path, digits: Path, **overrides) -> TrialConfig:
@@ -52,12 +51,32 @@ def warm(cfg: TrialConfig, tmp_path: Path) -> int:
     return apply_launch(plan, cfg)
 
 
+
+def test_a_warm_worker_trains_one_trial_after_another_each_in_its_own_log(tmp_path, digits_npz):
+    """The quick version (`make test-fast`): two tiny trials through one worker process."""
+    tiny = dict(model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2, warmup_steps=0)
+    first, second = (config(tmp_path / name, digits_npz, **tiny, lr=lr) for name, lr in (("first", 0.05), ("second", 0.1)))
+    accept_launches()
+    try:
+        assert warm(first, tmp_path) == 0
+        (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert warm(second, tmp_path) == 0
+        assert [w.proc.pid for ws in trial_module._idle_workers.values() for w in ws] == [worker.proc.pid]
+    finally:
+        close_warm_workers()
+    assert worker.proc.returncode == 0  # end of its input: it exits on its own
+    for cfg in (first, second):
+        assert json.loads(Path(cfg.result_path).read_text())["steps"] == 2
+        assert cfg.trial_id in (Path(cfg.trial_dir) / "train.log").read_text()
+
+
 def _slot():
     from cluster.inventory import discover
 
     return discover(cpu_slots=1).devices[0]
 
 
+@pytest.mark.slow  # real trainers, torchrun
 def test_trials_in_one_warm_worker_match_torchrun_bit_for_bit(tmp_path, digits_npz):
     """An `exact` trial, then another with other settings, in one process: each trains what
     a fresh torchrun process trains (nothing leaks from one trial to the next)."""
@@ -80,6 +99,7 @@ def test_trials_in_one_warm_worker_match_torchrun_bit_for_bit(tmp_path, digits_n
             assert torch.equal(alone[name], ours[name]), (cfg.trial_id, name)
 
 
+@pytest.mark.slow  # a real trainer, held and stopped
 def test_a_stopping_campaign_ends_a_busy_warm_worker(tmp_path, digits_npz):
     held = config(tmp_path / "held", digits_npz, steps=400, hold_at_step=10)
     Path(held.trial_dir).mkdir(parents=True)
