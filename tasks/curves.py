@@ -33,7 +33,7 @@ def draw_curves(histories: dict[str, dict[str, list[tuple[int, float]]]], title:
             ax.set_yscale("log")
     # A fixed corner and fixed margins (in inches): "best" and tight_layout measure every
     # line and label, which doubled the drawing's cost, paid after the campaign's last trial.
-    # (losses fall, accuracies rise: the legend goes where the last panel's curves end up away from it)
+    # Losses fall and accuracies rise: the legend takes the corner the last panel's curves leave free.
     axes[0][-1].legend(fontsize="x-small", loc="upper right" if metrics[-1].endswith("loss") else "lower right")
     fig.suptitle(title)
     width = 5 * len(metrics)
