@@ -27,7 +27,7 @@ campaign: setup
 	dvc repro
 
 # Three workers on the two cores: the end-to-end tests wait on processes they start as much
-# as they compute (27 min in one worker, 18 with three; four are no faster, the two cores are
+# as they compute (27 min in one worker, 18–20 with three; four are no faster, the two cores are
 # busy by then). Each worker has its own lease store, Prefect harness and temporary folders
 # (tests/conftest.py keys them by process).
 XDIST := -n 3 --dist load
