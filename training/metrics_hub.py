@@ -92,7 +92,6 @@ def open_metrics_hub() -> MetricsHub:
     if _hub is None:
         _hub = MetricsHub()
         os.environ.update(_hub.env())
-        atexit.register(close_metrics_hub)  # a launch that fails before its flow ends it too
     return _hub
 
 
@@ -112,6 +111,9 @@ def close_metrics_hub() -> None:
     hub, _hub = _hub, None
     if hub is not None:
         hub.close()
+
+
+atexit.register(close_metrics_hub)  # a launch that fails before its flow ends its hub too (once, whatever the hubs)
 
 
 class Hub:
