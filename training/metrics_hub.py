@@ -122,7 +122,7 @@ class Hub:
 
     def __init__(self, server: socket.socket, path: str, flush_s: float):
         self.server, self.path, self.flush_s = server, path, flush_s
-        self.buffer: list[dict] = []
+        self.buffer: list[tuple[int, dict]] = []  # (connection's order of arrival, line)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.closing = threading.Event()  # no new connections
@@ -150,18 +150,18 @@ class Hub:
 
     def _start_reader(self, conn: socket.socket) -> None:
         conn.setblocking(True)  # an accepted socket may inherit the listener's non-blocking mode
-        reader = threading.Thread(target=self._read, args=(conn,), name="read", daemon=True)
         with self.lock:
+            reader = threading.Thread(target=self._read, args=(conn, len(self.readers)), name="read", daemon=True)
             self.readers.append(reader)
         reader.start()
 
-    def _read(self, conn: socket.socket) -> None:
+    def _read(self, conn: socket.socket, order: int) -> None:
         with conn, conn.makefile("r", encoding="utf-8") as lines:
             try:
                 for line in lines:
                     item = json.loads(line)
                     with self.lock:
-                        self.buffer.append(item)
+                        self.buffer.append((order, item))
                         new_run = "run" in item and (item["uri"], item["run"]) not in self.seen
                         self.seen.add((item.get("uri"), item.get("run")))
                     if new_run:
@@ -177,7 +177,9 @@ class Hub:
             with self.lock:
                 items, self.buffer = self.buffer, []
             if items:
-                runs.send(items)
+                # Connections in the order they came (a killed trainer's before its resumed
+                # successor's), each in its own order: replayed steps are then the later ones.
+                runs.send([item for _, item in sorted(items, key=lambda pair: pair[0])])
             if done:
                 return
 
