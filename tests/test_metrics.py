@@ -139,6 +139,46 @@ def test_a_campaigns_hub_takes_its_trainers_metrics_without_a_sink_process_each(
     assert not Path(hub.path).exists()
 
 
+def test_a_resumed_trainers_lines_wait_while_its_killed_predecessors_connection_is_still_read(tmp_path):
+    """The race a full run once hit: the successor's lines read before the rest of its
+    predecessor's would win the dedup of replayed steps. Lines of a run wait while an
+    earlier connection to that run is open; other runs' lines go at once."""
+    import json
+    import socket
+
+    from tests.conftest import wait_for
+    from training.metrics import _HubConnection
+    from training.metrics_hub import Hub
+
+    path = str(tmp_path / "sink")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    hub = Hub(server, path, flush_s=3600)  # nothing sends by itself: the test takes batches with _ready()
+    route, other_route = {"uri": "u", "run": "resumed"}, {"uri": "u", "run": "other"}
+
+    def line(route, step):
+        return json.dumps({**route, "key": "loss", "value": float(step), "timestamp": 0, "step": step}) + "\n"
+
+    killed = _HubConnection(path, route)
+    killed.send("".join(line(route, step) for step in (1, 2, 3)))
+    successor = _HubConnection(path, route)
+    successor.send("".join(line(route, step) for step in (2, 3, 4, 5)))
+    other = _HubConnection(path, other_route)
+    other.send(line(other_route, 1))
+    wait_for(lambda: len(hub.buffer) == 8, 30, "the hub to read every line")
+    first = hub._ready()
+    assert [(i["run"], i["step"]) for i in first] == [("resumed", 1), ("resumed", 2), ("resumed", 3), ("other", 1)]
+    assert hub._ready() == []  # the successor's still wait: its predecessor's connection is open
+    killed.close(0)
+    wait_for(lambda: 0 not in hub.open_runs, 30, "the killed connection to be read to its end")
+    assert [i["step"] for i in hub._ready()] == [2, 3, 4, 5]
+    successor.close(0)
+    other.close(0)
+    hub.close()
+    server.close()
+
+
 def test_a_campaign_killed_outright_leaves_its_hub_to_send_what_its_trainers_logged(tmp_path, monkeypatch):
     """The hub outlives its campaign: SIGKILL to the campaign closes the hub's stdin, and
     the hub sends what a trainer logged once that trainer's connection ends."""

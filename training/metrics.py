@@ -92,12 +92,15 @@ class _Sink:
 class _HubConnection:
     """The campaign's hub (training/metrics_hub.py), in place of a sink process: the same
     lines over a Unix socket. Closing it only closes the connection: the hub sends the rest,
-    and the campaign waits for that before it reads MLflow."""
+    and the campaign waits for that before it reads MLflow. The first line names the run the
+    connection logs to: the hub reads it as it accepts, in the order trainers connected, so a
+    resumed trainer's lines wait until its killed predecessor's connection is read to its end."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, route: dict):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.connect(path)
+            self.sock.sendall((json.dumps({**route, "opens": True}) + "\n").encode())
         except OSError:
             self.sock.close()
             raise
@@ -115,13 +118,13 @@ class _HubConnection:
         self.sock.close()
 
 
-def _hub() -> _HubConnection | None:
+def _hub(route: dict) -> _HubConnection | None:
     """A connection to the campaign's hub when a campaign on this machine launched us."""
     path = os.environ.get(METRICS_SOCKET_ENV)
     if not path:
         return None
     try:
-        return _HubConnection(path)
+        return _HubConnection(path, route)
     except OSError as e:  # the campaign is gone or the path is stale: a sink of our own
         warnings.warn(f"the campaign's metrics hub at {path} is unreachable ({e.__class__.__name__}); starting a sink process")
         return None
@@ -145,7 +148,7 @@ class MetricsLogger:
         self._route = {"run": run_id, "uri": tracking_uri}
         self._sink: _Sink | _HubConnection | None = None
         self._owned = not _share
-        if self.enabled and (hub := _hub()) is not None:
+        if self.enabled and (hub := _hub(self._route)) is not None:
             self._sink, self._owned = hub, True
         elif self.enabled and _share:
             if _shared is None or not _shared.alive:

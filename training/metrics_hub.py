@@ -27,6 +27,7 @@ import argparse
 import atexit
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -118,11 +119,20 @@ atexit.register(close_metrics_hub)  # a launch that fails before its flow ends i
 
 class Hub:
     """The hub process: a reader thread per connection, one sender (a `log_batch` per run
-    every `flush_s`, and at once for a run not seen before: its store is opened then)."""
+    every `flush_s`, and at once for a run not seen before: its store is opened then).
+
+    A trial resumed after a kill logs again the steps after its checkpoint; the sender keeps
+    the first of each step it sees, so a killed trainer's lines must go out before its
+    successor's. Each connection names its run in its first line, read as it is accepted
+    (connections are accepted in the order trainers connected), and a connection's lines
+    wait while an earlier connection to the same run is still being read."""
+
+    HELLO_WAIT_S = 5.0  # a trainer sends its first line as it connects
 
     def __init__(self, server: socket.socket, path: str, flush_s: float):
         self.server, self.path, self.flush_s = server, path, flush_s
         self.buffer: list[tuple[int, dict]] = []  # (connection's order of arrival, line)
+        self.open_runs: dict[int, tuple] = {}  # connection's order -> the run it logs to, while it is read
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.closing = threading.Event()  # no new connections
@@ -150,16 +160,29 @@ class Hub:
 
     def _start_reader(self, conn: socket.socket) -> None:
         conn.setblocking(True)  # an accepted socket may inherit the listener's non-blocking mode
+        lines = conn.makefile("r", encoding="utf-8")
+        run = None
+        if select.select([conn], [], [], self.HELLO_WAIT_S)[0]:  # no wait on a connection that says nothing (close's wake-up)
+            try:
+                hello = json.loads(lines.readline() or "{}")
+                run = (hello.get("uri"), hello.get("run")) if hello.get("opens") else None
+            except (OSError, ValueError):
+                pass
         with self.lock:
-            reader = threading.Thread(target=self._read, args=(conn, len(self.readers)), name="read", daemon=True)
+            order = len(self.readers)
+            if run is not None:
+                self.open_runs[order] = run
+            reader = threading.Thread(target=self._read, args=(conn, lines, order), name="read", daemon=True)
             self.readers.append(reader)
         reader.start()
 
-    def _read(self, conn: socket.socket, order: int) -> None:
-        with conn, conn.makefile("r", encoding="utf-8") as lines:
+    def _read(self, conn: socket.socket, lines, order: int) -> None:
+        with conn, lines:
             try:
                 for line in lines:
                     item = json.loads(line)
+                    if item.get("opens"):  # a first line not read at the accept (it came late)
+                        continue
                     with self.lock:
                         self.buffer.append((order, item))
                         new_run = "run" in item and (item["uri"], item["run"]) not in self.seen
@@ -168,18 +191,30 @@ class Hub:
                         self.wake.set()
             except (OSError, ValueError) as e:  # a trainer killed mid-line: what came whole is kept
                 print(f"metrics hub: a connection ended badly ({e.__class__.__name__}: {e})", file=sys.stderr, flush=True)
+            finally:
+                with self.lock:
+                    self.open_runs.pop(order, None)
+
+    def _ready(self) -> list[dict]:
+        """Take from the buffer what may go now: not a line whose run an earlier connection,
+        still open, logs to too. Connections in the order they came, each in its own order."""
+        with self.lock:
+            ready, held = [], []
+            for order, item in self.buffer:
+                run = (item.get("uri"), item.get("run"))
+                earlier_open = any(other < order and other_run == run for other, other_run in self.open_runs.items())
+                (held if earlier_open else ready).append((order, item))
+            self.buffer = held
+        return [item for _, item in sorted(ready, key=lambda pair: pair[0])]
 
     def send_until_drained(self, runs: _Runs) -> None:
         while True:
             self.wake.wait(self.flush_s)
             self.wake.clear()
             done = self.drained.is_set()
-            with self.lock:
-                items, self.buffer = self.buffer, []
+            items = self._ready()
             if items:
-                # Connections in the order they came (a killed trainer's before its resumed
-                # successor's), each in its own order: replayed steps are then the later ones.
-                runs.send([item for _, item in sorted(items, key=lambda pair: pair[0])])
+                runs.send(items)
             if done:
                 return
 
