@@ -153,26 +153,49 @@ class NodeRole:
     endpoint: str  # "address:port" of the rendezvous store, on the host node
     address: str  # this node's own address: its stores and its workers listen there only
     interface: str  # the network interface with that address (gloo's transport)
+    # Elastic across nodes: the trial goes on with as few as `min_nodes` nodes when one is
+    # lost, and takes a node back when it returns (None: all `nnodes` or none).
+    min_nodes: int | None = None
+
+
+# Elastic across nodes (torch's elastic agent, `--nnodes=min:max`): a node lost is seen when
+# its agent misses its rendezvous heartbeats; the round then closes with the nodes left after
+# LAST_CALL_S, and the workers restart from the trial's last checkpoint (a reproducible trial's
+# result does not depend on the world size: training/trainer.py's logical ranks).
+NODE_HEARTBEAT_S, NODE_KEEP_ALIVE_S, LAST_CALL_S = 3, 1, 2
+NODE_RESTARTS = 3  # node losses (or worker failures) a trial rides through before it fails
 
 
 def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, role: NodeRole,
                      python: str = sys.executable) -> LaunchPlan:
-    """This node's torchrun for a fixed-size trial over `role.nnodes` nodes, `devices` of them here.
+    """This node's torchrun for a trial over `role.nnodes` nodes, `devices` of them here.
 
     Every node runs the same command with its own address: the c10d rendezvous gathers them
     (ranks by arrival; a trial's result does not depend on which rank is where, see
     training/trainer.py), the store is on the host node, and nothing listens on any other
-    address than the node's own (or its loopback).
+    address than the node's own (or its loopback). With `role.min_nodes` the trial is elastic
+    across nodes: a node lost is left behind (the others restart from the last checkpoint
+    without it) and a node that starts the same command later is taken in (the agents see it
+    waiting and restart the workers with it). The host node's loss ends the trial: it holds
+    the rendezvous store.
     """
     trial_dir = Path(config.trial_dir)
     env = {**visible_devices_env(devices), **_launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
            BIND_ENV: role.address}
+    # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
+    rendezvous_conf = f"is_host={int(role.host)}"
+    nodes = [f"--nnodes={role.nnodes}"]
+    if role.min_nodes is not None:
+        nodes = [f"--nnodes={role.min_nodes}:{role.nnodes}", f"--max-restarts={NODE_RESTARTS}"]
+        rendezvous_conf += f",last_call_timeout={LAST_CALL_S},heartbeat={NODE_HEARTBEAT_S},keep_alive_interval={NODE_KEEP_ALIVE_S}"
+        # torch 2.13: a rank 0 that shares its rendezvous store keeps the bootstrap address of
+        # its first round, so a node that joins later waits for a key nobody writes (found in
+        # tests/test_multinode.py); without sharing, every round publishes it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     command = [
-        python, "-m", "training.launch",
-        f"--nnodes={role.nnodes}", f"--nproc-per-node={len(devices)}",
+        python, "-m", "training.launch", *nodes, f"--nproc-per-node={len(devices)}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={role.endpoint}", f"--rdzv-id={config.trial_id}",
-        # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
-        f"--rdzv-conf=is_host={int(role.host)}", f"--local-addr={role.address}",
+        f"--rdzv-conf={rendezvous_conf}", f"--local-addr={role.address}",
         "-m", "training.train", "--config", str(trial_files(trial_dir).config),
     ]
     return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log)

@@ -127,3 +127,80 @@ def test_a_trial_across_two_nodes_trains_as_on_one_and_listens_only_on_their_add
     assert reference.keys() == spanned.keys()
     for name in reference:
         assert torch.equal(reference[name], spanned[name]), name
+
+
+def progress_step(cfg: TrialConfig) -> int:
+    import json
+
+    try:
+        return json.loads((Path(cfg.trial_dir) / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, digits_npz, two_nodes):
+    """`--nnodes=1:2`: node b killed outright mid-training, node a goes on alone from the last
+    checkpoint (at most one interval lost); b started again, both restart together; the
+    result is the one-node run's, bit for bit (two logical ranks throughout)."""
+    import re
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    settings = dict(steps=1200, checkpoint_every=100, eval_every=600, model={"name": "mlp", "width": 64}, batch_size=64)
+    one = dataclasses.replace(trial(tmp_path / "one", digits_npz), **settings)
+    Path(one.trial_dir).mkdir(parents=True)
+    (Path(one.trial_dir) / "trial.json").write_text(one.to_json())
+    done = subprocess.run([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "-m", "training.train",
+                           "--config", str(Path(one.trial_dir) / "trial.json")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    # Held at step 1000 (while `hold` exists): node b's return is taken in before the end.
+    span = dataclasses.replace(trial(tmp_path / "span", digits_npz), **settings, hold_at_step=1000)
+    Path(span.trial_dir).mkdir(parents=True)
+    (Path(span.trial_dir) / "hold").write_text("")
+    (_, _, host_addr), _ = two_nodes
+    endpoint = f"{host_addr}:29532"
+    logs = [Path(span.trial_dir) / "node-a.log", Path(span.trial_dir) / "node-b.log"]
+
+    def launch(i: int) -> subprocess.Popen:
+        ns, link, address = two_nodes[i]
+        plan = plan_node_launch(span, [cpu_slot(ns, i)], REPO, NodeRole(2, i == 0, endpoint, address, link, min_nodes=1))
+        if i == 0:
+            plan.config_path.write_text(span.to_json())
+        with open(logs[i], "ab") as log:
+            return subprocess.Popen(["ip", "netns", "exec", ns, *plan.command], cwd=plan.cwd, env={**env, **plan.env},
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(what: str, check, procs, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while not check():
+            assert time.time() < deadline and all(p.poll() is None for p in procs), (what, [log.read_text()[-2500:] for log in logs])
+            time.sleep(0.2)
+
+    def resumed_at(world: int) -> list[int]:
+        return [int(s) for s in re.findall(rf"world size {world}, resumed at step (\d+)", logs[0].read_text())]
+
+    host, node_b = launch(0), launch(1)
+    procs = [host, node_b]
+    try:
+        wait("both nodes training", lambda: progress_step(span) >= 300, procs)
+        lost_at = progress_step(span)
+        os.killpg(node_b.pid, signal.SIGKILL)  # the node's agent and worker, as a machine lost
+        node_b.wait()
+        wait("node a alone", lambda: resumed_at(1), [host])
+        assert lost_at - resumed_at(1)[0] <= span.checkpoint_every + 10, (lost_at, resumed_at(1))  # one interval (+ a log step)
+        wait("node a at the hold", lambda: progress_step(span) == 1000, [host])
+        node_b = launch(1)  # the node is back
+        procs = [host, node_b]
+        wait("both nodes again", lambda: resumed_at(2), procs)
+        (Path(span.trial_dir) / "hold").unlink()
+        for i, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, logs[i].read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert resumed_at(2)[0] >= 900  # taken back at the hold, from the checkpoint before it
+    reference, spanned = final_weights(one), final_weights(span)
+    for name in reference:
+        assert torch.equal(reference[name], spanned[name]), name
