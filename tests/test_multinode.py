@@ -193,6 +193,8 @@ def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_
         node_b = launch(1)  # the node is back
         procs = [host, node_b]
         wait("both nodes again", lambda: resumed_at(2), procs)
+        for ns, _, address in two_nodes:  # stores made by the workers themselves too (no shared agent store)
+            assert listening(ns) <= {address, "127.0.0.1"}, (ns, listening(ns))
         (Path(span.trial_dir) / "hold").unlink()
         for i, proc in enumerate(procs):
             assert proc.wait(timeout=300) == 0, logs[i].read_text()[-3000:]

@@ -12,6 +12,7 @@ named in $CAMPAIGN_BIND_ADDR (the one its peers reach it at), never to every int
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from datetime import timedelta
@@ -70,4 +71,8 @@ def patch_torch_stores() -> None:
     _torch_store()  # the original, before it is replaced
     dist.TCPStore = _store  # dynamic_rendezvous and elastic.utils.distributed call it through the module
     c10d_backend.TCPStore = _store  # imported by name there
+    # And in a worker: rank 0 hosts the process group's store itself when the agent's is not
+    # shared (a trial elastic across nodes, tasks/trial.py plan_node_launch). The module, not
+    # `torch.distributed.rendezvous`: that name is the function the package re-exports.
+    importlib.import_module("torch.distributed.rendezvous").TCPStore = _store
     assert elastic_distributed.dist is dist

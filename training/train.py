@@ -15,6 +15,7 @@ import torch.distributed as dist
 from training.result import read_result
 from training.config import TrialConfig
 from training.fence import stops_when_fenced, watch_lease
+from training.loopback import BIND_ENV, patch_torch_stores
 from training.metrics import result_line
 from training.process import die_with_parent, skip_final_collection
 from training.trainer import DistEnv, Trainer
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"trial {cfg.trial_id}: already finished, nothing to do", flush=True)
         return
     device = pick_device(env.local_rank)
+    if os.environ.get(BIND_ENV):  # a trial across nodes: a store rank 0 hosts listens on its node's address only
+        patch_torch_stores()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         with stops_when_fenced():

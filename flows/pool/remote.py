@@ -97,8 +97,13 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     an elastic trial's node, which it may grow onto.
 
     A trial placed on several nodes gets one flow run per node (torchrun's c10d rendezvous
-    between them); when one of them fails or its node is lost, the others are cancelled, so
-    no node keeps waiting in a collective for a peer that is gone.
+    between them). It is elastic across them (`--nnodes=1:N`, tasks/trial.py): when a node
+    other than the host (the first, which holds the rendezvous store) is lost, the nodes left
+    go on from the trial's last checkpoint without it, and the trial ends where it would have
+    (its result does not depend on the world size). When the host's node is lost, or a
+    segment fails, the others are cancelled, so no node keeps waiting in a collective for a
+    peer that is gone, and the campaign queues the trial again. A function trial (the user's
+    loop, whose state we do not know) is not elastic across nodes.
     """
     from prefect.deployments import run_deployment
 
@@ -107,9 +112,11 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
+    across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
     runs = {}
     for i, (node, mine) in enumerate(groups):
-        span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices]}
+        span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices],
+                 "min_nodes": 1 if across else None}
                 if len(groups) > 1 else None)
         parameters = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
                       "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
@@ -130,14 +137,22 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         cancel_others()
         return {"node_lost": node}
 
+    def left_behind(nodes: list[str]) -> None:
+        for node in nodes:
+            _mark_crashed(runs[node], f"node {node} stopped beating; the trial goes on without it")
+            states[node] = None
+            print(f"trial {config.trial_id}: node {node} stopped beating; it goes on without it from its last checkpoint "
+                  f"on {', '.join(n for n in runs if n not in states or states[n] is not None)}", flush=True)
+
+    host = groups[0][0]
     states: dict[str, Any] = {}
     while len(states) < len(runs):
         time.sleep(POLL_S)
         for node, run_id in runs.items():
             if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
                 states[node] = state
-        failed = [node for node, state in states.items() if not state.is_completed()]
-        if failed and len(states) < len(runs):
+        failed = [node for node, state in states.items() if state is not None and not state.is_completed()]
+        if failed and len(states) < len(runs) and not (across and host not in failed and host not in states):
             # A peer that died makes the others fail at once (the connection is reset), well
             # before its heartbeats are missed: wait that long before blaming the trial.
             if lost := _lost_within(pool, [node for node in runs if node not in failed], LOST_WITHIN_S):
@@ -149,6 +164,9 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
         alive = {n.name for n in pool_nodes(pool) if n.live}
         if lost := [node for node in runs if node not in states and node not in alive]:
+            if across and host not in lost:
+                left_behind(lost)
+                continue
             return node_lost(lost[0])
     result = completed_result(Path(config.trial_dir))
     if result is not None:

@@ -63,7 +63,7 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
             time.sleep(0.2)
         endpoint = found["endpoint"]
     return NodeRole(nnodes=span["nnodes"], host=span["host"], endpoint=endpoint, address=address,
-                    interface=os.environ.get(INTERFACE_ENV, "lo"))
+                    interface=os.environ.get(INTERFACE_ENV, "lo"), min_nodes=span.get("min_nodes"))
 
 
 @flow(name="campaign-trial-segment", log_prints=True)
