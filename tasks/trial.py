@@ -162,7 +162,9 @@ class NodeRole:
 # its agent misses its rendezvous heartbeats; the round then closes with the nodes left after
 # LAST_CALL_S, and the workers restart from the trial's last checkpoint (a reproducible trial's
 # result does not depend on the world size: training/trainer.py's logical ranks).
-NODE_HEARTBEAT_S, NODE_KEEP_ALIVE_S, LAST_CALL_S = 3, 1, 2
+# LAST_CALL_S is also how long the first node waits for the others at the start: a node that
+# comes later is taken in by a restart (correct, but it costs the steps done meanwhile).
+NODE_HEARTBEAT_S, NODE_KEEP_ALIVE_S, LAST_CALL_S = 3, 1, 5
 NODE_RESTARTS = 3  # node losses (or worker failures) a trial rides through before it fails
 
 

@@ -130,7 +130,7 @@ def lab(tmp_path, monkeypatch):
 
 def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / f"leases-{node}.db"),
-           "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node, **extra_env}
+           "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node_mark(node), **extra_env}
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node,
                              "--address", address, "--cpu-slots", str(slots)],
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -168,13 +168,19 @@ def listening(ns: str) -> set[str]:
     return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines()}
 
 
+def node_mark(node: str) -> str:
+    """A node's mark in its processes' environment: this test process's own (the suite runs
+    tests side by side, and another test's nodes are named a and b too)."""
+    return f"{node}@{os.getpid()}"
+
+
 def processes_of(node: str) -> list[int]:
     """Every process of a node: they all inherit its mark (the worker, its flow runs, their trials)."""
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if f"CAMPAIGN_NODE_MARK={node}\0".encode() in (proc / "environ").read_bytes():
+                if f"CAMPAIGN_NODE_MARK={node_mark(node)}\0".encode() in (proc / "environ").read_bytes():
                     found.append(int(proc.name))
             except OSError:
                 pass
@@ -196,7 +202,8 @@ def nodes_once_made(pool: str) -> list[PoolNode]:
 def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab, monkeypatch):
     """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
     on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
-    a step: the trial it was part of goes on without it on node a, from its checkpoint."""
+    a step: the trial it was part of goes on without it; node b's worker starts again and the
+    trial takes it back in, from its checkpoint, and ends across both (never queued again)."""
     from prefect.settings import temporary_settings
 
     head, api, nodes = lab
@@ -273,6 +280,14 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
+        wait_for(lambda: f"trial {across}: node b stopped beating; it goes on without it" in said(), 120, "node b left behind")
+        # Node b comes back (its worker started again): the trial takes it in again. Held at its
+        # step on node a, the trial's agent there restarts with node b from the checkpoint at 50.
+        workers["b"] = start_worker(api, tmp_path, "b", *nodes["b"], 1, CAMPAIGN_NODE_MARK=node_mark("b-again"))
+        wait_for(lambda: f"trial {across}: node b is back; it takes the node in again" in said(), 120, "node b taken back")
+        train_log = runs / across / "train.log"
+        wait_for(lambda: "world size 2, resumed at step 50" in train_log.read_text(), 180, "the trial on both nodes again")
         for trial_id in trial_ids:
             (runs / trial_id / "hold").unlink()
         assert launch.wait(timeout=300) == 0, launch_log()
@@ -282,13 +297,10 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
             assert result is not None and result["steps"] == 150, (trial_id, launch_log())
         result = read_json(runs / across / "result.json")
         assert result["resumed_from_step"] == 50, result  # its checkpoint, written by ranks on both nodes
-        # It went on without node b, on node a alone, where it was: not queued again.
+        # Where it was, without node b and then with it again: never queued again.
         events = [e for e in map(json.loads, (runs / "allocations.jsonl").read_text().splitlines()) if e["trial"] == across]
         assert [e["reason"] for e in events] == ["start", "end"], events
-        assert "world size 1, resumed at step 50" in (runs / across / "train.log").read_text()
-        log = launch_log()
-        assert f"trial {across}: node b stopped beating; it goes on without it" in " ".join(log.split()), log
-        assert "NodeLost" not in log
+        assert "NodeLost" not in launch_log()
         assert not processes_of("b")
     finally:
         if launch is not None and launch.poll() is None:

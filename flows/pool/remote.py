@@ -100,7 +100,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     between them). It is elastic across them (`--nnodes=1:N`, tasks/trial.py): when a node
     other than the host (the first, which holds the rendezvous store) is lost, the nodes left
     go on from the trial's last checkpoint without it, and the trial ends where it would have
-    (its result does not depend on the world size). When the host's node is lost, or a
+    (its result does not depend on the world size); when that node's worker beats again, its
+    segment is sent again and the trial takes it back in. When the host's node is lost, or a
     segment fails, the others are cancelled, so no node keeps waiting in a collective for a
     peer that is gone, and the campaign queues the trial again. A function trial (the user's
     loop, whose state we do not know) is not elastic across nodes.
@@ -113,17 +114,21 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
-    runs = {}
+    segments = {}  # node -> its segment's parameters (sent again to a node that comes back)
     for i, (node, mine) in enumerate(groups):
         span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices],
                  "min_nodes": 1 if across else None}
                 if len(groups) > 1 else None)
-        parameters = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
-                      "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
-        runs[node] = run_deployment(
-            deployment, parameters={**parameters, "signature": sign(secret, parameters)},
+        segments[node] = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
+                          "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
+
+    def send(node: str):
+        return run_deployment(
+            deployment, parameters={**segments[node], "signature": sign(secret, segments[node])},
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
         ).id
+
+    runs = {node: send(node) for node in segments}
 
     def cancel_others() -> None:
         for other, run_id in runs.items():
@@ -141,16 +146,30 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         for node in nodes:
             _mark_crashed(runs[node], f"node {node} stopped beating; the trial goes on without it")
             states[node] = None
+            away.add(node)
             print(f"trial {config.trial_id}: node {node} stopped beating; it goes on without it from its last checkpoint "
-                  f"on {', '.join(n for n in runs if n not in states or states[n] is not None)}", flush=True)
+                  f"on {', '.join(n for n in runs if n not in away)}", flush=True)
+
+    def take_back(nodes: list[str]) -> None:
+        """A node it left is live again (its worker restarted): its segment is sent again, to
+        the same rendezvous; the trial's agents see it waiting and restart with it."""
+        for node in nodes:
+            away.discard(node)
+            states.pop(node, None)
+            runs[node] = send(node)
+            print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
     host = groups[0][0]
     states: dict[str, Any] = {}
+    away: set[str] = set()  # nodes it went on without
     while len(states) < len(runs):
         time.sleep(POLL_S)
         for node, run_id in runs.items():
             if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
                 states[node] = state
+        if across and states.get(host) is not None and states[host].is_completed() and len(states) < len(runs):
+            cancel_others()  # the trial has ended on its host: a node taken back too late waits for nobody
+            break
         failed = [node for node, state in states.items() if state is not None and not state.is_completed()]
         if failed and len(states) < len(runs) and not (across and host not in failed and host not in states):
             # A peer that died makes the others fail at once (the connection is reset), well
@@ -168,6 +187,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 left_behind(lost)
                 continue
             return node_lost(lost[0])
+        if back := [node for node in away if node in alive and host not in states]:
+            take_back(back)
     result = completed_result(Path(config.trial_dir))
     if result is not None:
         return result

@@ -1,0 +1,208 @@
+"""A trial on node a grows onto node b (issue 30): how long does training stop, two ways.
+
+- elastic: node a runs torchrun with `--nnodes=1:2` (tasks/trial.py `plan_node_launch`,
+  `min_nodes=1`); node b starts the same command; a's agent sees it waiting and both restart
+  their workers from the trial's last checkpoint, at world size 2.
+- stop and relaunch from the remote: node a's fixed-size torchrun is stopped (SIGTERM), and
+  both nodes start a 2-node torchrun, resuming from the newest checkpoint pulled from a DVC
+  directory remote (the trial's local checkpoints moved aside first: a placement on nodes
+  that do not share the trial's folder).
+
+Both ways push every checkpoint to the same kind of remote (`checkpoint_remote`), and
+alternate round by round so they see the host's load of the same moment. Per way, medians:
+- latency: node b started (elastic) or node a stopped (relaunch) -> the first step at world
+  size 2;
+- pause: the last step at world size 1 -> the first at world size 2 (nothing trains);
+- steps lost: steps done at world size 1 after the checkpoint the resume used.
+
+Nodes are two network namespaces joined by a veth pair (as tests/test_multinode.py): needs
+root and iproute2.
+
+    sudo .venv/bin/python bench/cross_node_resize.py --rounds 3
+
+Prints a table; passes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from cluster.types import Device  # noqa: E402
+from tasks.trial import NodeRole, plan_node_launch  # noqa: E402
+from training.config import TrialConfig  # noqa: E402
+from training.data import prepare_digits  # noqa: E402
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class TwoNodes:
+    """Namespaces a and b, 10.234.N.1 and .2 on a veth pair."""
+
+    def __init__(self):
+        pid = os.getpid()
+        self.names = (f"bench-a{pid}", f"bench-b{pid}")
+        links = (f"bxa{pid % 100000}", f"bxb{pid % 100000}")
+        ip("netns", "add", self.names[0])
+        ip("netns", "add", self.names[1])
+        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        self.nodes = []
+        for i, (ns, link) in enumerate(zip(self.names, links), start=1):
+            address = f"10.234.{pid % 250 + 1}.{i}"
+            ip("link", "set", link, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
+            ip("-n", ns, "link", "set", link, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            self.nodes.append((ns, link, address))
+
+    def close(self) -> None:
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class Trial:
+    """One trial's folder, its node launches, and what its progress file said when."""
+
+    def __init__(self, folder: Path, digits: Path, nodes: list, elastic: bool, port: int, steps: int, every: int):
+        self.folder, self.nodes, self.elastic = folder, nodes, elastic
+        self.cfg = TrialConfig(trial_id="grow", seed=7, model={"name": "mlp", "width": 256}, data={"path": str(digits)},
+                               logical_ranks=2, steps=steps, batch_size=128, lr=0.05, checkpoint_every=every,
+                               eval_every=steps, log_every=10, trial_dir=str(folder / "trial"),
+                               checkpoint_remote={"url": str(folder / "remote"), "key": "bench/grow"})
+        Path(self.cfg.trial_dir).mkdir(parents=True)
+        (folder / "remote").mkdir()
+        self.endpoint = f"{nodes[0][2]}:{port}"
+        self.procs: list[subprocess.Popen] = []
+        self.seen: list[tuple[float, int, int]] = []  # (time, step, world size)
+
+    def launch(self, i: int, nnodes: int) -> None:
+        ns, link, address = self.nodes[i]
+        role = NodeRole(nnodes, i == 0, self.endpoint, address, link, min_nodes=1 if self.elastic else None)
+        plan = plan_node_launch(self.cfg, [Device(f"{ns}/cpu{i}", ns, i, "cpu", f"core {i}", 1 << 30)], REPO, role)
+        plan.config_path.write_text(self.cfg.to_json())
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **plan.env}
+        with open(self.folder / f"node{i}.log", "ab") as log:
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *plan.command], cwd=REPO, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+
+    def look(self) -> tuple[int, int]:
+        """The progress file now: (step, world size), recorded with the time it was seen."""
+        try:
+            progress = json.loads((Path(self.cfg.trial_dir) / "progress.json").read_text())
+            step, world = int(progress["step"]), int(progress["world_size"])
+        except (OSError, ValueError, KeyError):
+            return -1, 0
+        if not self.seen or self.seen[-1][1:] != (step, world):
+            self.seen.append((time.time(), step, world))
+        return step, world
+
+    def wait(self, check, timeout: float = 300.0) -> None:
+        deadline = time.time() + timeout
+        while not check(*self.look()):
+            if time.time() > deadline or any(p.poll() not in (None, 0) for p in self.procs):
+                logs = [(self.folder / f"node{i}.log").read_text(errors="replace")[-2000:] for i in range(2)
+                        if (self.folder / f"node{i}.log").exists()]
+                raise RuntimeError(f"timed out or a node failed; logs:\n" + "\n---\n".join(logs))
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = [p for p in self.procs if p.poll() is None]
+
+    def resumed_from(self) -> int:
+        text = "".join((self.folder / f"node{i}.log").read_text(errors="replace") for i in range(2)
+                       if (self.folder / f"node{i}.log").exists())
+        return max(int(line.split("resumed at step ")[1].split()[0]) for line in text.splitlines() if "world size 2, resumed at step" in line)
+
+
+def one_round(way: str, folder: Path, digits: Path, nodes: list, port: int, grow_at: int, every: int) -> dict[str, float]:
+    trial = Trial(folder, digits, nodes, elastic=way == "elastic", port=port, steps=100 * grow_at, every=every)
+    try:
+        trial.launch(0, 1 if way == "relaunch" else 2)
+        trial.wait(lambda step, world: step >= grow_at and world == 1)
+        decided = time.time()
+        at_decision = trial.look()[0]
+        if way == "elastic":
+            trial.launch(1, 2)
+        else:
+            trial.stop()
+            checkpoints = Path(trial.cfg.trial_dir) / "checkpoints"
+            shutil.move(checkpoints, folder / "checkpoints-aside")  # resumed from the remote, not this folder
+            trial.launch(0, 2)
+            trial.launch(1, 2)
+        trial.wait(lambda step, world: world == 2 and step > 0 and any(w == 1 for _, _, w in trial.seen))
+        first_two = next(t for t, _, w in trial.seen if w == 2 and t >= decided)
+        last_one = max(t for t, _, w in trial.seen if w == 1)
+        resumed = trial.resumed_from()
+        last_step_at_one = max(s for _, s, w in trial.seen if w == 1)
+        return {"latency_s": first_two - decided, "pause_s": first_two - last_one, "steps_lost": max(0, last_step_at_one - resumed),
+                "step_at_decision": at_decision}
+    finally:
+        trial.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grow-at", type=int, default=300, help="the step at world size 1 where node b is added")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    args = parser.parse_args()
+    console = Console(width=160)
+    console.print(f"[bold]command:[/bold] {' '.join(sys.argv)}")
+    console.print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cores")
+    try:
+        nodes = TwoNodes()
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"cannot make network namespaces here ({getattr(e, 'stderr', e)}): run as root with iproute2")
+    work = Path(tempfile.mkdtemp(prefix="cross-node-resize-"))
+    results: dict[str, list[dict[str, float]]] = {"elastic": [], "relaunch": []}
+    try:
+        digits = prepare_digits(work / "digits.npz")
+        port = 29600
+        for r in range(args.rounds):
+            for way in (("elastic", "relaunch") if r % 2 == 0 else ("relaunch", "elastic")):
+                port += 1
+                figures = one_round(way, work / f"{way}-{r}", digits, nodes.nodes, port, args.grow_at, args.checkpoint_every)
+                results[way].append(figures)
+                console.print(f"round {r + 1} {way}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+    finally:
+        nodes.close()
+        shutil.rmtree(work, ignore_errors=True)
+    table = Table(title=f"1 node -> 2 nodes at step ~{args.grow_at}, checkpoint every {args.checkpoint_every} steps "
+                        f"(medians of {args.rounds} rounds)")
+    for column in ("way", "latency s", "pause s", "steps lost"):
+        table.add_column(column, justify="right" if column != "way" else "left")
+    for way, label in (("elastic", "elastic (--nnodes=1:2, node b joins)"), ("relaunch", "stop + relaunch from the DVC remote")):
+        rows = results[way]
+        table.add_row(label, *(f"{statistics.median(r[key] for r in rows):.2f}" for key in ("latency_s", "pause_s", "steps_lost")))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
