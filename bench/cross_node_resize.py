@@ -18,7 +18,7 @@ alternate round by round so they see the host's load of the same moment. Per way
 Nodes are two network namespaces joined by a veth pair (as tests/test_multinode.py): needs
 root and iproute2.
 
-    sudo .venv/bin/python bench/cross_node_resize.py --rounds 3
+    .venv/bin/python bench/cross_node_resize.py --rounds 3      # as root
 
 Prints a table; passes nothing.
 """
