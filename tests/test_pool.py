@@ -299,7 +299,8 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
         assert result["resumed_from_step"] == 50, result  # its checkpoint, written by ranks on both nodes
         # Where it was, without node b and then with it again: never queued again.
         events = [e for e in map(json.loads, (runs / "allocations.jsonl").read_text().splitlines()) if e["trial"] == across]
-        assert [e["reason"] for e in events] == ["start", "end"], events
+        assert [e["reason"] for e in events] == ["start", "node left", "node back", "end"], events
+        assert events[1]["devices"] == placed[across][:1] and events[2]["devices"] == placed[across], events
         assert "NodeLost" not in launch_log()
         assert not processes_of("b")
     finally:

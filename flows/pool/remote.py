@@ -24,7 +24,7 @@ from prefect import task
 from cluster.types import Device, Inventory
 from flows.pool.secret import load_secret, sign
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
-from tasks.records import completed_result
+from tasks.records import completed_result, log_allocation
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
 from training.layout import trial_files
@@ -147,6 +147,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             _mark_crashed(runs[node], f"node {node} stopped beating; the trial goes on without it")
             states[node] = None
             away.add(node)
+            log_allocation(Path(config.trial_dir).parent, config.trial_id, [d.id for d in devices if d.node not in away], "node left")
             print(f"trial {config.trial_id}: node {node} stopped beating; it goes on without it from its last checkpoint "
                   f"on {', '.join(n for n in runs if n not in away)}", flush=True)
 
@@ -157,6 +158,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             away.discard(node)
             states.pop(node, None)
             runs[node] = send(node)
+            log_allocation(Path(config.trial_dir).parent, config.trial_id, [d.id for d in devices if d.node not in away], "node back")
             print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
     host = groups[0][0]
