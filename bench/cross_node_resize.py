@@ -26,7 +26,6 @@ Prints a table; passes nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -48,6 +47,7 @@ from cluster.types import Device  # noqa: E402
 from tasks.trial import NodeRole, plan_node_launch  # noqa: E402
 from training.config import TrialConfig  # noqa: E402
 from training.data import prepare_digits  # noqa: E402
+from training.progress import read_progress  # noqa: E402
 
 
 def ip(*args: str) -> None:
@@ -105,11 +105,10 @@ class Trial:
 
     def look(self) -> tuple[int, int]:
         """The progress file now: (step, world size), recorded with the time it was seen."""
-        try:
-            progress = json.loads((Path(self.cfg.trial_dir) / "progress.json").read_text())
-            step, world = int(progress["step"]), int(progress["world_size"])
-        except (OSError, ValueError, KeyError):
+        progress = read_progress(self.cfg.trial_dir)
+        if progress is None:
             return -1, 0
+        step, world = progress.step, progress.world_size
         if not self.seen or self.seen[-1][1:] != (step, world):
             self.seen.append((time.time(), step, world))
         return step, world
@@ -120,7 +119,7 @@ class Trial:
             if time.time() > deadline or any(p.poll() not in (None, 0) for p in self.procs):
                 logs = [(self.folder / f"node{i}.log").read_text(errors="replace")[-2000:] for i in range(2)
                         if (self.folder / f"node{i}.log").exists()]
-                raise RuntimeError(f"timed out or a node failed; logs:\n" + "\n---\n".join(logs))
+                raise RuntimeError("timed out or a node failed; logs:\n" + "\n---\n".join(logs))
             time.sleep(0.01)
 
     def stop(self) -> None:

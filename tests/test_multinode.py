@@ -130,12 +130,10 @@ def test_a_trial_across_two_nodes_trains_as_on_one_and_listens_only_on_their_add
 
 
 def progress_step(cfg: TrialConfig) -> int:
-    import json
+    from training.progress import read_progress
 
-    try:
-        return json.loads((Path(cfg.trial_dir) / "progress.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return -1
+    progress = read_progress(cfg.trial_dir)
+    return -1 if progress is None else progress.step
 
 
 def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, digits_npz, two_nodes):

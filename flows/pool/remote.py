@@ -142,12 +142,15 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         cancel_others()
         return {"node_lost": node}
 
+    def record_nodes(reason: str) -> None:  # what it runs on now, in the campaign's allocation log
+        log_allocation(Path(config.trial_dir).parent, config.trial_id, [d.id for d in devices if d.node not in away], reason)
+
     def left_behind(nodes: list[str]) -> None:
         for node in nodes:
             _mark_crashed(runs[node], f"node {node} stopped beating; the trial goes on without it")
             states[node] = None
             away.add(node)
-            log_allocation(Path(config.trial_dir).parent, config.trial_id, [d.id for d in devices if d.node not in away], "node left")
+            record_nodes("node left")
             print(f"trial {config.trial_id}: node {node} stopped beating; it goes on without it from its last checkpoint "
                   f"on {', '.join(n for n in runs if n not in away)}", flush=True)
 
@@ -158,7 +161,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             away.discard(node)
             states.pop(node, None)
             runs[node] = send(node)
-            log_allocation(Path(config.trial_dir).parent, config.trial_id, [d.id for d in devices if d.node not in away], "node back")
+            record_nodes("node back")
             print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
     host = groups[0][0]
