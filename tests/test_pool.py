@@ -8,6 +8,7 @@ dying would); its trials finish on the other node from their checkpoints.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from training.files import read_json
 
 HOLD_AT = 60
 SUBNET = "10.232.{}.{}"
+LABS = itertools.count()  # this process's pool labs, one after another
 
 
 def test_a_node_is_live_while_its_heartbeats_come():
@@ -80,7 +82,9 @@ def ip(*args: str) -> None:
 def lab(tmp_path, monkeypatch):
     """A bridge on this host (the head: Prefect server, campaign) and two namespaces, nodes a
     and b, each with its own address on it. Skipped, saying so, where namespaces cannot be made."""
-    tag, pid = os.getpid() % 250 + 1, os.getpid() % 100000
+    # Names of this lab only: the kernel tears down a deleted namespace's links after
+    # `ip netns del` returns, so the next pool test in this process must not reuse them.
+    tag, pid = os.getpid() % 250 + 1, f"{os.getpid() % 100000}{next(LABS)}"
     bridge, names = f"cpbr{pid}", {"a": f"pool-a{pid}", "b": f"pool-b{pid}"}
     head = SUBNET.format(tag, 1)
     try:
@@ -117,12 +121,11 @@ def lab(tmp_path, monkeypatch):
         finally:
             stop_servers(servers)
     finally:
-        for node in names:  # whatever a failed test left running on a node dies with it
-            for pid in processes_of(node):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in processes_of(None):  # whatever a test left running on any of its nodes dies with it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
@@ -174,16 +177,19 @@ def node_mark(node: str) -> str:
     return f"{node}@{os.getpid()}"
 
 
-def processes_of(node: str) -> list[int]:
-    """Every process of a node: they all inherit its mark (the worker, its flow runs, their trials)."""
+def processes_of(node: str | None) -> list[int]:
+    """Every process of a node (None: of every node this test process started): they all
+    inherit its mark (the worker, its flow runs, their trials)."""
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if f"CAMPAIGN_NODE_MARK={node_mark(node)}\0".encode() in (proc / "environ").read_bytes():
-                    found.append(int(proc.name))
+                marks = [e for e in (proc / "environ").read_bytes().split(b"\0") if e.startswith(b"CAMPAIGN_NODE_MARK=")]
             except OSError:
-                pass
+                continue
+            mark = marks[0].decode().split("=", 1)[1] if marks else ""
+            if mark == node_mark(node) if node else mark.endswith(f"@{os.getpid()}"):
+                found.append(int(proc.name))
     return found
 
 
