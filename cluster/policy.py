@@ -294,6 +294,13 @@ class ElasticPolicy:
     - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
       more to it, and a job stays untouched for `min_run_s` after a change (it may grow,
       and it may drop a node it measured to slow it);
+    - short newcomers: when lengths are known, a protected job whose remaining work is
+      more than 1 / `yield_ratio` times the shortest waiting job's is protected only up to
+      its request (unless changed within `yield_min_s`: each yield is a restart): the
+      devices it grew onto are open to the greedy, so a job of minutes starts now instead
+      of waiting out an hour's protection (the long job loses a few minutes of a device
+      and one pause; Pollux, which protects nothing, started the short half of the Philly
+      jobs 7x sooner than we did without this);
     - restarts: past `las_cap_s` of service long jobs rank alike (FIFO among them, not
       turns), a job preempted `preemption_budget` times is not pushed off again, and a job
       grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
@@ -327,11 +334,14 @@ class ElasticPolicy:
     fill_idle: bool = True
     know_remaining: bool = True
     remaining_scale_s: float = 1800.0
+    yield_ratio: float = 0.3
+    yield_min_s: float = 600.0
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
         jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
         plans = [self._plan(cluster, job, now) for job in jobs]
+        self._yield_to_shorter(plans, now)
         self._admit_starving(cluster, plans)
         for plan in plans:
             plan.hull = self._hull(cluster, plan)
@@ -372,7 +382,24 @@ class ElasticPolicy:
         if protected and _last_node_lost(cluster, job):
             protected = False  # it measured that its widest node slows it: no reason to keep it there
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
-        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0)
+        return _JobPlan(job, weight, starving, floor=job.devices if protected else 0, remaining=remaining)
+
+    def _yield_to_shorter(self, plans: list[_JobPlan], now: float) -> None:
+        """Protected jobs far longer than the shortest waiting job keep only their request.
+
+        All they grew onto goes back to the greedy, not just what the waiting jobs need: on
+        the Philly workloads that was 1-3 % better on average JCT (the devices go where they
+        are worth most now), at somewhat more restarts."""
+        waiting = [p.remaining for p in plans if not p.job.running and p.remaining is not None]
+        if not waiting or not self.yield_ratio:
+            return
+        shortest = min(waiting)
+        for plan in plans:
+            keep = max(plan.job.requested, plan.job.min_devices)
+            far_longer = plan.remaining is not None and shortest < self.yield_ratio * plan.remaining
+            # Not again within yield_min_s of its last change: each yield is a restart.
+            if plan.floor > keep and far_longer and plan.job.unchanged_for(now) >= self.yield_min_s:
+                plan.floor = keep
 
     def _remaining_device_s(self, cluster: Cluster, job: Job) -> float | None:
         """Device-seconds the job still needs at its requested size, when its length is known."""
@@ -638,6 +665,7 @@ class _JobPlan:
     weight: float
     starving: bool
     floor: int  # devices it keeps whatever the greedy does (protected or starving)
+    remaining: float | None = None  # device-seconds of work left at its request, when its length is known
     cap: int | None = None  # devices it may not exceed (None: its max)
     exploring: bool = False  # given idle devices to measure one more node
     points: list[tuple[int, float]] | None = None  # (devices, value) from the floor up

@@ -262,6 +262,27 @@ def test_elastic_lets_a_job_near_its_known_end_finish_before_a_longer_newcomer()
     assert ElasticPolicy(know_remaining=False).decide(cluster, [old, new], 72_000.0) == {"new": {"node0": 1}}
 
 
+def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto():
+    """A job grown past its request is protected for `min_run_s` after the change, but not
+    against a waiting job with a small fraction of its work left: it keeps its request and
+    the newcomer starts now (Pollux, which protects nothing, started short jobs 7x sooner)."""
+    cluster = Cluster.uniform(1, 4)
+    now = 36_000.0
+    grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 1800.0,
+                remaining_steps=36_000.0)
+    short = Job("short", now, 2, 1, 2, GOOD_SCALING, remaining_steps=100.0)
+    allocation = ElasticPolicy().decide(cluster, [grown, short], now)
+    assert devices_of(allocation["grown"]) == 2 and devices_of(allocation["short"]) == 2
+    # Not far shorter (over yield_ratio of the protected job's work): the protection holds.
+    assert ElasticPolicy().decide(cluster, [grown, replace(short, remaining_steps=20_000.0)], now) == {"grown": {"node0": 4}}
+    # Changed under `yield_min_s` ago: it is not resized again so soon.
+    assert ElasticPolicy().decide(cluster, [replace(grown, since=now - 300.0), short], now) == {"grown": {"node0": 4}}
+    # Lengths unknown, or the rule off: the newcomer waits out the protection.
+    assert ElasticPolicy(yield_ratio=0.0).decide(cluster, [grown, short], now) == {"grown": {"node0": 4}}
+    unknown = [replace(grown, remaining_steps=None), replace(short, remaining_steps=None)]
+    assert ElasticPolicy().decide(cluster, unknown, now) == {"grown": {"node0": 4}}
+
+
 def test_elastic_repacks_a_spread_job_onto_one_node_when_it_pays():
     cluster = Cluster.uniform(3, 4)
     spread = Job("spread", 0.0, 4, 4, 4, POOR_SCALING, attained=4 * 7200.0, placement={"node0": 2, "node1": 2}, since=0.0)
