@@ -61,16 +61,34 @@ def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> No
 
 def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:
     """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices);
-    each resize takes effect before the next is asked for."""
+    each resize takes effect before the next is asked for.
+
+    The trial is held before `cfg.hold_at_step` (if set) until a resize asked for there has
+    reached its running processes (the agent asks them to stop: its joiners are ready). The
+    joiners' start-up, seconds, then costs no steps, and a short trial still resizes long
+    before its end, however slow the host."""
+    control = Path(cfg.trial_dir) / "control"
+    hold = Path(cfg.trial_dir) / "hold"
+    if cfg.hold_at_step is not None:
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        hold.touch()
     proc = start(cfg, start_devices)
     for seq, (step, devices) in enumerate(plan, 1):
         wait_for_step(cfg, step, proc)
+        stops = len(list(control.glob("stop-*")))
         resize(cfg, seq, devices, mode)
         deadline = time.time() + 120
+        if step == cfg.hold_at_step:
+            while len(list(control.glob("stop-*"))) == stops:
+                assert proc.poll() is None, f"trial ended before resize {seq} reached it"
+                assert time.time() < deadline, f"resize {seq} never asked the trial to stop"
+                time.sleep(0.01)
+            hold.unlink()
         while len(resizes(cfg)) < seq:
             assert proc.poll() is None, f"trial ended before resize {seq} took effect"
             assert time.time() < deadline, f"resize {seq} did not take effect"
             time.sleep(0.01)
+    hold.unlink(missing_ok=True)
     return proc
 
 

@@ -48,14 +48,14 @@ def assert_same_training(a, b, control=None):
 
 
 def test_resize_2_1_2_trains_exactly_as_fixed_size(tmp_path, digits_npz):
-    # Steps of ~10 ms: a joiner's start-up spans few of them, and over 1,200 steps training
-    # has not yet amplified the rounding far above itself.
-    heavy = dict(steps=1200, batch_size=128, model={"name": "small_cnn", "width": 32, "dropout": 0.1})
+    # Steps of ~10 ms; the trial is held at step 300 while the joiner starts (elastic_helpers.run),
+    # so 500 steps are enough, and over 500 steps training has not amplified the rounding far above itself.
+    heavy = dict(steps=500, batch_size=128, model={"name": "small_cnn", "width": 32, "dropout": 0.1})
     fixed = trial_config(tmp_path / "fixed", digits_npz, **heavy)
     finish(run(fixed, 2), fixed)
     control = trial_config(tmp_path / "fixed1", digits_npz, **heavy)
     finish(run(control, 1), control)
-    elastic = trial_config(tmp_path / "elastic", digits_npz, **heavy)
+    elastic = trial_config(tmp_path / "elastic", digits_npz, **heavy, hold_at_step=300)
     finish(run(elastic, 2, [(100, 1), (300, 2)]), elastic)
 
     events = resizes(elastic)
@@ -68,9 +68,9 @@ def test_resize_2_1_2_trains_exactly_as_fixed_size(tmp_path, digits_npz):
 
 def test_naive_restart_path_keeps_the_result_too(tmp_path, digits_npz):
     """The stop-checkpoint-relaunch path (kept to measure against) works and is exact too."""
-    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=1200)
+    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=400)
     finish(run(fixed, 2), fixed)
-    restarted = trial_config(tmp_path / "restarted", digits_npz, steps=1200)
+    restarted = trial_config(tmp_path / "restarted", digits_npz, steps=400, hold_at_step=200)
     finish(run(restarted, 2, [(200, 2)], mode="restart"), restarted)
     (event,) = resizes(restarted)
     assert event["mode"] == "restart" and event["pause_breakdown_s"]
@@ -100,13 +100,18 @@ def worker_pids(wid: str, config: Path) -> list[int]:
 
 
 def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digits_npz):
-    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=800)
+    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=500)
     finish(run(fixed, 2), fixed)
-    control = trial_config(tmp_path / "fixed1", digits_npz, steps=800)  # the trial runs 300+ steps at 1 process
+    control = trial_config(tmp_path / "fixed1", digits_npz, steps=500)  # the trial runs 300 steps at 1 process
     finish(run(control, 1), control)
 
-    trial = trial_config(tmp_path / "killed", digits_npz, steps=800)
+    # Held at step 300 while the joiner starts and the member is killed: the resize is under
+    # way whatever the host's speed.
+    trial = trial_config(tmp_path / "killed", digits_npz, steps=500, hold_at_step=300)
     config = Path(trial.trial_dir) / "trial.json"
+    hold = Path(trial.trial_dir) / "hold"
+    hold.parent.mkdir(parents=True)
+    hold.touch()
     proc = start(trial, 1)
     wait_for_step(trial, 300, proc)
     resize(trial, 1, 2)  # a joiner starts: the resize is under way
@@ -122,6 +127,7 @@ def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digi
     killed_at = step_of(trial)
     assert 300 <= killed_at < trial.steps
 
+    hold.unlink()
     finish(start(trial, 2), trial)  # what the launcher's retry does
     log = (Path(trial.trial_dir) / "agent.log").read_text()
     assert "exited with code" in log

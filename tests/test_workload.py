@@ -22,6 +22,7 @@ from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.manifest import list_checkpoints
 from training.workload import WorkloadError, build_model, check_workload
+from conftest import wait_for
 from user_workload import PACKAGE, workload, write_package
 
 SGD = {"name": "SGD", "kwargs": {"momentum": 0.9}}
@@ -293,21 +294,27 @@ def test_exact_reduction_is_bit_for_bit_through_resizes_and_preemption(tmp_path,
 
     monkeypatch.setenv("PYTHONPATH", f"{user_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the agent's workers import it
     monkeypatch.chdir(user_root)
-    # ~10 ms steps: a joiner's start-up (seconds) lands long before the end.
+    # ~10 ms steps; the elastic run is held at step 300 while its joiner starts (elastic_helpers.run)
+    # and the preempted one at 250 until its agent asks it to stop: both land long before the end.
     # Four logical ranks: at 2 processes DDP would add (g0 + g1) + (g2 + g3), at one ((g0 + g1) + g2) + g3,
     # which differ in the last bits (two terms add alike in any order, so L = 2 would not show it).
     # With reduction="fast" this test fails at the first step after the first resize.
-    common = dict(**workload(digits_npz, width=32), reduction="exact", logical_ranks=4, steps=1000, batch_size=128,
-                  checkpoint_every=100, eval_every=1000)
+    common = dict(**workload(digits_npz, width=32), reduction="exact", logical_ranks=4, steps=500, batch_size=128,
+                  checkpoint_every=100, eval_every=500)
     fixed = trial_config(tmp_path / "fixed", digits_npz, **common)
     finish(run_elastic(fixed, 2), fixed)
-    elastic = trial_config(tmp_path / "elastic", digits_npz, **common)
+    elastic = trial_config(tmp_path / "elastic", digits_npz, **common, hold_at_step=300)
     finish(run_elastic(elastic, 2, [(100, 1), (300, 2)]), elastic)
     assert len(resizes(elastic)) == 2
-    preempted = trial_config(tmp_path / "preempted", digits_npz, **common)
+    preempted = trial_config(tmp_path / "preempted", digits_npz, **common, hold_at_step=250)
+    control, hold = Path(preempted.trial_dir) / "control", Path(preempted.trial_dir) / "hold"
+    control.mkdir(parents=True)
+    hold.touch()
     proc = start(preempted, 2)
     wait_for_step(preempted, 250, proc)
-    write_command(Path(preempted.trial_dir) / "control", 1, [])
+    write_command(control, 1, [])
+    wait_for(lambda: any(control.glob("stop-*")), 60, "the agent asking the trial to stop")
+    hold.unlink()
     assert proc.wait(timeout=60) == PREEMPTED
     finish(start(preempted, 1), preempted)
 
