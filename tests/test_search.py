@@ -144,7 +144,7 @@ def test_a_search_killed_outright_goes_on_to_n_without_rerunning(tmp_path, digit
     import optuna
 
     write_params(tmp_path, digits_npz, "killed",
-                 training={"steps": 1500, "batch_size": 32, "lr": 0.05, "eval_every": 500, "checkpoint_every": 100, "log_every": 100},
+                 training={"steps": 400, "batch_size": 32, "lr": 0.05, "eval_every": 200, "checkpoint_every": 100, "log_every": 100},
                  search={"strategy": "random", "trials": 4, "space": {"training.lr": {"log_uniform": [0.01, 0.2]}}})
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "300"})
