@@ -51,14 +51,16 @@ def resize(runs: Path, trial: str, devices: int) -> subprocess.CompletedProcess:
 
 
 def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, monkeypatch):
-    """Another campaign holds one of the two slots, so the [1, 2] trial starts on one. The grow
-    (it starts a process: the slow resize) comes early, the shrink (no process start) last,
-    so that the trial is still running when each lands, even on a loaded machine."""
-    from flows.campaign import campaign_flow
+    """Another campaign holds one of the two slots, so the [1, 2] trial starts on one. The
+    trial is held from step 100 (each control step while its `hold` file is there: a held
+    trial still answers its agent, then waits again), so every resize lands mid-trial, on a
+    600-step trial, however loaded the machine."""
+    from flows.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(HOLD_ENV, "100")
     runs = tmp_path / "runs"
-    live_params(tmp_path, digits_npz, "live", {"steps": 12000, "checkpoint_every": 2000, "eval_every": 4000})
+    live_params(tmp_path, digits_npz, "live", {"steps": 600, "checkpoint_every": 2000, "eval_every": 600})
     slots = [d.id for d in discover(cpu_slots=2).devices]
     capacity = {s: discover(cpu_slots=2).device(s).memory_bytes for s in slots}
     store = LeaseStore()
@@ -73,13 +75,16 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
             time.sleep(0.1)
         trial = record["trials"][0]["id"]
         trial_dir = runs / "live" / trial
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        (trial_dir / "hold").touch()
         outcomes["too many"] = resize(runs, trial, 3)  # refused by the CLI itself, from the campaign's record
-        while (read_json(trial_dir / "progress.json") or {}).get("step", 0) < 200 and time.time() < deadline:
+        while (read_json(trial_dir / "progress.json") or {}).get("state") != "held" and time.time() < deadline:
             time.sleep(0.05)
         outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is held by another campaign
         store.release("someone-else/x")
         outcomes["grow"] = resize(runs, trial, 2)
         outcomes["shrink"] = resize(runs, trial, 1)
+        (trial_dir / "hold").unlink()
 
     driver = threading.Thread(target=drive)
     driver.start()
@@ -207,15 +212,34 @@ def test_by_default_the_trial_with_least_work_left_goes_first(tmp_path, digits_n
 def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz, prefect_backend, monkeypatch):
     """Three elastic trials on two slots: least-attained-service makes a running trial yield
     (a resize to zero) so the waiting one starts; the yielded one resumes from its checkpoint."""
-    from flows.campaign import campaign_flow
+    from flows.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(HOLD_ENV, "100")
     runs = tmp_path / "runs"
-    # Long enough that the yield (decided ~10 s after the start, ~4 s to stop, save and exit)
-    # lands well before the trials' end on a loaded machine.
-    live_params(tmp_path, digits_npz, "share", {"steps": 12000, "checkpoint_every": 1000, "eval_every": 12000}, seed=3,
+    # Every trial is held from step 100 until the first yield (a held trial still answers its
+    # agent: the yield stops it), so the yield lands mid-trial however loaded the machine.
+    live_params(tmp_path, digits_npz, "share", {"steps": 600, "checkpoint_every": 1000, "eval_every": 600}, seed=3,
                 grid={"training.lr": [0.01, 0.02, 0.03]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 0.5, "order": "attained"})
+
+    def release_after_the_first_yield():
+        deadline = time.time() + 120
+        while (record := read_json(runs / "share" / "campaign.json")) is None and time.time() < deadline:
+            time.sleep(0.1)
+        holds = [runs / "share" / trial["id"] / "hold" for trial in record["trials"]]
+        for hold in holds:
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
+        allocations = runs / "share" / "allocations.jsonl"
+        while time.time() < deadline and not (allocations.exists() and '"preempted"' in allocations.read_text()):
+            time.sleep(0.05)
+        for hold in holds:
+            hold.unlink()
+
+    driver = threading.Thread(target=release_after_the_first_yield)
+    driver.start()
     summary = campaign_flow(str(tmp_path / "params.yaml"))
+    driver.join()
     assert summary["finished"] == 3
 
     allocations = [json.loads(l) for l in (runs / "share" / "allocations.jsonl").read_text().splitlines()]
@@ -231,7 +255,7 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
     log = (runs / "share" / yielded / "train.log").read_text()
     assert "already finished" not in log
     result = json.loads((runs / "share" / yielded / "result.json").read_text())
-    assert result["steps"] == 12000 and result["resumed_from_step"] > 0  # it went on from its checkpoint
+    assert result["steps"] == 600 and result["resumed_from_step"] > 0  # it went on from its checkpoint
     holding: dict[str, set[str]] = {}
     for a in allocations:
         holding[a["trial"]] = set(a["devices"])

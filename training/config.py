@@ -61,7 +61,7 @@ class TrialConfig:
     async_checkpoints: bool = True  # periodic checkpoints written off the training path
     control_every: int = 10  # steps between checks for a resize request (elastic trials)
     trace: bool = False  # audit: record the samples and loss of every step of every process
-    hold_at_step: int | None = None  # tests: wait before this step while the file `hold` exists in trial_dir
+    hold_at_step: int | None = None  # tests: wait before this step (and each control step after) while `hold` exists in trial_dir
     pruning: dict[str, Any] | None = None  # early stopping: the study to report to (training.pruning.Pruning)
     trial_dir: str = "."  # checkpoints, progress and result files live here
     mlflow_tracking_uri: str | None = None

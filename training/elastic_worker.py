@@ -102,6 +102,10 @@ class StopFlag:
                     self.fence.record()
         return self.stop_at is not None and step >= self.stop_at
 
+    def requested(self) -> bool:
+        """The agent has asked this generation to stop (a held trainer goes on to its stop step)."""
+        return self.path.exists()
+
 
 def pause_breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Where the pause went: the time up to each mark, for the marks after the last old step.

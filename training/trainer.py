@@ -536,8 +536,9 @@ class Trainer(Stateful):
                 self._batches_next = self.step  # a later call at this step goes on with the same feed
                 self._flush_logs(wait=True)
                 return None
-            if self.step == cfg.hold_at_step:
-                self.hold()
+            if cfg.hold_at_step is not None and (self.step == cfg.hold_at_step or (
+                    self.step > cfg.hold_at_step and self.step % cfg.control_every == 0)):
+                self.hold(getattr(should_stop, "requested", None))
             loss = self.train_step(self.step, batches)
             self.step += 1
             self.last_step_at = time.time()
@@ -643,12 +644,17 @@ class Trainer(Stateful):
         self._batches_next = None
         return self._batches
 
-    def hold(self) -> None:
-        """Tests: wait here while `<trial_dir>/hold` exists (a step a test can count on)."""
+    def hold(self, stop_requested: Callable[[], bool] | None = None) -> None:
+        """Tests: wait here while `<trial_dir>/hold` exists (a step a test can count on: the
+        hold step, then every control step after it while the file is there), unless the
+        agent asks the trial to stop (`stop_requested`): a held trial still resizes, then
+        waits again in its next generation, so a short trial can take several resizes."""
         hold = Path(self.cfg.trial_dir) / "hold"
+        if not hold.exists() or (stop_requested is not None and stop_requested()):
+            return
         if self.is_rank0:
             self.write_progress("held")
-        while hold.exists():
+        while hold.exists() and not (stop_requested is not None and stop_requested()):
             time.sleep(HOLD_POLL_S)
 
     def close(self) -> None:
