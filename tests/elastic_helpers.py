@@ -59,6 +59,35 @@ def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> No
     write_command(Path(cfg.trial_dir) / "control", seq, [cpu_slot(i) for i in range(devices)], mode=mode)
 
 
+def hold(cfg: TrialConfig) -> Path:
+    """The trial's hold file, made before it starts: it waits at `cfg.hold_at_step` (and at
+    each control step after it) while the file is there, unless its agent asks it to stop."""
+    path = Path(cfg.trial_dir) / "hold"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path
+
+
+def stop_requests(cfg: TrialConfig) -> int:
+    """How many times the trial's agent has asked a generation to stop (its `stop-<gen>` files)."""
+    return len(list((Path(cfg.trial_dir) / "control").glob("stop-*")))
+
+
+def release_when_asked_to_stop(cfg: TrialConfig, proc: subprocess.Popen, before: int, timeout: float = 120) -> None:
+    """Once the agent asks the held generation to stop (`before` counted before the command),
+    remove the hold: the held trainer goes on to its stop step and the next generation runs
+    free (a hold kept would stop it before its first step, which records the resize)."""
+    deadline = time.time() + timeout
+    while True:
+        exited = proc.poll() is not None  # read before the files: an agent that exited has written its stop file
+        if stop_requests(cfg) > before:
+            break
+        assert not exited, f"trial ended before its agent asked it to stop:\n{(Path(cfg.trial_dir) / 'agent.log').read_text()[-3000:]}"
+        assert time.time() < deadline, "the agent never asked the trial to stop"
+        time.sleep(0.01)
+    (Path(cfg.trial_dir) / "hold").unlink()
+
+
 def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:
     """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices);
     each resize takes effect before the next is asked for.
@@ -67,28 +96,21 @@ def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), 
     reached its running processes (the agent asks them to stop: its joiners are ready). The
     joiners' start-up, seconds, then costs no steps, and a short trial still resizes long
     before its end, however slow the host."""
-    control = Path(cfg.trial_dir) / "control"
-    hold = Path(cfg.trial_dir) / "hold"
-    if cfg.hold_at_step is not None:
-        hold.parent.mkdir(parents=True, exist_ok=True)
-        hold.touch()
+    held = hold(cfg) if cfg.hold_at_step is not None else None
     proc = start(cfg, start_devices)
     for seq, (step, devices) in enumerate(plan, 1):
         wait_for_step(cfg, step, proc)
-        stops = len(list(control.glob("stop-*")))
+        before = stop_requests(cfg)
         resize(cfg, seq, devices, mode)
-        deadline = time.time() + 120
         if step == cfg.hold_at_step:
-            while len(list(control.glob("stop-*"))) == stops:
-                assert proc.poll() is None, f"trial ended before resize {seq} reached it"
-                assert time.time() < deadline, f"resize {seq} never asked the trial to stop"
-                time.sleep(0.01)
-            hold.unlink()
+            release_when_asked_to_stop(cfg, proc, before)
+        deadline = time.time() + 120
         while len(resizes(cfg)) < seq:
             assert proc.poll() is None, f"trial ended before resize {seq} took effect"
             assert time.time() < deadline, f"resize {seq} did not take effect"
             time.sleep(0.01)
-    hold.unlink(missing_ok=True)
+    if held is not None:
+        held.unlink(missing_ok=True)
     return proc
 
 

@@ -19,7 +19,7 @@ import signal
 import time
 from pathlib import Path
 
-from elastic_helpers import finish, final_weights, resizes, run, start, step_of, trace, trial_config, wait_for_step, resize
+from elastic_helpers import finish, final_weights, hold, resizes, run, start, step_of, trace, trial_config, wait_for_step, resize
 
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
@@ -109,9 +109,7 @@ def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digi
     # way whatever the host's speed.
     trial = trial_config(tmp_path / "killed", digits_npz, steps=500, hold_at_step=300)
     config = Path(trial.trial_dir) / "trial.json"
-    hold = Path(trial.trial_dir) / "hold"
-    hold.parent.mkdir(parents=True)
-    hold.touch()
+    held = hold(trial)
     proc = start(trial, 1)
     wait_for_step(trial, 300, proc)
     resize(trial, 1, 2)  # a joiner starts: the resize is under way
@@ -127,7 +125,7 @@ def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digi
     killed_at = step_of(trial)
     assert 300 <= killed_at < trial.steps
 
-    hold.unlink()
+    held.unlink()
     finish(start(trial, 2), trial)  # what the launcher's retry does
     log = (Path(trial.trial_dir) / "agent.log").read_text()
     assert "exited with code" in log

@@ -22,7 +22,6 @@ from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.manifest import list_checkpoints
 from training.workload import WorkloadError, build_model, check_workload
-from conftest import wait_for
 from user_workload import PACKAGE, workload, write_package
 
 SGD = {"name": "SGD", "kwargs": {"momentum": 0.9}}
@@ -289,7 +288,8 @@ def test_the_examples_are_checked_workloads(example, monkeypatch):
 def test_exact_reduction_is_bit_for_bit_through_resizes_and_preemption(tmp_path, user_root, digits_npz, monkeypatch):
     """BatchNorm + nn.Dropout, resized 2 -> 1 -> 2 and preempted at 2 then resumed at 1: every
     step's loss and the final weights equal a fixed 2-process run's exactly."""
-    from elastic_helpers import finish, final_weights, resizes, run as run_elastic, start, trace, trial_config, wait_for_step
+    from elastic_helpers import (finish, final_weights, hold, release_when_asked_to_stop, resizes, run as run_elastic, start,
+                                 stop_requests, trace, trial_config, wait_for_step)
     from training.elastic import PREEMPTED, write_command
 
     monkeypatch.setenv("PYTHONPATH", f"{user_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the agent's workers import it
@@ -307,14 +307,12 @@ def test_exact_reduction_is_bit_for_bit_through_resizes_and_preemption(tmp_path,
     finish(run_elastic(elastic, 2, [(100, 1), (300, 2)]), elastic)
     assert len(resizes(elastic)) == 2
     preempted = trial_config(tmp_path / "preempted", digits_npz, **common, hold_at_step=250)
-    control, hold = Path(preempted.trial_dir) / "control", Path(preempted.trial_dir) / "hold"
-    control.mkdir(parents=True)
-    hold.touch()
+    hold(preempted)
     proc = start(preempted, 2)
     wait_for_step(preempted, 250, proc)
-    write_command(control, 1, [])
-    wait_for(lambda: any(control.glob("stop-*")), 60, "the agent asking the trial to stop")
-    hold.unlink()
+    before = stop_requests(preempted)
+    write_command(Path(preempted.trial_dir) / "control", 1, [])
+    release_when_asked_to_stop(preempted, proc, before)
     assert proc.wait(timeout=60) == PREEMPTED
     finish(start(preempted, 1), preempted)
 
