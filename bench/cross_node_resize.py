@@ -1,4 +1,4 @@
-"""A trial on node a grows onto node b (issue 30): how long does training stop, two ways.
+"""A trial on node a grows onto node b (issue 30): how long does training stop, three ways.
 
 - elastic: node a runs torchrun with `--nnodes=1:2` (tasks/trial.py `plan_node_launch`,
   `min_nodes=1`); node b starts the same command; a's agent sees it waiting and both restart
@@ -7,6 +7,10 @@
   both nodes start a 2-node torchrun, resuming from the newest checkpoint pulled from a DVC
   directory remote (the trial's local checkpoints moved aside first: a placement on nodes
   that do not share the trial's folder).
+- stop file and relaunch (what a pool campaign does when a resize moves an elastic trial,
+  flows/live.py `Running.relaunch`): node a's torchrun is asked to stop through its stop file
+  (`TrialConfig.stop_path`, training/train.py `StopFile`), every rank stops at the next
+  control step at a checkpoint it writes then, and both nodes start a 2-node torchrun from it.
 
 Both ways push every checkpoint to the same kind of remote (`checkpoint_remote`), and
 alternate round by round so they see the host's load of the same moment. Per way, medians:
@@ -26,6 +30,7 @@ Prints a table; passes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -81,12 +86,13 @@ class TwoNodes:
 class Trial:
     """One trial's folder, its node launches, and what its progress file said when."""
 
-    def __init__(self, folder: Path, digits: Path, nodes: list, elastic: bool, port: int, steps: int, every: int):
+    def __init__(self, folder: Path, digits: Path, nodes: list, elastic: bool, port: int, steps: int, every: int, stop: bool = False):
         self.folder, self.nodes, self.elastic = folder, nodes, elastic
         self.cfg = TrialConfig(trial_id="grow", seed=7, model={"name": "mlp", "width": 256}, data={"path": str(digits)},
                                logical_ranks=2, steps=steps, batch_size=128, lr=0.05, checkpoint_every=every,
                                eval_every=steps, log_every=10, trial_dir=str(folder / "trial"),
-                               checkpoint_remote={"url": str(folder / "remote"), "key": "bench/grow"})
+                               checkpoint_remote={"url": str(folder / "remote"), "key": "bench/grow"},
+                               stop_path=str(folder / "stop-1") if stop else None)
         Path(self.cfg.trial_dir).mkdir(parents=True)
         (folder / "remote").mkdir()
         self.endpoint = f"{nodes[0][2]}:{port}"
@@ -141,13 +147,22 @@ class Trial:
 
 
 def one_round(way: str, folder: Path, digits: Path, nodes: list, port: int, grow_at: int, every: int) -> dict[str, float]:
-    trial = Trial(folder, digits, nodes, elastic=way == "elastic", port=port, steps=100 * grow_at, every=every)
+    trial = Trial(folder, digits, nodes, elastic=way == "elastic", port=port, steps=100 * grow_at, every=every, stop=way == "stop file")
     try:
-        trial.launch(0, 1 if way == "relaunch" else 2)
+        trial.launch(0, 2 if way == "elastic" else 1)
         trial.wait(lambda step, world: step >= grow_at and world == 1)
         decided = time.time()
         at_decision = trial.look()[0]
         if way == "elastic":
+            trial.launch(1, 2)
+        elif way == "stop file":
+            Path(trial.cfg.stop_path).touch()
+            for proc in trial.procs:
+                assert proc.wait(timeout=120) == 0, (folder / "node0.log").read_text()[-2000:]
+            trial.procs = []
+            trial.cfg = dataclasses.replace(trial.cfg, stop_path=str(folder / "stop-2"))
+            trial.endpoint = f"{nodes[0][2]}:{port + 1000}"  # a fresh rendezvous, as a relaunch's new attempt has
+            trial.launch(0, 2)
             trial.launch(1, 2)
         else:
             trial.stop()
@@ -180,14 +195,15 @@ def main() -> None:
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"cannot make network namespaces here ({getattr(e, 'stderr', e)}): run as root with iproute2")
     work = Path(tempfile.mkdtemp(prefix="cross-node-resize-"))
-    results: dict[str, list[dict[str, float]]] = {"elastic": [], "relaunch": []}
+    ways = ("elastic", "relaunch", "stop file")
+    results: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     try:
         digits = prepare_digits(work / "digits.npz")
         port = 29600
         for r in range(args.rounds):
-            for way in (("elastic", "relaunch") if r % 2 == 0 else ("relaunch", "elastic")):
+            for way in ways[r % 3:] + ways[:r % 3]:  # each way first in turn
                 port += 1
-                figures = one_round(way, work / f"{way}-{r}", digits, nodes.nodes, port, args.grow_at, args.checkpoint_every)
+                figures = one_round(way, work / f"{way.replace(' ', '-')}-{r}", digits, nodes.nodes, port, args.grow_at, args.checkpoint_every)
                 results[way].append(figures)
                 console.print(f"round {r + 1} {way}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
     finally:
@@ -197,7 +213,8 @@ def main() -> None:
                         f"(medians of {args.rounds} rounds)")
     for column in ("way", "latency s", "pause s", "steps lost"):
         table.add_column(column, justify="right" if column != "way" else "left")
-    for way, label in (("elastic", "elastic (--nnodes=1:2, node b joins)"), ("relaunch", "stop + relaunch from the DVC remote")):
+    for way, label in (("elastic", "elastic (--nnodes=1:2, node b joins)"), ("relaunch", "stop + relaunch from the DVC remote"),
+                       ("stop file", "stop at a checkpoint + relaunch (a pool's move)")):
         rows = results[way]
         table.add_row(label, *(f"{statistics.median(r[key] for r in rows):.2f}" for key in ("latency_s", "pause_s", "steps_lost")))
     console.print(table)

@@ -29,7 +29,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from cluster.types import Inventory, Link, Placement, Request
+from cluster.types import Device, Inventory, Link, Placement, Request
 from training.errors import CampaignError
 
 Policy = Literal["fgd", "best-fit", "first-fit", "random-fit"]
@@ -497,22 +497,33 @@ def pack(
 
 
 def resize_devices(
-    inventory: Inventory, current: Sequence[str], target: int, memory_bytes: int, used: Mapping[str, int]
+    inventory: Inventory, current: Sequence[str], target: int, memory_bytes: int, used: Mapping[str, int],
+    spread: bool = False,
 ) -> tuple[str, ...] | None:
     """The devices a running trial goes on with at `target` devices, or None if too few are free.
 
     Shrinking keeps a prefix of `current`: rank 0 and the first ranks stay, so the state
     stays in memory. Growing keeps all of `current` and adds free devices of the same node,
-    best linked to the current ones first. `used` counts leased bytes, the trial's own too.
+    best linked to the current ones first; with `spread` (a pool's trial, which may span
+    nodes), what its node lacks comes from the other nodes, those with the most free
+    devices first, so that it spans as few as it can. `used` counts leased bytes, the
+    trial's own too.
     """
     if target <= len(current):
         return tuple(current[:target])
     node = inventory.device(current[0]).node
-    candidates = [
-        d for d in inventory.devices
-        if d.node == node and d.id not in current and used.get(d.id, 0) + memory_bytes <= d.memory_bytes
-    ]
+    free = [d for d in inventory.devices if d.id not in current and used.get(d.id, 0) + memory_bytes <= d.memory_bytes]
+    candidates = [d for d in free if d.node == node]
     candidates.sort(key=lambda d: (max(inventory.link(d.id, c) for c in current), sum(inventory.link(d.id, c) for c in current), d.index))
+    if spread:
+        spanned = {inventory.device(c).node for c in current}
+        per_node: dict[str, list[Device]] = {}
+        for d in free:
+            if d.node != node:
+                per_node.setdefault(d.node, []).append(d)
+        # Nodes it already spans first, then the fullest: the fewer nodes, the less it crosses the network.
+        for other in sorted(per_node, key=lambda n: (n not in spanned, -len(per_node[n]), n)):
+            candidates += sorted(per_node[other], key=lambda d: d.index)
     missing = target - len(current)
     if len(candidates) < missing:
         return None

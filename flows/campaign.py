@@ -26,7 +26,7 @@ from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore, LeaseStoreBusy
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
-from cluster.types import Inventory, Placement
+from cluster.types import Device, Inventory, Placement
 from training.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.search import Drawn, Search
@@ -43,7 +43,7 @@ from tasks.tracking import compare_url, run_experiment, close_campaign_run, clos
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool.nodes import PoolError
-from flows.pool.remote import live_inventory, pool_nodes, prepare_pool, run_remote_trial
+from flows.pool.remote import by_node, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings
@@ -63,6 +63,11 @@ BUSY_BACKOFF_S = (0.5, 10.0)  # a locked lease file: first and longest wait befo
 POOL_LOOK_S = 5.0  # how often a pool campaign looks for nodes that joined or left (a worker beats every 5 s)
 # Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
 HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
+
+
+def per_node_counts(devices: list[Device]) -> dict[str, int]:
+    """How many of `devices` each node holds, in rank order."""
+    return {node: len(mine) for node, mine in by_node(devices)}
 
 
 def first_finished(futures: list[PrefectFuture], timeout_s: float) -> PrefectFuture | None:
@@ -174,7 +179,7 @@ class CampaignRun:
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s, spec.scheduling.order)
-            self.scheduler = LiveScheduler(policy, per_node)
+            self.scheduler = LiveScheduler(policy, per_node, multi_node=self.pool is not None)
         for t in trials:
             done = completed_result(self.root / t.id)
             if done is not None:
@@ -204,8 +209,9 @@ class CampaignRun:
             self.scheduler.arrive(trial.id, r.min_devices, r.max_devices, time.time(), prior, max_batch_scale=growth, steps=t.steps)
 
     # --- starting trials -------------------------------------------------------------
-    def start(self, trial: Trial, placement: Placement) -> bool:
-        """Lease the placement's devices and launch the trial on them; False if they were taken."""
+    def start(self, trial: Trial, placement: Placement, serving: str | None = None) -> bool:
+        """Lease the placement's devices and launch the trial on them; False if they were taken.
+        `serving`: the resize request this start carries out (`relaunch`), not a stale one."""
         holder = f"{self.name}/{trial.id}@{os.getpid()}"
         if not self.store.acquire(holder, {d: placement.memory_bytes for d in placement.device_ids}, self.capacity, campaign=self.name):
             return False  # another campaign took a device a moment ago, or it is its turn: next round
@@ -237,13 +243,15 @@ class CampaignRun:
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
-        if stale := pending_request(job.trial_dir, set()):  # made for an earlier run of this trial
+        if serving is not None:
+            job.handled.add(serving)
+        if stale := pending_request(job.trial_dir, job.handled):  # made for an earlier run of this trial
             job.handled.add(stale["id"])
             answer(job.trial_dir, stale["id"], "rejected", f"trial {trial.id} restarted on {len(devices)} device(s) before the request was served")
         self.running[future] = job
         self.pending.remove(trial)
         if self.scheduler is not None:
-            self.scheduler.running(trial.id, devices[0].node, len(devices), time.time())
+            self.scheduler.running(trial.id, per_node_counts(devices), len(devices), time.time())
         return True
 
     def draw(self) -> None:
@@ -316,12 +324,12 @@ class CampaignRun:
                 # samples): a goodput trial's step at another size trains another batch.
                 batch = progress.batch_size or job.trial.spec.training.batch_size
                 per_reference_step = metrics["step_time_s"] * job.trial.spec.training.batch_size / batch
-                self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step)
+                self.scheduler.observe(job.trial.id, len(job.devices), per_reference_step, nodes=len(per_node_counts(job.devices)))
             if progress:
                 self.scheduler.progressed(job.trial.id, job.trial.spec.training.steps - progress.step)
             if noise := metrics.get("grad_noise_scale"):  # samples, measured by the trainer
                 self.scheduler.observe_noise(job.trial.id, noise / job.trial.spec.training.batch_size)
-            self.scheduler.running(job.trial.id, job.devices[0].node, len(job.devices), now)
+            self.scheduler.running(job.trial.id, per_node_counts(job.devices), len(job.devices), now)
             if job.pinned_by_person:
                 self.scheduler.pin(job.trial.id, len(job.devices))
         ours = f"{self.name}/"
@@ -332,7 +340,7 @@ class CampaignRun:
             if target is not None and job.awaiting is None and pending_request(job.trial_dir, job.handled) is None:
                 self.choose_batch(job.trial, job.trial_dir, target, actions.batch.get(job.trial.id))
                 request_resize(job.trial_dir, target, by="policy")  # served like a person's, in serve_resizes
-        packer = self.packer()
+        packer = self.packer(multi_node=self.pool is not None)  # in a pool the policy may start a trial across nodes
         for trial in [t for t in self.pending if t.id in actions.start]:
             self.choose_batch(trial, self.root / trial.id, actions.start[trial.id], actions.batch.get(trial.id))
             placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
@@ -356,7 +364,7 @@ class CampaignRun:
     def serve(self) -> None:
         for job in self.running.values():
             before = job.device_ids
-            if line := serve_resizes(job, self.inventory, self.store, self.capacity):
+            if line := serve_resizes(job, self.inventory, self.store, self.capacity, recall if self.pool else None):
                 self.logger.info(line)
             if job.device_ids != before:
                 log_allocation(self.root, job.trial.id, job.device_ids, "resize")
@@ -381,8 +389,9 @@ class CampaignRun:
         try:
             result = future.result()
             reason = "node lost" if result.get("node_lost") else "preempted" if result.get("preempted") else "end"
-            log_allocation(self.root, job.trial.id, [], reason)
+            log_allocation(self.root, job.trial.id, [], "moving" if reason == "preempted" and job.relaunch else reason)
         except Exception as e:
+            self.relaunch_failed(job, f"it stopped on {', '.join(job.device_ids)} with an error")
             if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
                 log_allocation(self.root, job.trial.id, [], "lease lost")
                 self.requeue(job)
@@ -397,10 +406,14 @@ class CampaignRun:
                 self.scheduler.finish(job.trial.id)
             return
         if node := result.get("node_lost"):  # the node is gone, the trial is not: it resumes from its checkpoint on the nodes left
+            self.relaunch_failed(job, f"node {node} was lost first")
             self.logger.error(f"trial {job.trial.id}: node {node} stopped beating; it resumes from its last checkpoint on the nodes left")
             self.drop_node(node)
             self.requeue(job)
             self.check_pending_fit()
+            return
+        if result.get("preempted") and job.relaunch is not None:
+            self.relaunch(job)
             return
         if result.get("preempted"):
             self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
@@ -417,6 +430,8 @@ class CampaignRun:
                     self.scheduler.unpin(job.trial.id)
             return
         self.results[job.trial.id] = result
+        if job.relaunch is not None:
+            answer(job.trial_dir, job.relaunch[1], "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before it could move")
         if job.awaiting is not None:  # it reached its end before a resize (a preemption) landed: say so
             answer(job.trial_dir, job.awaiting[2], "finished",
                    f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
@@ -432,6 +447,26 @@ class CampaignRun:
             self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {format_metrics(result['metrics'])}")
             return
         self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
+
+    def relaunch(self, job: Running) -> None:
+        """A trial stopped to move onto other nodes (or off them, `Running.relaunch`) starts
+        again at once on the devices its resize chose, from the checkpoint it stopped at."""
+        devices, request_id = job.relaunch
+        self.pending.append(job.trial)
+        placement = Placement(job.trial.id, tuple(d.id for d in devices), job.request.at(len(devices)).memory_bytes)
+        if not self.start(job.trial, placement, serving=request_id):
+            answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stopped to move, and a device of "
+                   f"{', '.join(placement.device_ids)} was taken meanwhile: it starts again where the scheduler places it")
+            return
+        moved = next(j for j in self.running.values() if j.trial.id == job.trial.id)
+        moved.pinned_by_person = job.pinned_by_person
+        nodes = ", ".join(dict.fromkeys(d.node for d in devices))
+        answer(job.trial_dir, request_id, "applied", f"now on {', '.join(placement.device_ids)} (nodes {nodes})")
+        self.logger.info(f"trial {job.trial.id} moved to {len(devices)} device(s) on {nodes}")
+
+    def relaunch_failed(self, job: Running, why: str) -> None:
+        if job.relaunch is not None:
+            answer(job.trial_dir, job.relaunch[1], "rejected", f"trial {job.trial.id} did not move: {why}")
 
     def requeue(self, job: Running) -> None:
         """A trial stopped through no fault of its own (node or leases lost) waits to start again."""

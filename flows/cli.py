@@ -451,7 +451,7 @@ def resize(
     wait_s: float = typer.Option(120.0, help="how long to wait for the running campaign to answer"),
 ) -> None:
     """Ask a running elastic trial to continue on another number of devices."""
-    from tasks.records import campaign_dir, latest_campaign, read_campaign
+    from tasks.records import ACTIVE, campaign_dir, latest_campaign, read_campaign, read_trial_record
     from tasks.resize import request_resize, wait_for_answer
     from training.agent_state import read_agent_state
 
@@ -470,7 +470,8 @@ def resize(
     trial_dir = campaign_dir(runs_dir, name) / trial
     with _bad_input():
         agent = read_agent_state(trial_files(trial_dir).control)
-        state = agent.status if agent else None
+        # A pool's trial across nodes runs under torchrun, with no agent of ours: its record says.
+        state = agent.status if agent else "running" if read_trial_record(trial_dir).state in ACTIVE else None
     if state != "running":
         _fail(f"trial {trial} is not running (its agent says: {state or 'not started'}): only a running trial can be resized")
     request_id = request_resize(trial_dir, devices)

@@ -118,10 +118,17 @@ class Running:
     awaiting: tuple[int, list[Device], str] | None = None  # (agent seq, devices, request id) not yet applied
     handled: set[str] = field(default_factory=set)
     pinned_by_person: bool = False  # the last request a person made was accepted: the policy keeps off
+    # A pool's trial moving onto other nodes (or off them): the devices it starts on again once
+    # stopped, and the request that asked for it (answered when it has started there).
+    relaunch: tuple[list[Device], str] | None = None
 
     @property
     def device_ids(self) -> list[str]:
         return [d.id for d in self.devices]
+
+    @property
+    def spans_nodes(self) -> bool:
+        return len({d.node for d in self.devices}) > 1
 
 
 def claims(job: Running, devices: list[Device]) -> dict[str, int]:
@@ -129,8 +136,17 @@ def claims(job: Running, devices: list[Device]) -> dict[str, int]:
     return {d.id: memory for d in devices}
 
 
-def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int]) -> str | None:
-    """Move a running elastic trial's pending resize one step on; a line to log, if any."""
+def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int],
+                  recall: Callable[[str], None] | None = None) -> str | None:
+    """Move a running elastic trial's pending resize one step on; a line to log, if any.
+
+    `recall`: in a pool, where a trial may span nodes, what stops a trial that spans them
+    (`flows.pool.remote.recall`). A resize onto other nodes, or of a trial that spans nodes,
+    is not done in place by the trial's agent (one node's): the trial stops at a checkpoint
+    and starts again on the new devices (`Running.relaunch`, done by the campaign once it
+    has stopped), a torchrun across the nodes (`--nnodes=1:N`)."""
+    if job.relaunch is not None:
+        return None  # the campaign starts it on its new devices once it has stopped
     control = trial_files(job.trial_dir).control
     if job.awaiting is not None:
         seq, devices, request_id = job.awaiting
@@ -176,14 +192,25 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         devices: list[Device] = []
     else:
         memory = job.request.at(target).memory_bytes
-        chosen = resize_devices(inventory, job.device_ids, target, memory, store.usage())
+        spread = recall is not None and job.trial.spec.training.target is None  # a function trial stays on one node
+        chosen = resize_devices(inventory, job.device_ids, target, memory, store.usage(), spread=spread)
         if chosen is None:
-            answer(job.trial_dir, request["id"], "rejected", f"not enough free devices on {job.devices[0].node} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
+            where = "in the pool" if spread else f"on {job.devices[0].node}"
+            answer(job.trial_dir, request["id"], "rejected", f"not enough free devices {where} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
             return None
         devices = [inventory.device(d) for d in chosen]
         if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
             answer(job.trial_dir, request["id"], "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
             return None
+        if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1):
+            job.relaunch = (devices, request["id"])
+            if job.spans_nodes:
+                recall(job.trial.id)  # torchrun's, across nodes: its segments stop; it resumes from its last checkpoint
+            else:
+                write_command(control, job.next_seq, [])  # its agent stops it at a checkpoint it writes then
+                job.next_seq += 1
+            nodes = ", ".join(dict.fromkeys(d.node for d in devices))
+            return f"trial {job.trial.id}: to {target} device(s) on {nodes}: it stops and starts again there"
     write_command(control, job.next_seq, [{"id": d.id, "env": visible_devices_env([d])} for d in devices])
     job.awaiting = (job.next_seq, devices, request["id"])
     job.next_seq += 1

@@ -9,6 +9,7 @@ running trials to resize. It does no I/O: the flow reads progress and applies ac
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cluster.goodput import GoodputView
@@ -25,7 +26,7 @@ class Tracked:
     max_devices: int
     arrival: float
     model: OnlineStepTime
-    node: str | None = None  # where it runs (trials stay on one node: DDP over loopback)
+    placement: dict[str, int] = field(default_factory=dict)  # where it runs: node -> devices
     devices: int = 0
     since: float | None = None
     attained: float = 0.0  # device-seconds held
@@ -53,9 +54,12 @@ class Actions:
 
 
 class LiveScheduler:
-    def __init__(self, policy: Policy, devices_per_node: int):
+    def __init__(self, policy: Policy, devices_per_node: int, multi_node: bool = False):
+        """`multi_node`: trials may span nodes (a pool's: torchrun across them); else each
+        stays on one node (DDP over loopback)."""
         self.policy = policy
         self.devices_per_node = devices_per_node
+        self.multi_node = multi_node
         self.tracked: dict[str, Tracked] = {}
 
     def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None,
@@ -71,15 +75,17 @@ class LiveScheduler:
             self.tracked[trial_id] = Tracked(trial_id, min_devices, max_devices, now, model, max_batch_scale=max_batch_scale,
                                              remaining_steps=steps)
 
-    def running(self, trial_id: str, node: str, devices: int, now: float) -> None:
-        """The trial now runs on `devices` devices of `node` (0: it stopped)."""
+    def running(self, trial_id: str, node: str | Mapping[str, int], devices: int, now: float) -> None:
+        """The trial now runs on `devices` devices of `node` (0: it stopped); `node`, for a
+        trial across nodes: how many of its devices each node holds."""
         t = self.tracked[trial_id]
         self._accrue(t, now)
-        if devices != t.devices:
+        placement = dict(node) if isinstance(node, Mapping) else {node: devices}
+        if devices != t.devices or (devices and placement != t.placement):
             t.since = now
             if t.devices and not devices:  # it ran and was stopped on all its devices
                 t.preemptions += 1
-        t.node, t.devices = (node if devices else None), devices
+        t.placement, t.devices = (placement if devices else {}), devices
 
     def pin(self, trial_id: str, devices: int) -> None:
         """A person chose this trial's size: the policy no longer changes it."""
@@ -95,10 +101,10 @@ class LiveScheduler:
             self.unpin(trial_id)
         return parked
 
-    def observe(self, trial_id: str, devices: int, step_time_s: float) -> None:
-        """A step time the trial reported at a size: refines its model."""
+    def observe(self, trial_id: str, devices: int, step_time_s: float, nodes: int = 1) -> None:
+        """A step time the trial reported at a size (over `nodes` nodes): refines its model."""
         if devices > 0 and step_time_s > 0:
-            self.tracked[trial_id].model.observe(devices, 1, step_time_s)
+            self.tracked[trial_id].model.observe(devices, nodes, step_time_s)
 
     def observe_noise(self, trial_id: str, noise_scale: float) -> None:
         """The trial's gradient noise scale (in batch_size units), as its trainer measured it."""
@@ -124,7 +130,8 @@ class LiveScheduler:
         pinned: dict[str, int] = {}
         for t in self.tracked.values():
             if t.pinned is not None and t.devices:
-                pinned[t.node] = pinned.get(t.node, 0) + t.devices
+                for node, count in t.placement.items():
+                    pinned[node] = pinned.get(node, 0) + count
         nodes = [Node(node, tuple(ids[:max(0, len(ids) - pinned.get(node, 0))])) for node, ids in sorted(free_devices.items())]
         cluster = Cluster(tuple(n for n in nodes if n.size))
         if not cluster.nodes:
@@ -134,11 +141,12 @@ class LiveScheduler:
             self._accrue(t, now)
             if t.pinned is not None:
                 continue  # its size is a person's choice
-            # Trials run on one node (DDP over loopback), and others' leases shrink what is usable.
-            high = min(t.max_devices, cluster.largest_node)
+            # Trials run on one node (DDP over loopback) unless they may span nodes, and others'
+            # leases shrink what is usable.
+            high = min(t.max_devices, cluster.total if self.multi_node else cluster.largest_node)
             if t.min_devices > high:
                 continue  # it cannot run on what is usable now: it waits
-            placement = {t.node: t.devices} if t.devices else {}
+            placement = dict(t.placement) if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.view,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
                             preemptions=t.preemptions, remaining_steps=t.remaining_steps))

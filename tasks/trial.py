@@ -408,8 +408,8 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     if config.trial_id in _revoked:
         update(state="lease lost", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
-    if plan.elastic and code == PREEMPTED:
-        update(state="preempted", exit_code=code)
+    if (plan.elastic and code == PREEMPTED) or (code == 0 and config.stop_path and Path(config.stop_path).exists()):
+        update(state="preempted", exit_code=code)  # stopped at a checkpoint, by its agent or its stop file
         return {"preempted": True}
     update(state="failed", exit_code=code)
     raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")

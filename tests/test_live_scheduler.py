@@ -120,3 +120,20 @@ def test_the_trial_nearest_its_end_keeps_the_device_its_progress_says():
     assert s.decide(one, now=1000.0).resize == {"long": 0}  # far from its end: the short newcomer goes first
     s.progressed("long", 5.0)  # ... unless it is nearly done
     assert s.decide(one, now=1000.0).resize == {}
+
+
+def test_in_a_pool_a_trial_grows_onto_another_node_and_elsewhere_stays_on_its_own():
+    two = {"a": ["a/cpu0"], "b": ["b/cpu0"]}
+    for multi_node, grown in ((True, {"t": 2}), (False, {})):
+        s = LiveScheduler(live_policy(resize_pause_s=1.0, min_run_s=5.0), devices_per_node=1, multi_node=multi_node)
+        s.arrive("t", 1, 2, now=0.0)
+        assert s.decide(two, now=0.0).start == {"t": 2 if multi_node else 1}
+        s.running("t", "a", 1, now=0.0)  # started on one node (its other node was busy then)
+        assert s.decide(two, now=100.0).resize == grown
+    # A trial across both: a newcomer waits for it to end or shrink; a pinned one keeps both nodes' devices.
+    s = LiveScheduler(live_policy(resize_pause_s=1.0, min_run_s=5.0), devices_per_node=1, multi_node=True)
+    s.arrive("t", 1, 2, now=0.0)
+    s.running("t", {"a": 1, "b": 1}, 2, now=0.0)
+    s.pin("t", 2)
+    s.arrive("u", 1, 1, now=1.0)
+    assert s.decide(two, now=100.0).start == {}

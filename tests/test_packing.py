@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cluster.packing import (
-    POLICIES, Demand, Packer, PlacementError, check_fits, pack, workload_of,
+    POLICIES, Demand, Packer, PlacementError, check_fits, pack, resize_devices, workload_of,
 )
 from cluster.types import Device, Inventory, Link, Placement, Request
 
@@ -287,3 +287,18 @@ def test_check_fits_allows_a_gang_across_nodes_only_when_asked():
     assert pack([wide], inv) == []
     spread = pack([wide], inv, multi_node=True)[0]
     assert len(spread.device_ids) == 3
+
+
+def test_a_resize_grows_on_its_node_and_spreads_to_the_fullest_other_node_only_when_allowed():
+    devices = [Device(f"{n}/gpu{i}", n, i, "gpu", "g", 8 * GIB) for n, count in (("a", 2), ("b", 1), ("c", 3)) for i in range(count)]
+    inventory = Inventory(tuple(devices), {})
+    used = {"a/gpu0": 8 * GIB, "c/gpu0": 8 * GIB}  # the trial's own device, and one another trial holds on c
+    assert resize_devices(inventory, ["a/gpu0"], 2, 8 * GIB, used) == ("a/gpu0", "a/gpu1")
+    assert resize_devices(inventory, ["a/gpu0"], 3, 8 * GIB, used) is None  # its node has only two
+    # With spread: its node first, then c (two free) before b (one free); the fewest nodes.
+    assert resize_devices(inventory, ["a/gpu0"], 4, 8 * GIB, used, spread=True) == ("a/gpu0", "a/gpu1", "c/gpu1", "c/gpu2")
+    # A trial that spans b already grows there first, whatever is fuller.
+    spanning = {**used, "b/gpu0": 8 * GIB}
+    assert resize_devices(inventory, ["a/gpu0", "b/gpu0"], 3, 8 * GIB, spanning, spread=True) == ("a/gpu0", "b/gpu0", "a/gpu1")
+    assert resize_devices(inventory, ["a/gpu0", "a/gpu1", "c/gpu1"], 2, 8 * GIB, used, spread=True) == ("a/gpu0", "a/gpu1")
+    assert resize_devices(inventory, ["a/gpu0"], 7, 8 * GIB, used, spread=True) is None

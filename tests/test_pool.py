@@ -557,3 +557,106 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         node_leases.release("taker/t@1")
     finally:
         end_launch_and_worker(launch, worker)
+
+
+@pytest.mark.slow
+def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_by_hand(tmp_path, digits_npz, lab):
+    """An elastic [1, 2] trial on a pool of two one-slot nodes: the policy starts it across
+    both (torchrun, --nnodes=1:2); `campaign resize` to 1 stops it at a checkpoint and it goes
+    on under its agent on one node; to 2, it stops at a checkpoint again and starts again
+    across both. Each node's lease file follows it, no step is lost, and its final weights
+    equal those of the same trial run on one process, bit for bit."""
+    import torch
+
+    from cluster.leases import LeaseStore
+    from training.checkpoint import load_model_weights
+    from training.config import TrialConfig
+    from training.progress import read_progress
+    from training.workload import build_model
+
+    head, api, nodes = lab
+    workers = {node: start_live_worker(api, tmp_path, node, *nodes[node], 1) for node in ("a", "b")}
+    launch = None
+    runs = tmp_path / "runs"
+    try:
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "spread", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+            "training": {"steps": 300, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 300, "log_every": 10},
+            "resources": {"devices": [1, 2]},
+            "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},  # the policy keeps still: the test resizes
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "spread",
+                         "runs_dir": str(runs), "summary": str(tmp_path / "summary.json")},
+        }))
+        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+        trial_dir = runs / "spread" / trial_id
+        trial_dir.mkdir(parents=True)
+        (trial_dir / "hold").touch()  # held from step HOLD_AT, at every control step after it, while the file is there
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
+                 "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+
+        def leased() -> set[str]:
+            return {lease.device_id for node in ("a", "b") for lease in LeaseStore(tmp_path / f"leases-{node}.db").leases()}
+
+        def at_world(size: int) -> bool:
+            if launch.poll() is not None:
+                pytest.fail((tmp_path / "launch.log").read_text()[-3000:])
+            progress = read_progress(trial_dir)
+            return progress is not None and progress.world_size == size and progress.step >= HOLD_AT
+
+        def resize(devices: int) -> str:
+            done = subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial_id, str(devices), "--runs-dir", str(runs),
+                                   "--wait-s", "180"], capture_output=True, text=True, timeout=200, cwd=tmp_path)
+            said = " ".join((done.stdout + done.stderr).split())
+            assert done.returncode == 0, said + (tmp_path / "launch.log").read_text()[-3000:]
+            return said
+
+        # The policy starts it across both nodes (it may use both: nothing else waits).
+        wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 240, "the trial across both nodes, held")
+        resize(1)
+        wait_for(lambda: at_world(1) and len(leased()) == 1, 180, "the trial on one node")
+        (first,) = leased()
+        said = resize(2)
+        assert "a/cpu0" in said and "b/cpu0" in said and "nodes" in said, said
+        wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 180, "the trial across both nodes again")
+        (trial_dir / "hold").unlink()
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+        assert not leased()
+
+        # Each move stopped the trial at a checkpoint it wrote then, and it started again there:
+        # torchrun's workers across both nodes (their stop file), then its agent on one: no step lost.
+        log = (trial_dir / "train.log").read_text()
+        stops = [int(s) for s in re.findall(r"stopped at step (\d+) for a resize \(checkpoint saved\)", log)]
+        starts = [int(a or b or 0) for a, b in re.findall(
+            r"world size \d+, (?:resumed at step (\d+)|fresh start)|generation 0 on \d device\(s\) \(\w+\), step (\d+)", log)]
+        assert len(stops) == 2 and starts == [0, *stops], (stops, starts, log[-3000:])
+        moves = [(e["reason"], e["devices"]) for e in map(json.loads, (runs / "spread" / "allocations.jsonl").read_text().splitlines())]
+        both = moves[0][1]
+        assert sorted(both) == ["a/cpu0", "b/cpu0"] and first == both[0], moves  # a shrink keeps rank 0's device
+        assert moves == [("start", both), ("moving", []), ("start", [first]), ("moving", []), ("start", both), ("end", [])], moves
+
+        # The same trial on one process, from its own config: the same weights, bit for bit.
+        raw = {**read_json(trial_dir / "trial.json"), "trial_dir": str(tmp_path / "alone"), "hold_at_step": None, "lease": None,
+               "mlflow_tracking_uri": None, "mlflow_run_id": None}
+        alone = TrialConfig(**raw)
+        Path(alone.trial_dir).mkdir()
+        (Path(alone.trial_dir) / "trial.json").write_text(alone.to_json())
+        done = subprocess.run([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=1", "-m", "training.train",
+                               "--config", str(Path(alone.trial_dir) / "trial.json")],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+        def weights(directory: Path) -> dict:
+            result = read_json(directory / "result.json")
+            return load_model_weights(Path(result["checkpoint"]), build_model(alone.model)).state_dict()
+
+        reference, moved = weights(Path(alone.trial_dir)), weights(trial_dir)
+        assert reference.keys() == moved.keys()
+        for name in reference:
+            assert torch.equal(reference[name], moved[name]), name
+    finally:
+        for worker in workers.values():
+            end_launch_and_worker(launch, worker)

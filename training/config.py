@@ -61,6 +61,9 @@ class TrialConfig:
     async_checkpoints: bool = True  # periodic checkpoints written off the training path
     control_every: int = 10  # steps between checks for a resize request (elastic trials)
     trace: bool = False  # audit: record the samples and loss of every step of every process
+    # A trial across nodes under torchrun (a pool's elastic trial): every rank stops at a
+    # checkpoint at the first control step after this file appears (a resize moves it).
+    stop_path: str | None = None
     hold_at_step: int | None = None  # tests: wait before this step (and each control step after) while `hold` exists in trial_dir
     pruning: dict[str, Any] | None = None  # early stopping: the study to report to (training.pruning.Pruning)
     trial_dir: str = "."  # checkpoints, progress and result files live here

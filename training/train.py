@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,23 @@ def finished_result(cfg: TrialConfig) -> dict | None:
     return read_result(cfg.trial_dir)
 
 
+class StopFile:
+    """A trial across nodes stops for a resize once its stop file is there: rank 0 looks at
+    each control step and every rank follows its answer (a broadcast of one flag per control
+    step: a file one node wrote is not seen in time by the others' ranks, on storage shared
+    over the network, to agree on a step by files alone as the one-node agent's StopFlag does)."""
+
+    def __init__(self, path: Path, trainer: Trainer):
+        self.path, self.trainer = path, trainer
+
+    def __call__(self, step: int) -> bool:
+        return self.trainer.agree(self.trainer.is_rank0 and self.path.exists())
+
+    def requested(self) -> bool:
+        """Asked to stop (a held trainer goes on to its stop step)."""
+        return self.path.exists()
+
+
 def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
     """Resume (if a checkpoint exists) and train one trial on the process group already
     initialized; rank 0 writes the result. Used by torchrun's workers and the warm workers."""
@@ -55,8 +73,12 @@ def train_trial(cfg: TrialConfig, env: DistEnv, device: torch.device) -> None:
         resumed = trainer.resume()
         if env.rank == 0:
             print(f"trial {cfg.trial_id}: world size {env.world_size}, " + (f"resumed at step {resumed} from {trainer.checkpointer.loaded}" if resumed is not None else "fresh start"), flush=True)
-        result = trainer.train()
-        if env.rank == 0:
+        result = trainer.train(StopFile(Path(cfg.stop_path), trainer) if cfg.stop_path else None)
+        if result is None:  # asked to stop (its campaign moves it to other nodes): at a checkpoint
+            trainer.save_checkpoint(blocking=True)
+            if env.rank == 0:
+                print(f"trial {cfg.trial_id}: stopped at step {trainer.step} for a resize (checkpoint saved)", flush=True)
+        elif env.rank == 0:
             print(result_line(cfg.trial_id, result), flush=True)
         trainer.detach()
     finally:

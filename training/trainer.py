@@ -572,7 +572,7 @@ class Trainer(Stateful):
                         self.metrics.log(self.progress_step, **{k: v for k, v in self.latest.items() if k.startswith("val_")})
                         print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)
                     window_start = time.perf_counter()  # an evaluation is not a training step
-            if self.pruning is not None and evaluate and not self.done and self._agree(stop_here):
+            if self.pruning is not None and evaluate and not self.done and self.agree(stop_here):
                 self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
                 self.metrics.tag("pruned_at_step", str(self.progress_step))
                 break
@@ -627,7 +627,7 @@ class Trainer(Stateful):
                 "small_pool_peak": stats.get("allocated_bytes.small_pool.peak", 0),
                 "reserved_peak": stats.get("reserved_bytes.all.peak", 0)}
 
-    def _agree(self, decision: bool) -> bool:
+    def agree(self, decision: bool) -> bool:
         """Rank 0's decision, on every rank (collective; called at the same steps everywhere)."""
         if self.env.world_size == 1:
             return decision

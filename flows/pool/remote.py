@@ -23,13 +23,25 @@ from prefect import task
 
 from cluster.types import Device, Inventory
 from flows.pool.secret import load_secret, sign
+from flows.pool.segment import stop_file
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result, log_allocation
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
+from training.files import write_json_atomic
 from training.layout import trial_files
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
+RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once cancelled
+
+_recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
+
+
+def recall(trial_id: str) -> None:
+    """Stop `trial_id`'s segments on their nodes, so that the campaign starts it again elsewhere
+    (a resize onto or off a node of a trial that spans nodes): its `run_remote_trial` answers
+    {"preempted": True} once they have ended, and it resumes from its last checkpoint."""
+    _recalled.add(trial_id)
 
 
 def pool_nodes(pool: str) -> list[PoolNode]:
@@ -79,6 +91,19 @@ def _lost_within(pool: str, nodes: list[str], seconds: float) -> str | None:
         if time.time() > deadline:
             return None
         time.sleep(POLL_S)
+
+
+def _ended(flow_run_id) -> bool:
+    state = call(lambda client: client.read_flow_run(flow_run_id)).state
+    return state is not None and state.is_final()
+
+
+def _all_ended(runs: dict[str, Any], states: dict[str, Any], within_s: float) -> bool:
+    """Whether every flow run of `runs` (those not in `states`) ended within `within_s`."""
+    deadline = time.time() + within_s
+    while not (ended := all(node in states or _ended(run_id) for node, run_id in runs.items())) and time.time() < deadline:
+        time.sleep(POLL_S)
+    return ended
 
 
 def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
@@ -183,6 +208,21 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 return node_lost(lost)
             cancel_others()
             break
+        if config.trial_id in _recalled:
+            _recalled.discard(config.trial_id)
+            # Its devices are leased again for its next start: wait until each node's segment
+            # has ended, and with it the trial's processes and its lease in the node's file.
+            # An elastic trial across nodes stops at a checkpoint when asked (its stop file);
+            # one that does not (a function trial, or one that hangs) is cancelled, and
+            # resumes from its last checkpoint.
+            if across and elastic:
+                write_json_atomic(stop_file(config, attempt), {"at": time.time()})
+                if not _all_ended(runs, states, RECALL_WAIT_S):
+                    cancel_others()
+            else:
+                cancel_others()
+            _all_ended(runs, states, RECALL_WAIT_S)
+            return completed_result(Path(config.trial_dir)) or {"preempted": True}  # it may have ended meanwhile
         if campaign_stopping(config.trial_id):
             cancel_others()
             raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")

@@ -5,9 +5,10 @@ It runs what a one-machine campaign runs in its own process (`tasks.trial`: plan
 wait, the result from the trial's folder), here on the node's devices. Before launching it
 leases them in the node's own lease store, so that no device of the node is given to two
 trials even by two campaigns that share the pool. The trial's folder is on storage every
-node shares: its checkpoints let the trial resume on another node. An elastic trial stays
-on its node; its resizes pass through `flows/pool/relay.py`, which leases a grow in the node's
-lease file before the agent sees it.
+node shares: its checkpoints let the trial resume on another node. An elastic trial on one
+node runs under its agent; its resizes there pass through `flows/pool/relay.py`, which
+leases a grow in the node's lease file before the agent sees it. Resized onto other nodes,
+it is stopped and started again across them, as a trial that spans nodes (below).
 
 A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
 with the c10d rendezvous (`tasks.trial.plan_node_launch`); the host node picks a free port
@@ -46,6 +47,11 @@ def free_port(address: str) -> int:
     with socket.socket() as s:
         s.bind((address, 0))
         return s.getsockname()[1]
+
+
+def stop_file(cfg: TrialConfig, attempt: str) -> Path:
+    """The file that asks attempt `attempt` of an elastic trial across nodes to stop (training.train.StopFile)."""
+    return trial_files(cfg.trial_dir).control / f"stop-{attempt}"
 
 
 def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
@@ -89,13 +95,15 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     heartbeat.add(holder)
     cfg = dataclasses.replace(cfg, lease=store.fence(holder))  # its workers watch the node's lease (training.fence)
     try:
-        if elastic:  # its agent takes commands through the relay, which leases a grow on the node first
+        if elastic and span is None:  # its agent takes commands through the relay, which leases a grow on the node first
             inner = control_dir(cfg) / f"node-{node}"  # a node cut off, not dead, must not feed another's relay
             plan = plan_launch(cfg, placed, Path(cwd), elastic=True, control=inner)
             with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed]):
                 return run_plan(plan, cfg, placed)
         if span is None:
             return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)
+        if elastic:  # moved by the campaign (a resize): it stops at a checkpoint when this attempt's stop file is there
+            cfg = dataclasses.replace(cfg, stop_path=str(stop_file(cfg, span["attempt"])))
         plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span))
         if not span["host"]:  # one log per node; the host's is the trial's train.log
             plan = dataclasses.replace(plan, log_path=plan.log_path.with_name(f"train-{node}.log"))
