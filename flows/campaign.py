@@ -43,7 +43,7 @@ from tasks.tracking import compare_url, run_experiment, close_campaign_run, clos
 from flows.live import LeaseHeartbeat, Running, serve_resizes
 from flows.live_view import CampaignLog
 from flows.pool.nodes import PoolError
-from flows.pool.remote import by_node, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
+from flows.pool.remote import by_node, forget_recall, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings
@@ -386,6 +386,8 @@ class CampaignRun:
         if self.scheduler is not None:
             self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
         lease_lost = readmit(job.trial.id)
+        if self.pool is not None:
+            forget_recall(job.trial.id)
         try:
             result = future.result()
             reason = "node lost" if result.get("node_lost") else "preempted" if result.get("preempted") else "end"

@@ -205,7 +205,7 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1):
             job.relaunch = (devices, request["id"])
             if job.spans_nodes:
-                recall(job.trial.id)  # torchrun's, across nodes: its segments stop; it resumes from its last checkpoint
+                recall(job.trial.id)  # torchrun's, across nodes: every rank stops at a checkpoint (its stop file)
             else:
                 write_command(control, job.next_seq, [])  # its agent stops it at a checkpoint it writes then
                 job.next_seq += 1

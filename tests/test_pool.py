@@ -370,6 +370,22 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         end_launch_and_worker(launch, worker)
 
 
+def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) -> tuple[Path, str, Path]:
+    """A campaign of one elastic [1, 2] trial that the test resizes (the policy keeps still):
+    its params file, the trial's id and its folder."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits)}, "model": {"name": "mlp", "width": 8},
+        "training": {"batch_size": 32, "lr": 0.05, **training},
+        "resources": {"devices": [1, 2]},
+        "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": name,
+                     "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+    }))
+    (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+    return params, trial_id, tmp_path / "runs" / name / trial_id
+
+
 @pytest.mark.slow
 def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_node_dies(tmp_path, digits_npz, lab):
     """An elastic [1, 2] trial in a pool runs on one node and is resized by hand there. Its
@@ -385,17 +401,8 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
     launch = worker_b = None
     runs = tmp_path / "runs"
     try:
-        params = tmp_path / "params.yaml"
-        params.write_text(yaml.safe_dump({
-            "campaign": {"name": "elastic", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
-            "training": {"steps": 10**6, "batch_size": 32, "lr": 0.05, "checkpoint_every": 500},  # stopped by the test
-            "resources": {"devices": [1, 2]},
-            "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},  # the policy keeps still: the test resizes
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "elastic",
-                         "runs_dir": str(runs), "summary": str(tmp_path / "summary.json")},
-        }))
-        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
-        trial_dir = runs / "elastic" / trial_id
+        # stopped by the test
+        params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "elastic", {"steps": 10**6, "checkpoint_every": 500})
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
@@ -579,17 +586,8 @@ def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_
     launch = None
     runs = tmp_path / "runs"
     try:
-        params = tmp_path / "params.yaml"
-        params.write_text(yaml.safe_dump({
-            "campaign": {"name": "spread", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
-            "training": {"steps": 300, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 300, "log_every": 10},
-            "resources": {"devices": [1, 2]},
-            "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},  # the policy keeps still: the test resizes
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "spread",
-                         "runs_dir": str(runs), "summary": str(tmp_path / "summary.json")},
-        }))
-        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
-        trial_dir = runs / "spread" / trial_id
+        params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "spread",
+                                                       {"steps": 300, "checkpoint_every": 50, "eval_every": 300, "log_every": 10})
         trial_dir.mkdir(parents=True)
         (trial_dir / "hold").touch()  # held from step HOLD_AT, at every control step after it, while the file is there
         launch = subprocess.Popen(

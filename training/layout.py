@@ -77,6 +77,9 @@ class TrialFiles:
     def rendezvous(self, attempt: int) -> Path:  # a pool trial's rendezvous for one attempt
         return self.control / f"rendezvous-{attempt}.json"
 
+    def stop(self, attempt: str) -> Path:  # asks one attempt of a pool trial across nodes to stop (training.train.StopFile)
+        return self.control / f"stop-{attempt}"
+
 
 @dataclass(frozen=True)
 class CampaignFiles:

@@ -23,7 +23,6 @@ from prefect import task
 
 from cluster.types import Device, Inventory
 from flows.pool.secret import load_secret, sign
-from flows.pool.segment import stop_file
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result, log_allocation
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
@@ -32,7 +31,7 @@ from training.files import write_json_atomic
 from training.layout import trial_files
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
-RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once cancelled
+RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
 
@@ -40,8 +39,15 @@ _recalled: set[str] = set()  # trials the campaign moves to other nodes: their s
 def recall(trial_id: str) -> None:
     """Stop `trial_id`'s segments on their nodes, so that the campaign starts it again elsewhere
     (a resize onto or off a node of a trial that spans nodes): its `run_remote_trial` answers
-    {"preempted": True} once they have ended, and it resumes from its last checkpoint."""
+    {"preempted": True} once they have ended. An elastic trial stops at a checkpoint it
+    writes then (its stop file); any other is cancelled and resumes from its last checkpoint."""
     _recalled.add(trial_id)
+
+
+def forget_recall(trial_id: str) -> None:
+    """The trial's segment task has ended (the campaign collected it): a recall it did not
+    see must not stop the trial's next start."""
+    _recalled.discard(trial_id)
 
 
 def pool_nodes(pool: str) -> list[PoolNode]:
@@ -216,7 +222,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             # one that does not (a function trial, or one that hangs) is cancelled, and
             # resumes from its last checkpoint.
             if across and elastic:
-                write_json_atomic(stop_file(config, attempt), {"at": time.time()})
+                write_json_atomic(trial_files(config.trial_dir).stop(attempt), {"at": time.time()})
                 if not _all_ended(runs, states, RECALL_WAIT_S):
                     cancel_others()
             else:

@@ -49,15 +49,10 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def stop_file(cfg: TrialConfig, attempt: str) -> Path:
-    """The file that asks attempt `attempt` of an elastic trial across nodes to stop (training.train.StopFile)."""
-    return trial_files(cfg.trial_dir).control / f"stop-{attempt}"
-
-
 def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
     """This node's part in a trial across `span["nnodes"]` nodes, for attempt `span["attempt"]`."""
     address = os.environ.get(ADDRESS_ENV, "127.0.0.1")
-    path = trial_files(cfg.trial_dir).control / f"rendezvous-{span['attempt']}.json"
+    path = trial_files(cfg.trial_dir).rendezvous(span['attempt'])
     if span["host"]:
         endpoint = f"{address}:{free_port(address)}"
         write_json_atomic(path, {"endpoint": endpoint})
@@ -103,7 +98,7 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
         if span is None:
             return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)
         if elastic:  # moved by the campaign (a resize): it stops at a checkpoint when this attempt's stop file is there
-            cfg = dataclasses.replace(cfg, stop_path=str(stop_file(cfg, span["attempt"])))
+            cfg = dataclasses.replace(cfg, stop_path=str(trial_files(cfg.trial_dir).stop(span["attempt"])))
         plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span))
         if not span["host"]:  # one log per node; the host's is the trial's train.log
             plan = dataclasses.replace(plan, log_path=plan.log_path.with_name(f"train-{node}.log"))
