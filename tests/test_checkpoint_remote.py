@@ -121,8 +121,9 @@ def test_a_killed_trial_resumes_from_the_remote_on_a_machine_without_its_folder(
     assert proc.poll() is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    wait_for(lambda: not any(str(trial_dir).encode() in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)),
-             30, "the trial's processes to end")
+    # Every process of the killed campaign (they work in its folder: the trial's, its metrics hub)
+    # has ended before its folder goes, as on a machine that is gone.
+    wait_for(lambda: not any(_works_in(p, tmp_path) for p in Path("/proc").glob("[0-9]*")), 60, "the campaign's processes to end")
     shutil.rmtree(tmp_path / "runs")  # another machine: no folder, no checkpoint, only the remote
     done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
@@ -133,9 +134,9 @@ def test_a_killed_trial_resumes_from_the_remote_on_a_machine_without_its_folder(
     assert "pulled checkpoint step 60" in log and "resumed at step 60" in log
 
 
-def _readable(path: Path) -> bool:
+def _works_in(proc: Path, folder: Path) -> bool:
+    """Whether the process runs in `folder` (its working folder) or names it on its command line."""
     try:
-        path.read_bytes()
-        return True
+        return os.readlink(proc / "cwd").startswith(str(folder)) or str(folder).encode() in (proc / "cmdline").read_bytes()
     except OSError:
         return False
