@@ -58,33 +58,6 @@ def wait_for(check, timeout: float, what: str, every: float = 0.2):
         time.sleep(every)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_prefect_server(tmp_path_factory):
-    """One Prefect server per test process for the campaigns its tests launch in processes of
-    their own: each launch would otherwise start one (~7 s of CPU of its ~22, and a run
-    launches dozens). It is the server a launch starts (flows/warmup.py), marked as temporary
-    (CAMPAIGN_PREFECT_TEMPORARY): a campaign records no API for it, as for its own. Tests of
-    the launch's own server, of `campaign ui`'s and of a pool's set or unset PREFECT_API_URL
-    themselves; CAMPAIGN_TEST_OWN_SERVERS=1 runs every launch with its own."""
-    if os.environ.get("PREFECT_API_URL") or os.environ.get("CAMPAIGN_TEST_OWN_SERVERS"):
-        yield None
-        return
-    from flows.warmup import WarmUp
-
-    home = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))  # its database: this process's alone
-    try:
-        server = WarmUp()  # sets PREFECT_API_URL and CAMPAIGN_PREFECT_TEMPORARY
-    finally:
-        if home is None:
-            os.environ.pop("PREFECT_HOME")
-        else:
-            os.environ["PREFECT_HOME"] = home
-    server.ready()
-    yield server.api_url
-    server.stop()
-
-
 @pytest.fixture(scope="session")
 def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits
