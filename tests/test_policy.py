@@ -262,10 +262,48 @@ def test_elastic_lets_a_job_near_its_known_end_finish_before_a_longer_newcomer()
     assert ElasticPolicy(know_remaining=False).decide(cluster, [old, new], 72_000.0) == {"new": {"node0": 1}}
 
 
+def test_known_lengths_weigh_jobs_by_rank_so_a_long_job_keeps_a_share_whatever_its_length():
+    """heSRPT's weights: the shortest job weighs most, but the longest one's weight is set by
+    its rank, not its length. Where speed-up per device falls (poor scaling), the shorter
+    jobs' last devices are worth less than the long job's first: it runs beside them, at the
+    same share whether it has ten thousand steps left or ten million."""
+    cluster = Cluster.uniform(2, 4)
+
+    def jobs(long_steps: float) -> list[Job]:
+        return [Job("short", 0.0, 2, 1, 8, POOR_SCALING, remaining_steps=100.0),
+                Job("mid", 0.0, 2, 1, 8, POOR_SCALING, remaining_steps=1000.0),
+                Job("long", 0.0, 2, 1, 8, POOR_SCALING, remaining_steps=long_steps)]
+
+    for long_steps in (1e4, 1e7):
+        allocation = ElasticPolicy().decide(cluster, jobs(long_steps), 0.0)
+        assert devices_of(allocation["short"]) == 4 and devices_of(allocation["long"]) == 1
+        assert devices_of(allocation["mid"]) == 3
+        # Weighed by length instead (1 / remaining), the long job gets nothing.
+        assert "long" not in ElasticPolicy(rank_q=0.0).decide(cluster, jobs(long_steps), 0.0)
+    # One length unknown: no ranks to compare, every job back on least attained service.
+    mixed = jobs(1e4)
+    mixed[2] = replace(mixed[2], remaining_steps=None)
+    assert ElasticPolicy().decide(cluster, mixed, 0.0) == ElasticPolicy(rank_q=0.0).decide(cluster, mixed, 0.0)
+
+
+def test_rank_weights_do_not_stop_a_job_for_a_newcomer_barely_shorter_than_itself():
+    """Two jobs within `rank_tie` of each other share their ranks' weight: once the running
+    job's protection has expired, a newcomer 5 % shorter does not take its device; one a
+    third as long does."""
+    cluster = Cluster.uniform(1, 1)
+    now = 36_000.0
+    running = Job("running", 0.0, 1, 1, 1, GOOD_SCALING, attained=now, placement={"node0": 1}, since=0.0, remaining_steps=1000.0)
+    newcomer = Job("new", now, 1, 1, 1, GOOD_SCALING, remaining_steps=950.0)
+    assert ElasticPolicy().decide(cluster, [running, newcomer], now) == {"running": {"node0": 1}}
+    assert ElasticPolicy(rank_tie=1.0).decide(cluster, [running, newcomer], now) == {"new": {"node0": 1}}
+    assert ElasticPolicy().decide(cluster, [running, replace(newcomer, remaining_steps=300.0)], now) == {"new": {"node0": 1}}
+
+
 def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto():
     """A job grown past its request is protected for `min_run_s` after the change, but not
-    against a waiting job with a small fraction of its work left: it keeps its request and
-    the newcomer starts now (Pollux, which protects nothing, started short jobs 7x sooner)."""
+    against a waiting job with a small fraction of its work left: it is protected only down
+    to its minimum and the newcomer starts now (Pollux, which protects nothing, started short
+    jobs 7x sooner)."""
     cluster = Cluster.uniform(1, 4)
     now = 36_000.0
     grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 1800.0,
