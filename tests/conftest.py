@@ -69,3 +69,24 @@ def pytest_collection_modifyitems(config, items):
     """The slow end-to-end tests first: with several workers (`make test` runs three), a long
     test that starts last keeps one worker busy while the others sit idle."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# `TEST_CPU_LOG=path make test`: one line per test with its CPU seconds (this process's and
+# those of the processes it started and waited for), to find where a run's CPU goes: on two
+# cores the suite's time is its CPU, not its tests' wall times.
+_CPU_LOG = os.environ.get("TEST_CPU_LOG")
+
+if _CPU_LOG:
+    import resource
+    import time
+
+    def _cpu_seconds() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        yield
+        with open(_CPU_LOG, "a") as log:
+            log.write(f"{_cpu_seconds() - cpu:.1f}\t{time.perf_counter() - wall:.1f}\t{item.nodeid}\n")
