@@ -325,7 +325,7 @@ class ElasticPolicy:
     """
 
     pause_s: float = 20.0
-    hysteresis: float = 0.5
+    hysteresis: float = 0.3
     las_scale_s: float = 1800.0
     las_power: float = 1.0
     min_run_s: float = 3600.0
@@ -625,7 +625,9 @@ class ElasticPolicy:
         pool = NodePool(cluster)
         for placement in out.values():
             pool.take(placement)
-        # Jobs this decision already moved or shrank are left as they are: one change at a time.
+        # Jobs this decision already moved or shrank change no further, but for free devices on
+        # the nodes they keep: they restart anyway, and a job shrunk below its request must not
+        # sit beside an idle device of its own node.
         changed = {p.job.id for p in plans if p.job.id in out and p.job.running and not same_placement(out[p.job.id], p.job.placement)}
         while pool.total_free:
             best: tuple[float, int, dict[str, int]] | None = None
@@ -633,6 +635,9 @@ class ElasticPolicy:
                 job = plan.job
                 held = out.get(job.id)
                 if job.id in changed:
+                    grown = self._grow_on_own_nodes(pool, plan, held)
+                    if grown is not None and (best is None or grown[0] > best[0]):
+                        best = (grown[0], i, grown[1])
                     continue
                 current = devices_of(held)
                 top = min(job.max_devices, current + pool.total_free)
@@ -670,6 +675,26 @@ class ElasticPolicy:
             out[job.id] = placed
             if job.running and not same_placement(placed, job.placement) and devices_of(placed) < devices_of(job.placement):
                 changed.add(job.id)
+
+    def _grow_on_own_nodes(self, pool: NodePool, plan: _JobPlan, held: Placement | None) -> tuple[float, dict[str, int]] | None:
+        """The job extended onto every free device of the nodes it holds (up to its max), and
+        its weighted gain per device, if that makes it faster."""
+        job = plan.job
+        if not held:
+            return None
+        room = job.max_devices - devices_of(held)
+        extended = dict(held)
+        for node in sorted(held):
+            add = min(pool.free[pool.index[node]], room)
+            extended[node] += add
+            room -= add
+        added = devices_of(extended) - devices_of(held)
+        if not added:
+            return None
+        before, after = speedup(job.model, devices_of(held), nodes_of(held)), speedup(job.model, devices_of(extended), nodes_of(extended))
+        if after <= before * (1.0 + 1e-9):
+            return None
+        return plan.weight * (after - before) / added, extended
 
     def _backfill(self, pool: NodePool, plans: list[_JobPlan], sizes: list[int], out: dict[str, dict[str, int]]) -> None:
         """Devices freed by trimming go to waiting jobs at their minimum, on one node."""

@@ -100,9 +100,7 @@ def test_starvation_guard_runs_an_old_job_while_new_ones_keep_coming():
     stream_end = stream[-1].arrival
 
     def finish_of_old(starvation_s: float, know_remaining: bool = False) -> float:
-        # At this hysteresis least attained service prefers each newcomer to the old job once
-        # it has run 600 s (at the default, 0.5, it would keep the old job from the start).
-        policy = ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0, know_remaining=know_remaining, hysteresis=0.3)
+        policy = ElasticPolicy(starvation_s=starvation_s, min_run_s=300.0, know_remaining=know_remaining)
         result = simulate(cluster, [old, *stream], policy, FAST)
         return next(r.finish for r in result.jobs if r.id == "old")
 
