@@ -124,6 +124,17 @@ class NodePool:
         return sorted(self.index[n] for n, c in placement.items() if c)
 
 
+def _extend_in_place(pool: NodePool, held: Placement, extra: int) -> dict[str, int]:
+    """`held` plus up to `extra` of the free devices on its own nodes (not taken from `pool`)."""
+    extended = dict(held)
+    for i in pool.prefer(held):
+        add = min(pool.free[i], extra)
+        if add:
+            extended[pool.names[i]] += add
+            extra -= add
+    return extended
+
+
 def _shrink_in_place(placement: Placement, devices: int) -> dict[str, int]:
     """Keep `devices` of a job's devices, on the nodes where it has the most (fewest nodes)."""
     kept: dict[str, int] = {}
@@ -573,13 +584,8 @@ class ElasticPolicy:
         """Extend in place or move whole, whichever spans fewer nodes; keep it if no better
         (unless exploring: then the point is to measure what the model doubts)."""
         held = dict(job.placement)
-        extra = size - devices_of(held)
-        extended = dict(held)
-        for i in pool.prefer(held):
-            add = min(pool.free[i], extra)
-            if add:
-                extended[pool.names[i]] += add
-                extra -= add
+        extended = _extend_in_place(pool, held, size - devices_of(held))
+        extra = size - devices_of(extended)
         if extra:
             pool.take({n: extended[n] - held[n] for n in extended})
             rest = pool.plan(extra)
@@ -683,12 +689,7 @@ class ElasticPolicy:
         job = plan.job
         if not held:
             return None
-        room = job.max_devices - devices_of(held)
-        extended = dict(held)
-        for node in sorted(held):
-            add = min(pool.free[pool.index[node]], room)
-            extended[node] += add
-            room -= add
+        extended = _extend_in_place(pool, held, job.max_devices - devices_of(held))
         added = devices_of(extended) - devices_of(held)
         if not added:
             return None
