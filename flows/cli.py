@@ -23,6 +23,10 @@ skip_final_collection()  # before Prefect, MLflow and torch register their exit 
 
 # Prefect phones home unless told not to, and these machines have no network for it.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The commands other than `launch` let Prefect start its own temporary server, and give it 20 s
+# by default: on a loaded machine (two cores, a test run beside it) it once took longer and the
+# command failed before its flow began. `launch` starts its own and gives it a minute (warmup.py).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(help="Declarative ML experiment campaigns: params.yaml -> Prefect -> DDP trials -> MLflow + DVC.", no_args_is_help=True)
 console = Console()
