@@ -203,7 +203,9 @@ def _open_tracking_store(uri: str) -> None:
     left for the flow's own first use to report."""
     try:
         from mlflow import MlflowClient
+        from tasks.mlflow_store import make_from_template
 
+        make_from_template(uri)  # a new SQLite store without MLflow's migrations (1.5 s)
         MlflowClient(tracking_uri=uri)._tracking_client.store  # noqa: B018 (built on first access)
     except Exception:
         pass

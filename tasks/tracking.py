@@ -18,6 +18,7 @@ from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from tasks.grid import Trial
+from tasks.mlflow_store import make_from_template
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def retrying(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 def _client(uri: str) -> MlflowClient:
+    make_from_template(uri)  # a new SQLite store without MLflow's migrations
     return MlflowClient(tracking_uri=uri)
 
 

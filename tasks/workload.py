@@ -76,7 +76,9 @@ def passed_check(work: dict[str, Any], lr: float, code: str) -> Path:
     import os
     from importlib.metadata import version
 
-    root = Path(os.environ.get(CHECK_CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "campaign" / "checks")
+    from tasks.mlflow_store import cache_dir
+
+    root = Path(os.environ.get(CHECK_CACHE_ENV) or cache_dir() / "checks")
     digest = hashlib.sha256(json.dumps([work, lr, version("torch"), code], sort_keys=True, default=str).encode())
     data = work.get("data", {}).get("path")
     if data:

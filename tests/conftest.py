@@ -28,6 +28,8 @@ os.environ["CAMPAIGN_LEASE_DB"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f
 os.environ["CAMPAIGN_CHECKPOINT_KEY"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-key-{os.getpid()}")
 # Workloads that passed their check are remembered per test run, not in the user's cache.
 os.environ["CAMPAIGN_CHECK_CACHE"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-checks-{os.getpid()}")
+# The campaign's other caches (the empty MLflow store it copies) made once per test process.
+os.environ["CAMPAIGN_CACHE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-cache-{os.getpid()}")
 # Subprocesses (torchrun, dvc) must find the venv's console scripts and this checkout.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"

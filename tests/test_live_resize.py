@@ -18,6 +18,8 @@ from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from training.files import read_json
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
 
@@ -160,13 +162,35 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
 
 
 def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefect_backend, monkeypatch):
-    from flows.campaign import campaign_flow
+    """The long trial is held from step 100 until the policy has grown it (a held trial still
+    answers its agent), so it is still running when the short one ends, however loaded the
+    machine, without training thousands of steps to make sure."""
+    from flows.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(HOLD_ENV, "100")
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "grow", {"steps": 600, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
-                grid={"training.steps": [600, 12000]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0, "order": "attained"})
+                grid={"training.steps": [600, 1200]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0, "order": "attained"})
+
+    def hold_the_long_one_until_it_grows():
+        record = wait_for(lambda: read_json(runs / "grow" / "campaign.json"), 120, "the campaign's record")
+        long = next(t["id"] for t in record["trials"] if t["steps"] == 1200)
+        hold = runs / "grow" / long / "hold"
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        hold.touch()
+        allocations = runs / "grow" / "allocations.jsonl"
+        try:
+            wait_for(lambda: allocations.exists() and any(json.loads(l).get("trial") == long and json.loads(l)["reason"] == "resize"
+                                                          for l in allocations.read_text().splitlines() if l.strip()),
+                     240, "the long trial's resize", every=0.05)
+        finally:
+            hold.unlink()
+
+    driver = threading.Thread(target=hold_the_long_one_until_it_grows)
+    driver.start()
     summary = campaign_flow(str(tmp_path / "params.yaml"))
+    driver.join()
     assert summary["finished"] == 2
 
     record = json.loads((runs / "grow" / "campaign.json").read_text())
