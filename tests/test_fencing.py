@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.campaign import HOLD_ENV
+from training.files import read_json
+
 from conftest import wait_for
 
 pytestmark = pytest.mark.slow  # two real campaigns, torchrun trials
@@ -96,6 +99,16 @@ def start_campaign(folder: Path, name: str, digits: Path, env: dict[str, str]) -
     return proc, folder / "out.log"
 
 
+def hold_trials(campaign: Path) -> None:
+    """Every trial of the campaign waits at its hold step (and each control step after it)
+    while its `hold` file is there: its workers stay up, its fence still watches the lease,
+    and it does not spend the test's CPU training steps nobody looks at."""
+    record = wait_for(lambda: read_json(campaign / "campaign.json"), 240, f"{campaign.name}'s record")
+    for trial in record["trials"]:
+        (campaign / trial["id"]).mkdir(parents=True, exist_ok=True)
+        (campaign / trial["id"] / "hold").touch()
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGCONT)
@@ -108,18 +121,21 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def test_a_stalled_holder_never_shares_its_devices(tmp_path, digits_npz):
-    env = {**os.environ, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases.db"), "CAMPAIGN_LEASE_TIMEOUT_S": str(TIMEOUT_S)}
+    env = {**os.environ, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases.db"), "CAMPAIGN_LEASE_TIMEOUT_S": str(TIMEOUT_S),
+           HOLD_ENV: "20"}
     sampler = WorkerSampler({"a": tmp_path / "a" / "runs", "b": tmp_path / "b" / "runs"})
     sampler.start()
     a, a_out = start_campaign(tmp_path / "a", "holder", digits_npz, env)
     b = None
     try:
+        hold_trials(tmp_path / "a" / "runs" / "holder")
         wait_for(lambda: sampler.running("a") or a.poll() is not None, 240, "campaign A's workers")
         assert a.poll() is None, a_out.read_text()[-4000:]
         b, b_out = start_campaign(tmp_path / "b", "taker", digits_npz, env)
         # B's loop runs and finds every device leased: it waits its turn.
         wait_for(lambda: (tmp_path / "b" / "runs" / "taker" / "campaign.json").exists() or b.poll() is not None, 240,
                  "campaign B's loop")
+        hold_trials(tmp_path / "b" / "runs" / "taker")
         assert b.poll() is None and not sampler.saw("b"), b_out.read_text()[-4000:]
 
         os.kill(a.pid, signal.SIGSTOP)  # A's campaign process stalls; its trial's processes do not

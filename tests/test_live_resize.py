@@ -124,7 +124,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(HOLD_ENV, "300")
     runs = tmp_path / "runs"
-    live_params(tmp_path, digits_npz, "park", {"steps": 3000, "checkpoint_every": 100, "eval_every": 3000})
+    live_params(tmp_path, digits_npz, "park", {"steps": 800, "checkpoint_every": 100, "eval_every": 800})
     outcome: list[tuple[int, str, str]] = []
 
     def drive():
@@ -158,7 +158,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
     assert reasons == ["start", "preempted", "start", "end"]
     assert json.loads((runs / "park" / trial["id"] / "result.json").read_text())["resumed_from_step"] >= 200
     log = (runs / "park" / trial["id"] / "train.log").read_text()  # an elastic trial's log tells its story too
-    assert log.count("generation 0 on 2 device(s)") == 2 and "state from disk" in log and "finished 3000 steps" in log
+    assert log.count("generation 0 on 2 device(s)") == 2 and "state from disk" in log and "finished 800 steps" in log
 
 
 def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefect_backend, monkeypatch):
@@ -222,7 +222,7 @@ def test_by_default_the_trial_with_least_work_left_goes_first(tmp_path, digits_n
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     live_params(tmp_path, digits_npz, "srpt", {"steps": 300, "checkpoint_every": 1000, "eval_every": 3000}, seed=2,
-                grid={"training.steps": [3000, 300]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
+                grid={"training.steps": [1200, 300]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0})
     assert campaign_flow(str(tmp_path / "params.yaml"))["finished"] == 2
     record = json.loads((runs / "srpt" / "campaign.json").read_text())
     long, short = (t["id"] for t in record["trials"])

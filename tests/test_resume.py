@@ -20,13 +20,16 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import load_model_weights
+from training.files import read_json
 from training.manifest import latest_valid_checkpoint, list_checkpoints
 from training.config import TrialConfig
 from training.workload import build_model
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
-STEPS, EVERY = 1500, 100
+STEPS, EVERY, HELD_AT = 600, 100, 350
 
 
 def config(trial_dir: Path, data: Path) -> TrialConfig:
@@ -94,12 +97,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, digits_npz):
     straight = config(tmp_path / "straight", digits_npz)
     run_to_end(straight)
 
-    killed = config(tmp_path / "killed", digits_npz)
+    # Held before step 350 while its `hold` file is there, three checkpoints written (100,
+    # 200, 300): the kill lands mid-trial however loaded the machine.
+    killed = replace(config(tmp_path / "killed", digits_npz), hold_at_step=HELD_AT)
+    Path(killed.trial_dir).mkdir(parents=True)
+    (Path(killed.trial_dir) / "hold").touch()
     proc = launch(killed)
-    deadline = time.time() + 120
-    while not list_checkpoints(killed.checkpoint_dir)[2:] and time.time() < deadline:  # wait for 3 checkpoints
-        assert proc.poll() is None, "trial ended before it could be killed"
-        time.sleep(0.01)
+    wait_for(lambda: (read_json(Path(killed.trial_dir) / "progress.json") or {}).get("state") == "held" or proc.poll() is not None,
+             120, "the trial to be held at step 350")
+    assert proc.poll() is None, "trial ended before it could be killed"
+    assert len(list_checkpoints(killed.checkpoint_dir)) == 3
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun; its workers must die with it
     proc.wait()
     assert wait_until_gone(workers_of(killed)), "workers outlived torchrun"
@@ -113,6 +120,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, digits_npz):
     shard.write_bytes(shard.read_bytes()[:-16] + b"\0" * 16)
     assert latest_valid_checkpoint(killed.checkpoint_dir) == list_checkpoints(killed.checkpoint_dir)[1]
 
+    (Path(killed.trial_dir) / "hold").unlink()
     run_to_end(killed)
     log = (Path(killed.trial_dir) / "train.log").read_text()
     assert f"resumed at step {max(steps_done) - EVERY}" in log
