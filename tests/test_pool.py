@@ -31,6 +31,8 @@ from flows.pool.secret import CLIENT_AUTH_ENV, SECRET_ENV, init_secret, load_sec
 from flows.ui import start_servers, stop_servers
 from tasks.grid import expand_grid
 from training.files import read_json
+from training.layout import trial_files
+from training.manifest import latest_valid_checkpoint
 
 HOLD_AT = 60
 SUBNET = "10.232.{}.{}"
@@ -401,11 +403,15 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
     launch = worker_b = None
     runs = tmp_path / "runs"
     try:
-        # stopped by the test
+        # Stopped by the test; held from step 510 (its first checkpoint, at 500, made) at every
+        # control step while its hold file is there: it answers resizes, and trains no more.
         params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "elastic", {"steps": 10**6, "checkpoint_every": 500})
+        trial_dir.mkdir(parents=True)
+        (trial_dir / "hold").touch()
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
-            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db"),
+                 "CAMPAIGN_HOLD_AT_STEP": "510"},
             stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
         node_leases = LeaseStore(tmp_path / "leases-a.db")
 
@@ -441,12 +447,17 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
         assert grown.returncode == 0, grown.stdout + grown.stderr
         wait_for(lambda: running_on(2), 60, "the grow")
         assert leased() == {"a/cpu0", "a/cpu1"}
-        events = [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]
+        # A resize is recorded once the new generation has taken its first step: held again after it.
+        (trial_dir / "hold").unlink()
+        events = wait_for(lambda: (lambda e: e if len(e) >= 2 else None)(
+            [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]), 60, "the grow's record")
+        (trial_dir / "hold").touch()
         assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)], events
 
         # Node b joins while the campaign runs; then node a dies: the trial resumes on b from its checkpoint.
         worker_b = start_worker(api, tmp_path, "b", *nodes["b"], 2)
         wait_for(lambda: "node b joined pool lab" in (tmp_path / "launch.log").read_text(), 120, "the campaign to see node b")
+        wait_for(lambda: latest_valid_checkpoint(trial_files(trial_dir).checkpoints) is not None, 240, "the trial's checkpoint at step 500")
         for pid in processes_of("a"):
             try:
                 os.kill(pid, signal.SIGKILL)
