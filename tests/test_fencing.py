@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -109,6 +110,28 @@ def hold_trials(campaign: Path) -> None:
         (campaign / trial["id"] / "hold").touch()
 
 
+def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:
+    """SIGSTOP the campaign at a moment it holds no write transaction on the lease file.
+
+    Stopped inside one (a few ms per heartbeat; longer on a loaded host, and it once happened
+    in CI), it keeps SQLite's write lock: every other campaign then waits, sharing nothing,
+    until it resumes or dies (the README says so). That is not what this test is about, so
+    such a stop is undone and tried again."""
+    for _ in range(200):
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"T", 10, "the stop", every=0.01)
+        conn = sqlite3.connect(lease_db, timeout=0.5, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock: free unless the stopped process holds it
+            conn.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(pid, signal.SIGCONT)
+        finally:
+            conn.close()
+    pytest.fail("the campaign held the lease file's write lock at each of 200 stops")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGCONT)
@@ -138,7 +161,7 @@ def test_a_stalled_holder_never_shares_its_devices(tmp_path, digits_npz):
         hold_trials(tmp_path / "b" / "runs" / "taker")
         assert b.poll() is None and not sampler.saw("b"), b_out.read_text()[-4000:]
 
-        os.kill(a.pid, signal.SIGSTOP)  # A's campaign process stalls; its trial's processes do not
+        stall_outside_a_lease_transaction(a.pid, tmp_path / "leases.db")  # A's campaign process stalls; its trial's do not
         stalled_at = time.monotonic()
         try:
             wait_for(lambda: not sampler.running("a"), 3 * TIMEOUT_S, "A's workers to stop by themselves")
