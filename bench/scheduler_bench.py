@@ -68,7 +68,7 @@ SWEEP = {
     "starvation 1 h": {"starvation_s": 3600.0}, "min run 1800 s": {"min_run_s": 1800.0},
     "min run 5400 s": {"min_run_s": 5400.0}, "min run 7200 s": {"min_run_s": 7200.0}, "grow after 1800 s": {"grow_after_s": 1800.0},
     "min run + grow after 600 s": {"min_run_s": 600.0, "grow_after_s": 600.0}, "preemption budget 6": {"preemption_budget": 6},
-    "no yield to shorter": {"yield_ratio": 0.0}, "yield ratio 0.3": {"yield_ratio": 0.3}, "yield min 1200 s": {"yield_min_s": 1200.0},
+    "no yield to shorter": {"yield_ratio": 0.0}, "yield ratio 0.3": {"yield_ratio": 0.3}, "yield min 600 s": {"yield_min_s": 600.0}, "yield min 1200 s": {"yield_min_s": 1200.0},
     "no rank weights (1 / remaining)": {"rank_q": 0.0}, "rank q 3": {"rank_q": 3.0}, "rank q 8": {"rank_q": 8.0},
     "no rank ties": {"rank_tie": 1.0}, "hysteresis 0.5": {"hysteresis": 0.5},
 }

@@ -175,7 +175,7 @@ def live_policy(resize_pause_s: float, min_run_s: float, order: str = "remaining
     `order`: "remaining" (shortest remaining work first) or "attained" (least attained service)."""
     return ElasticPolicy(pause_s=resize_pause_s, min_run_s=min_run_s, min_horizon_s=min_run_s, grow_after_s=min_run_s,
                          las_scale_s=60 * min_run_s, remaining_scale_s=60 * min_run_s, explore_after_s=6 * min_run_s,
-                         starvation_s=30 * min_run_s, yield_min_s=min_run_s / 6, know_remaining=order == "remaining")
+                         starvation_s=30 * min_run_s, yield_min_s=2 * min_run_s / 3, know_remaining=order == "remaining")
 
 
 def usable_devices(inventory: Inventory, foreign: set[str]) -> dict[str, list[str]]:

@@ -332,7 +332,7 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     jobs 7x sooner)."""
     cluster = Cluster.uniform(1, 4)
     now = 36_000.0
-    grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 1800.0,
+    grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 3000.0,
                 remaining_steps=36_000.0)
     short = Job("short", now, 2, 1, 2, GOOD_SCALING, remaining_steps=100.0)
     allocation = ElasticPolicy().decide(cluster, [grown, short], now)
@@ -340,7 +340,7 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     # Not far shorter (over yield_ratio of the protected job's work): the protection holds.
     assert ElasticPolicy().decide(cluster, [grown, replace(short, remaining_steps=20_000.0)], now) == {"grown": {"node0": 4}}
     # Changed under `yield_min_s` ago: it is not resized again so soon.
-    assert ElasticPolicy().decide(cluster, [replace(grown, since=now - 300.0), short], now) == {"grown": {"node0": 4}}
+    assert ElasticPolicy().decide(cluster, [replace(grown, since=now - 1800.0), short], now) == {"grown": {"node0": 4}}
     # Lengths unknown, or the rule off: the newcomer waits out the protection.
     assert ElasticPolicy(yield_ratio=0.0).decide(cluster, [grown, short], now) == {"grown": {"node0": 4}}
     unknown = [replace(grown, remaining_steps=None), replace(short, remaining_steps=None)]
