@@ -28,7 +28,7 @@ def test_a_new_store_is_copied_from_the_template_and_has_its_own_default_experim
         client.log_metric(run.info.run_id, "loss", 0.5, step=1)
         assert client.get_metric_history(run.info.run_id, "loss")[0].value == 0.5
     # The two stores are separate files: each holds its own run only.
-    assert [e.name for e in MlflowClient(tracking_uri="sqlite:///a/mlflow.db").search_experiments()] == ["exp-a", "Default"]
+    assert sorted(e.name for e in MlflowClient(tracking_uri="sqlite:///a/mlflow.db").search_experiments()) == ["Default", "exp-a"]
 
 
 def test_an_existing_store_and_other_stores_are_left_alone(tmp_path, monkeypatch):
