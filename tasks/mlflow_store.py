@@ -13,6 +13,7 @@ A store that exists is never touched, nor one that is not a local SQLite file.
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -41,15 +42,15 @@ def make_from_template(uri: str) -> bool:
     if path is None or path.exists() or not path.parent.is_dir():
         return False
     try:
-        template = _template()
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-            tmp.write(template.read_bytes())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
         try:
-            os.link(tmp.name, path)  # never over a store another process made meanwhile
+            shutil.copyfile(_template(), tmp)
+            os.link(tmp, path)  # never over a store another process made meanwhile
         except FileExistsError:
             return False
         finally:
-            os.unlink(tmp.name)
+            os.unlink(tmp)
         return True
     except (OSError, sqlite3.Error):
         return False

@@ -25,6 +25,7 @@ import yaml
 
 from flows.campaign import HOLD_ENV
 from training.files import read_json
+from training.layout import campaign_files
 
 from conftest import wait_for
 
@@ -104,7 +105,7 @@ def hold_trials(campaign: Path) -> None:
     """Every trial of the campaign waits at its hold step (and each control step after it)
     while its `hold` file is there: its workers stay up, its fence still watches the lease,
     and it does not spend the test's CPU training steps nobody looks at."""
-    record = wait_for(lambda: read_json(campaign / "campaign.json"), 240, f"{campaign.name}'s record")
+    record = wait_for(lambda: read_json(campaign_files(campaign).record), 240, f"{campaign.name}'s record")
     for trial in record["trials"]:
         (campaign / trial["id"]).mkdir(parents=True, exist_ok=True)
         (campaign / trial["id"] / "hold").touch()

@@ -17,6 +17,7 @@ from prefect.testing.utilities import prefect_test_harness
 from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from training.files import read_json
+from training.layout import campaign_files
 
 from conftest import wait_for
 
@@ -174,16 +175,19 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
                 grid={"training.steps": [600, 1200]}, scheduling={"resize_pause_s": 0.5, "min_run_s": 1.0, "order": "attained"})
 
     def hold_the_long_one_until_it_grows():
-        record = wait_for(lambda: read_json(runs / "grow" / "campaign.json"), 120, "the campaign's record")
+        files = campaign_files(runs / "grow")
+        record = wait_for(lambda: read_json(files.record), 120, "the campaign's record")
         long = next(t["id"] for t in record["trials"] if t["steps"] == 1200)
         hold = runs / "grow" / long / "hold"
         hold.parent.mkdir(parents=True, exist_ok=True)
         hold.touch()
-        allocations = runs / "grow" / "allocations.jsonl"
+
+        def grown() -> bool:
+            events = [json.loads(l) for l in files.allocations.read_text().splitlines() if l.strip()] if files.allocations.exists() else []
+            return any(e["trial"] == long and e["reason"] == "resize" for e in events)
+
         try:
-            wait_for(lambda: allocations.exists() and any(json.loads(l).get("trial") == long and json.loads(l)["reason"] == "resize"
-                                                          for l in allocations.read_text().splitlines() if l.strip()),
-                     240, "the long trial's resize", every=0.05)
+            wait_for(grown, 240, "the long trial's resize", every=0.05)
         finally:
             hold.unlink()
 

@@ -21,6 +21,7 @@ import torch
 
 from training.checkpoint import load_model_weights
 from training.files import read_json
+from training.layout import trial_files
 from training.manifest import latest_valid_checkpoint, list_checkpoints
 from training.config import TrialConfig
 from training.workload import build_model
@@ -103,7 +104,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, digits_npz):
     Path(killed.trial_dir).mkdir(parents=True)
     (Path(killed.trial_dir) / "hold").touch()
     proc = launch(killed)
-    wait_for(lambda: (read_json(Path(killed.trial_dir) / "progress.json") or {}).get("state") == "held" or proc.poll() is not None,
+    wait_for(lambda: (read_json(trial_files(killed.trial_dir).progress) or {}).get("state") == "held" or proc.poll() is not None,
              120, "the trial to be held at step 350")
     assert proc.poll() is None, "trial ended before it could be killed"
     assert len(list_checkpoints(killed.checkpoint_dir)) == 3
