@@ -255,7 +255,8 @@ class LeaseStore:
 
     def waiting(self) -> dict[str, float]:
         """Campaigns waiting for devices now -> since when."""
-        return self._run(lambda conn: {c: w[0] for c, w in _waiters(conn, self._clock(), self.heartbeat_timeout_s).items()})
+        return self._run(lambda conn: {c: w[0] for c, w in _waiters(
+            conn, self._clock(), self.heartbeat_timeout_s, drop_stale=False).items()}, write=False)
 
     def renew(self, holder: str) -> None:
         """Heartbeat. Re-registers after a rebuild; raises LeaseLost if the leases are gone."""
@@ -306,11 +307,19 @@ class LeaseStore:
         return removed
 
     def leases(self) -> list[Lease]:
-        """Every live lease on the host, after reclaiming the dead ones."""
-        return self._run(lambda conn: self._sweep(conn, self._clock())[0])
+        """Every live lease on the host. A read: dead holders' rows are left out, not
+        deleted (the next write sweeps them), so a campaign polling this never queues
+        behind, or blocks, another campaign's write transaction."""
+        def live(conn: sqlite3.Connection) -> list[Lease]:
+            now = self._clock()
+            rows = _rows(conn)
+            dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
+            return [r for r in rows if r.holder not in dead]
+
+        return self._run(live, write=False)
 
     def usage(self) -> dict[str, int]:
-        """Leased bytes per device id, after reclaiming the dead holders."""
+        """Leased bytes per device id, of the live holders (a read, as `leases`)."""
         used: dict[str, int] = {}
         for lease in self.leases():
             used[lease.device_id] = used.get(lease.device_id, 0) + lease.memory_bytes
@@ -347,14 +356,18 @@ class LeaseStore:
 
     # --- transactions --------------------------------------------------------------------
 
-    def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
-        """Runs `op` in one write transaction; a corrupt file is rebuilt and `op` retried."""
+    def _run(self, op: Callable[[sqlite3.Connection], T], write: bool = True) -> T:
+        """Runs `op` in one transaction; a corrupt file is rebuilt and `op` retried.
+
+        A write transaction (BEGIN IMMEDIATE) takes the file's one write lock for its whole
+        length; a read (`write=False`) sees one consistent snapshot and, in WAL mode, never
+        waits for a writer, not even one stopped while it holds the lock."""
         for attempt in range(2):
             try:
                 with self._file_lock(exclusive=False), self._connection() as conn:
                     if not self._verified:
                         self._prepare(conn)
-                    conn.execute("BEGIN IMMEDIATE")
+                    conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
                     try:
                         result = op(conn)
                     except BaseException:
@@ -591,8 +604,11 @@ def _put_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?, ?)", (key, value, _crc((key, value))))
 
 
-def _waiters(conn: sqlite3.Connection, now: float, timeout_s: float) -> dict[str, tuple[float, float]]:
-    """Live waiting campaigns -> (since, seen_at); entries of dead or silent ones are dropped."""
+def _waiters(
+    conn: sqlite3.Connection, now: float, timeout_s: float, drop_stale: bool = True
+) -> dict[str, tuple[float, float]]:
+    """Live waiting campaigns -> (since, seen_at); entries of dead or silent ones are left
+    out, and deleted when `drop_stale` (in a write transaction)."""
     out, stale = {}, []
     for key, value in _meta(conn).items():
         if not key.startswith(WAITING):
@@ -603,7 +619,7 @@ def _waiters(conn: sqlite3.Connection, now: float, timeout_s: float) -> dict[str
             stale.append((key,))
         else:
             out[key[len(WAITING):]] = (float(since), float(seen))
-    if stale:
+    if stale and drop_stale:
         conn.executemany("DELETE FROM meta WHERE key = ?", stale)
     return out
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from cluster.leases import (
     LeaseLost,
     LeaseStore,
+    LeaseStoreBusy,
     LeaseStoreError,
     LeaseStoreRebuilt,
     LeaseUnavailable,
@@ -412,6 +413,41 @@ def test_a_silent_or_dead_waiter_does_not_block_anyone(tmp_path):
     clock.now += 31  # 'silent' stopped refreshing
     assert store.acquire("a/t1@1", {"d0": 10}, CAP, campaign="a")
     assert store.waiting() == {}
+
+
+def test_reads_never_wait_for_a_writer_and_leave_dead_rows_to_the_next_write(tmp_path, monkeypatch):
+    """A campaign polls `leases`/`usage`/`waiting` while another may be stopped inside a write
+    transaction (SIGSTOP, a VM pause): the reads answer from a snapshot at once, and leave
+    out, without deleting, what a dead holder or waiter left; the next write sweeps it."""
+    monkeypatch.setenv("CAMPAIGN_LEASE_BUSY_S", "0.2")  # a write would give up after 0.2 s
+    clock = Clock()
+    store = LeaseStore(tmp_path / "l.db", heartbeat_timeout_s=30, clock=clock)
+    assert store.acquire("live", {"d0": 10}, CAP)
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert store.acquire("dead", {"d1": 10}, CAP, pid=dead.pid)
+    store.wait_turn("waits")
+    store.wait_turn("gone", pid=dead.pid)
+    dead.communicate()  # it ends, leaving its lease and its waiting mark behind
+
+    def rows(table: str) -> int:
+        with sqlite3.connect(store.path) as conn:
+            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+    writer = sqlite3.connect(store.path, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # another campaign, stopped while it holds the write lock
+    try:
+        assert [lease.holder for lease in store.leases()] == ["live"]
+        assert store.usage() == {"d0": 10}
+        assert set(store.waiting()) == {"waits"}
+        with pytest.raises(LeaseStoreBusy, match="stayed locked"):
+            store.acquire("new", {"d2": 10}, CAP)  # a write does wait, and says why it gave up
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert rows("leases") == 2 and rows("meta WHERE key LIKE 'waiting%'") == 2  # the reads deleted nothing
+    assert store.acquire("new", {"d2": 10}, CAP, campaign="waits")
+    assert {lease.holder for lease in store.leases()} == {"live", "new"}
+    assert rows("leases") == 2 and rows("meta WHERE key LIKE 'waiting%'") == 1  # the write swept both
 
 
 # --- fencing: epochs, the renew deadline, the reclaim margin (training.fence) -------------------
