@@ -578,12 +578,13 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
 
 
 @pytest.mark.slow
-def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_by_hand(tmp_path, digits_npz, lab):
-    """An elastic [1, 2] trial on a pool of two one-slot nodes: the policy starts it across
-    both (torchrun, --nnodes=1:2); `campaign resize` to 1 stops it at a checkpoint and it goes
-    on under its agent on one node; to 2, it stops at a checkpoint again and starts again
-    across both. Each node's lease file follows it, no step is lost, and its final weights
-    equal those of the same trial run on one process, bit for bit."""
+def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_and_moved_by_hand(tmp_path, digits_npz, lab):
+    """An elastic [1, 2] trial on a pool of one-slot nodes starts on node a, the only one, under
+    its agent. When node b joins, the policy grows it onto b (torchrun across both,
+    --nnodes=1:2); `campaign resize` to 1 moves it back onto one node, and to 2 across both
+    again. Each move stops it at a checkpoint it writes then; each node's lease file follows
+    it, no step is lost, and its final weights equal those of the same trial run on one
+    process, bit for bit."""
     import torch
 
     from cluster.leases import LeaseStore
@@ -593,7 +594,7 @@ def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_
     from training.workload import build_model
 
     head, api, nodes = lab
-    workers = {node: start_live_worker(api, tmp_path, node, *nodes[node], 1) for node in ("a", "b")}
+    workers = {"a": start_live_worker(api, tmp_path, "a", *nodes["a"], 1)}
     launch = None
     runs = tmp_path / "runs"
     try:
@@ -623,9 +624,11 @@ def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_
             assert done.returncode == 0, said + (tmp_path / "launch.log").read_text()[-3000:]
             return said
 
-        # The policy starts it across both nodes (it may use both: nothing else waits).
-        wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 240, "the trial across both nodes, held")
-        resize(1)
+        wait_for(lambda: at_world(1) and leased() == {"a/cpu0"}, 240, "the trial on node a, held")
+        # Node b joins: the policy grows the trial onto it (nothing else waits; min_run_s does not hold back a grow).
+        workers["b"] = start_live_worker(api, tmp_path, "b", *nodes["b"], 1)
+        wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 240, "the policy's grow across both nodes")
+        resize(1)  # by hand; the size is pinned from now on
         wait_for(lambda: at_world(1) and len(leased()) == 1, 180, "the trial on one node")
         (first,) = leased()
         said = resize(2)
@@ -641,11 +644,12 @@ def test_an_elastic_trial_in_a_pool_grows_onto_a_second_node_and_shrinks_off_it_
         stops = [int(s) for s in re.findall(r"stopped at step (\d+) for a resize \(checkpoint saved\)", log)]
         starts = [int(a or b or 0) for a, b in re.findall(
             r"world size \d+, (?:resumed at step (\d+)|fresh start)|generation 0 on \d device\(s\) \(\w+\), step (\d+)", log)]
-        assert len(stops) == 2 and starts == [0, *stops], (stops, starts, log[-3000:])
+        assert len(stops) == 3 and starts == [0, *stops], (stops, starts, log[-3000:])
         moves = [(e["reason"], e["devices"]) for e in map(json.loads, (runs / "spread" / "allocations.jsonl").read_text().splitlines())]
-        both = moves[0][1]
-        assert sorted(both) == ["a/cpu0", "b/cpu0"] and first == both[0], moves  # a shrink keeps rank 0's device
-        assert moves == [("start", both), ("moving", []), ("start", [first]), ("moving", []), ("start", both), ("end", [])], moves
+        both = moves[2][1]
+        assert sorted(both) == ["a/cpu0", "b/cpu0"] and first == both[0] == "a/cpu0", moves  # rank 0 stays on its device
+        assert moves == [("start", ["a/cpu0"]), ("moving", []), ("start", both), ("moving", []), ("start", [first]),
+                         ("moving", []), ("start", both), ("end", [])], moves
 
         # The same trial on one process, from its own config: the same weights, bit for bit.
         raw = {**read_json(trial_dir / "trial.json"), "trial_dir": str(tmp_path / "alone"), "hold_at_step": None, "lease": None,
