@@ -13,6 +13,7 @@ from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.elastic import write_command
 from training.workload import build_model
+from training.layout import trial_files
 
 
 def cpu_slot(i: int) -> dict:
@@ -62,7 +63,7 @@ def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> No
 def hold(cfg: TrialConfig) -> Path:
     """The trial's hold file, made before it starts: it waits at `cfg.hold_at_step` (and at
     each control step after it) while the file is there, unless its agent asks it to stop."""
-    path = Path(cfg.trial_dir) / "hold"
+    path = trial_files(cfg.trial_dir).hold
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
     return path
@@ -85,7 +86,7 @@ def release_when_asked_to_stop(cfg: TrialConfig, proc: subprocess.Popen, before:
         assert not exited, f"trial ended before its agent asked it to stop:\n{(Path(cfg.trial_dir) / 'agent.log').read_text()[-3000:]}"
         assert time.time() < deadline, "the agent never asked the trial to stop"
         time.sleep(0.01)
-    (Path(cfg.trial_dir) / "hold").unlink()
+    trial_files(cfg.trial_dir).hold.unlink()
 
 
 def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:

@@ -19,6 +19,7 @@ from training.checkpoint import Checkpointer
 from training.checkpoint_remote import CheckpointRemote, resolve_remote
 from training.files import read_json
 from training.spec import SpecError, check_tracking, parse_spec
+from training.layout import trial_files
 
 
 def save(checkpointer: Checkpointer, step: int) -> None:
@@ -113,7 +114,7 @@ def test_a_killed_trial_resumes_from_the_remote_on_a_machine_without_its_folder(
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "65"})
     trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
-    (trial_dir / "hold").touch()
+    trial_files(trial_dir).hold.touch()
     wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
     assert proc.poll() is None
     # Step 60's push runs beside training: under load it may still be on its way at the hold.

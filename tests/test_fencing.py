@@ -25,7 +25,7 @@ import yaml
 
 from flows.campaign import HOLD_ENV
 from training.files import read_json
-from training.layout import campaign_files
+from training.layout import campaign_files, trial_files
 
 from conftest import wait_for
 
@@ -108,7 +108,7 @@ def hold_trials(campaign: Path) -> None:
     record = wait_for(lambda: read_json(campaign_files(campaign).record), 240, f"{campaign.name}'s record")
     for trial in record["trials"]:
         (campaign / trial["id"]).mkdir(parents=True, exist_ok=True)
-        (campaign / trial["id"] / "hold").touch()
+        trial_files(campaign / trial["id"]).hold.touch()
 
 
 def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:

@@ -25,6 +25,7 @@ from conftest import campaign_cli, wait_for
 from training.config import TrialConfig
 from training.files import read_json
 from training.function import FunctionError, TrialContext, check_function
+from training.layout import trial_files
 from training.spec import SpecError, parse_spec
 
 USER_LOOP = '''
@@ -261,7 +262,7 @@ def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "65"})
     trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
-    (trial_dir / "hold").touch()
+    trial_files(trial_dir).hold.touch()
     wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
     assert proc.poll() is None
     os.kill(proc.pid, signal.SIGKILL)
@@ -270,7 +271,7 @@ def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_
              30, "the trial's processes to end")
     saved = sorted(p.name for p in (trial_dir / "checkpoints").glob("step-*"))  # nothing writes them now
     assert saved and saved[-1] in ("step-00000040", "step-00000060")  # saved every 20; step 70 reported, not saved
-    (trial_dir / "hold").unlink()
+    trial_files(trial_dir).hold.unlink()
     done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((trial_dir / "result.json").read_text())
@@ -321,13 +322,13 @@ def test_a_hand_resize_restarts_a_function_trial_at_its_new_size_from_its_save(t
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
     trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
-    (trial_dir / "hold").touch()
+    trial_files(trial_dir).hold.touch()
     wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
     assert (read_json(trial_dir / "progress.json") or {}).get("world_size") == 2, "".join(out)[-3000:]
     resize = subprocess.Popen([sys.executable, "-m", "flows.cli", "resize", trial_dir.name, "1", "--runs-dir", str(tmp_path / "runs"),
                                "--wait-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: any((trial_dir / "control").glob("stop-*")) or resize.poll() is not None, 120, "the agent's stop request")
-    (trial_dir / "hold").unlink()  # the function goes on, is told to stop, saves and returns
+    trial_files(trial_dir).hold.unlink()  # the function goes on, is told to stop, saves and returns
     answer = resize.communicate(timeout=150)
     assert resize.returncode == 0, answer
     assert proc.wait(timeout=300) == 0, "".join(out)[-3000:]
@@ -355,7 +356,7 @@ def test_sigterm_makes_should_stop_true_and_the_function_saves_where_it_is(user_
                       trial_dir=str(user_package / "term"), hold_at_step=35,
                       function={"target": "mylab.loop:fit", "kwargs": {"every": 5, "save_every": 100}})
     Path(cfg.trial_dir).mkdir()
-    (Path(cfg.trial_dir) / "hold").touch()
+    trial_files(cfg.trial_dir).hold.touch()
     path = Path(cfg.trial_dir) / "trial.json"
     path.write_text(cfg.to_json())
     proc = subprocess.Popen([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=1", "-m", "training.train",
@@ -368,7 +369,7 @@ def test_sigterm_makes_should_stop_true_and_the_function_saves_where_it_is(user_
     # too, it is pending in the worker before the hold ends, so the worker cannot take a step first
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
-    (Path(cfg.trial_dir) / "hold").unlink()
+    trial_files(cfg.trial_dir).hold.unlink()
     proc.wait(timeout=60)
     saved = sorted(p.name for p in (Path(cfg.trial_dir) / "checkpoints").glob("step-*"))
     assert saved == ["step-00000035"], (Path(cfg.trial_dir) / "train.log").read_text()[-2000:]
@@ -390,7 +391,7 @@ def test_a_stopping_campaign_lets_an_elastic_function_trial_save_where_it_is(use
                       function={"target": "mylab.loop:fit", "kwargs": {"every": 10, "save_every": 1000}})
     trial_dir, control = Path(cfg.trial_dir), Path(cfg.trial_dir) / "control"
     control.mkdir(parents=True)
-    (trial_dir / "hold").touch()
+    trial_files(trial_dir).hold.touch()
     (trial_dir / "trial.json").write_text(cfg.to_json())
 
     def start(devices: int) -> subprocess.Popen:
@@ -404,7 +405,7 @@ def test_a_stopping_campaign_lets_an_elastic_function_trial_save_where_it_is(use
     wait_for(lambda: (read_json(cfg.progress_path) or {}).get("state") == "held" or agent.poll() is not None, 120, "the hold")
     assert agent.poll() is None, (trial_dir / "agent.log").read_text()[-3000:]
     os.killpg(agent.pid, signal.SIGTERM)  # the agent and its workers share the group: each has it before the hold ends
-    (trial_dir / "hold").unlink()
+    trial_files(trial_dir).hold.unlink()
     assert agent.wait(timeout=60) == PREEMPTED, (trial_dir / "agent.log").read_text()[-3000:]
     assert sorted(p.name for p in (trial_dir / "checkpoints").glob("step-*")) == ["step-00000040"]
     assert read_json(agent_state_in(control))["status"] == "preempted"

@@ -21,6 +21,7 @@ from elastic_helpers import finish, resize, resizes, start, trace, trial_config
 from training.config import TrialConfig
 from training.data import SampleOrder, load_digits_npz
 from training.trainer import lr_factor
+from training.layout import trial_files
 
 pytestmark = pytest.mark.slow  # real elastic trials
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow  # real elastic trials
 def resized_at_hold(cfg: TrialConfig, mode: str, chosen_batch: int | None = None) -> None:
     """Start `cfg` on 2 processes, held at its hold step; ask for 1 (at `chosen_batch`, as the
     campaign's scheduler writes it, if given); let it go on to the end."""
-    hold = Path(cfg.trial_dir) / "hold"
+    hold = trial_files(cfg.trial_dir).hold
     hold.parent.mkdir(parents=True, exist_ok=True)
     hold.touch()
     proc = start(cfg, 2)

@@ -17,7 +17,7 @@ from prefect.testing.utilities import prefect_test_harness
 from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from training.files import read_json
-from training.layout import campaign_files
+from training.layout import campaign_files, trial_files
 
 from conftest import wait_for
 
@@ -79,7 +79,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
         trial = record["trials"][0]["id"]
         trial_dir = runs / "live" / trial
         trial_dir.mkdir(parents=True, exist_ok=True)
-        (trial_dir / "hold").touch()
+        trial_files(trial_dir).hold.touch()
         outcomes["too many"] = resize(runs, trial, 3)  # refused by the CLI itself, from the campaign's record
         while (read_json(trial_dir / "progress.json") or {}).get("state") != "held" and time.time() < deadline:
             time.sleep(0.05)
@@ -87,7 +87,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
         store.release("someone-else/x")
         outcomes["grow"] = resize(runs, trial, 2)
         outcomes["shrink"] = resize(runs, trial, 1)
-        (trial_dir / "hold").unlink()
+        trial_files(trial_dir).hold.unlink()
 
     driver = threading.Thread(target=drive)
     driver.start()
@@ -134,7 +134,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
             time.sleep(0.1)
         trial_dir = runs / "park" / record["trials"][0]["id"]
         trial_dir.mkdir(parents=True, exist_ok=True)
-        (trial_dir / "hold").touch()
+        trial_files(trial_dir).hold.touch()
         while (read_json(trial_dir / "progress.json") or {}).get("state") != "held" and time.time() < deadline:
             time.sleep(0.05)
         asked = subprocess.Popen([sys.executable, "-m", "flows.cli", "resize", record["trials"][0]["id"], "0", "--runs-dir", str(runs),
@@ -143,7 +143,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
         preempt = lambda: any((read_json(command_path(trial_dir / "control", seq)) or {}).get("devices") == [] for seq in range(1, 4))
         while not preempt() and time.time() < deadline:
             time.sleep(0.05)
-        (trial_dir / "hold").unlink()
+        trial_files(trial_dir).hold.unlink()
         out, err = asked.communicate(timeout=120)
         outcome.append((asked.returncode, out, err))
 
@@ -178,7 +178,7 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
         files = campaign_files(runs / "grow")
         record = wait_for(lambda: read_json(files.record), 120, "the campaign's record")
         long = next(t["id"] for t in record["trials"] if t["steps"] == 1200)
-        hold = runs / "grow" / long / "hold"
+        hold = trial_files(runs / "grow" / long).hold
         hold.parent.mkdir(parents=True, exist_ok=True)
         hold.touch()
 
@@ -254,7 +254,7 @@ def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz,
         deadline = time.time() + 120
         while (record := read_json(runs / "share" / "campaign.json")) is None and time.time() < deadline:
             time.sleep(0.1)
-        holds = [runs / "share" / trial["id"] / "hold" for trial in record["trials"]]
+        holds = [trial_files(runs / "share" / trial["id"]).hold for trial in record["trials"]]
         for hold in holds:
             hold.parent.mkdir(parents=True, exist_ok=True)
             hold.touch()

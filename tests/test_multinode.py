@@ -19,6 +19,7 @@ import torch
 from cluster.types import Device
 from tasks.trial import NodeRole, plan_node_launch
 from training.config import TrialConfig
+from training.layout import trial_files
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,7 @@ def test_a_trial_across_two_nodes_trains_as_on_one_and_listens_only_on_their_add
     span = trial(tmp_path / "span", digits_npz)
     span = dataclasses.replace(span, hold_at_step=10)
     Path(span.trial_dir).mkdir(parents=True)
-    (Path(span.trial_dir) / "hold").write_text("")
+    trial_files(span.trial_dir).hold.write_text("")
     (host_ns, host_link, host_addr), _ = two_nodes
     endpoint = f"{host_addr}:29531"
     procs = []
@@ -115,7 +116,7 @@ def test_a_trial_across_two_nodes_trains_as_on_one_and_listens_only_on_their_add
         for ns, _, address in two_nodes:  # the store, the workers' transport: the node's own address, or its loopback
             assert listening(ns) <= {address, "127.0.0.1"}, (ns, listening(ns))
         assert listening(host_ns) & {host_addr}  # the rendezvous store is on the host node's address
-        (Path(span.trial_dir) / "hold").unlink()
+        trial_files(span.trial_dir).hold.unlink()
         for i, proc in enumerate(procs):
             assert proc.wait(timeout=300) == 0, (Path(span.trial_dir) / f"node{i}.log").read_text()[-3000:]
     finally:
@@ -155,7 +156,7 @@ def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_
     # Held at step 1000 (while `hold` exists): node b's return is taken in before the end.
     span = dataclasses.replace(trial(tmp_path / "span", digits_npz), **settings, hold_at_step=1000)
     Path(span.trial_dir).mkdir(parents=True)
-    (Path(span.trial_dir) / "hold").write_text("")
+    trial_files(span.trial_dir).hold.write_text("")
     (_, _, host_addr), _ = two_nodes
     endpoint = f"{host_addr}:29532"
     logs = [Path(span.trial_dir) / "node-a.log", Path(span.trial_dir) / "node-b.log"]
@@ -199,7 +200,7 @@ def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_
         wait("both nodes again", lambda: len(resumed_at(2)) > before, procs)
         for ns, _, address in two_nodes:  # stores made by the workers themselves too (no shared agent store)
             assert listening(ns) <= {address, "127.0.0.1"}, (ns, listening(ns))
-        (Path(span.trial_dir) / "hold").unlink()
+        trial_files(span.trial_dir).hold.unlink()
         for i, proc in enumerate(procs):
             assert proc.wait(timeout=300) == 0, logs[i].read_text()[-3000:]
     finally:

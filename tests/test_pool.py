@@ -253,7 +253,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
         trial_ids = [t.id for t in expand_grid(load_spec(params))]
         for trial_id in trial_ids:  # every trial waits at HOLD_AT while its hold file is there
             (runs / trial_id).mkdir(parents=True, exist_ok=True)
-            (runs / trial_id / "hold").touch()
+            trial_files(runs / trial_id).hold.touch()
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
             env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT), "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
@@ -297,7 +297,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
         train_log = runs / across / "train.log"
         wait_for(lambda: "world size 2, resumed at step 50" in train_log.read_text(), 180, "the trial on both nodes again")
         for trial_id in trial_ids:
-            (runs / trial_id / "hold").unlink()
+            trial_files(runs / trial_id).hold.unlink()
         assert launch.wait(timeout=300) == 0, launch_log()
 
         for trial_id in trial_ids:
@@ -346,7 +346,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
         trial_dir = tmp_path / "runs" / "stopped" / trial_id
         trial_dir.mkdir(parents=True)
-        (trial_dir / "hold").touch()
+        trial_files(trial_dir).hold.touch()
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
@@ -407,7 +407,7 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
         # control step while its hold file is there: it answers resizes, and trains no more.
         params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "elastic", {"steps": 10**6, "checkpoint_every": 500})
         trial_dir.mkdir(parents=True)
-        (trial_dir / "hold").touch()
+        trial_files(trial_dir).hold.touch()
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db"),
@@ -448,10 +448,10 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
         wait_for(lambda: running_on(2), 60, "the grow")
         assert leased() == {"a/cpu0", "a/cpu1"}
         # A resize is recorded once the new generation has taken its first step: held again after it.
-        (trial_dir / "hold").unlink()
+        trial_files(trial_dir).hold.unlink()
         events = wait_for(lambda: (lambda e: e if len(e) >= 2 else None)(
             [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]), 60, "the grow's record")
-        (trial_dir / "hold").touch()
+        trial_files(trial_dir).hold.touch()
         assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)], events
 
         # Node b joins while the campaign runs; then node a dies: the trial resumes on b from its checkpoint.
@@ -601,7 +601,7 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
         params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "spread",
                                                        {"steps": 300, "checkpoint_every": 50, "eval_every": 300, "log_every": 10})
         trial_dir.mkdir(parents=True)
-        (trial_dir / "hold").touch()  # held from step HOLD_AT, at every control step after it, while the file is there
+        trial_files(trial_dir).hold.touch()  # held from step HOLD_AT, at every control step after it, while the file is there
         launch = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
@@ -634,7 +634,7 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
         said = resize(2)
         assert "a/cpu0" in said and "b/cpu0" in said and "nodes" in said, said
         wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 180, "the trial across both nodes again")
-        (trial_dir / "hold").unlink()
+        trial_files(trial_dir).hold.unlink()
         assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-3000:]
         assert not leased()
 

@@ -102,7 +102,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, digits_npz):
     # 200, 300): the kill lands mid-trial however loaded the machine.
     killed = replace(config(tmp_path / "killed", digits_npz), hold_at_step=HELD_AT)
     Path(killed.trial_dir).mkdir(parents=True)
-    (Path(killed.trial_dir) / "hold").touch()
+    trial_files(killed.trial_dir).hold.touch()
     proc = launch(killed)
     wait_for(lambda: (read_json(trial_files(killed.trial_dir).progress) or {}).get("state") == "held" or proc.poll() is not None,
              120, "the trial to be held at step 350")
@@ -121,7 +121,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, digits_npz):
     shard.write_bytes(shard.read_bytes()[:-16] + b"\0" * 16)
     assert latest_valid_checkpoint(killed.checkpoint_dir) == list_checkpoints(killed.checkpoint_dir)[1]
 
-    (Path(killed.trial_dir) / "hold").unlink()
+    trial_files(killed.trial_dir).hold.unlink()
     run_to_end(killed)
     log = (Path(killed.trial_dir) / "train.log").read_text()
     assert f"resumed at step {max(steps_done) - EVERY}" in log

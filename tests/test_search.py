@@ -16,6 +16,7 @@ import yaml
 from conftest import campaign_cli
 from training.spec import parse_spec
 from tasks.search import Search
+from training.layout import trial_files
 
 BASE = {"campaign": {"name": "s"}, "model": {"name": "mlp", "width": 16},
         "training": {"steps": 100, "batch_size": 16, "lr": 0.1, "eval_every": 20}}
@@ -159,13 +160,13 @@ def test_a_search_killed_outright_goes_on_to_n_without_rerunning(tmp_path, digit
         dirs = [p.name for p in root.iterdir() if p.is_dir() and p.name not in first]
         if dirs and second is None:
             second = dirs[0]
-            (root / second / "hold").touch()  # it waits before step 300: the kill lands mid-trial
+            trial_files(root / second).hold.touch()  # it waits before step 300: the kill lands mid-trial
         assert proc.poll() is None and time.time() < deadline, "the second trial never reached its hold step"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     time.sleep(2)  # the warden ends what the campaign left
-    (root / second / "hold").unlink()
+    trial_files(root / second).hold.unlink()
 
     done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -20,6 +20,7 @@ from tasks.trial import accept_launches, apply_launch, close_warm_workers, plan_
 from training.checkpoint import load_model_weights
 from training.config import TrialConfig
 from training.workload import build_model
+from training.layout import trial_files
 
 
 
@@ -103,7 +104,7 @@ def test_trials_in_one_warm_worker_match_torchrun_bit_for_bit(tmp_path, digits_n
 def test_a_stopping_campaign_ends_a_busy_warm_worker(tmp_path, digits_npz):
     held = config(tmp_path / "held", digits_npz, steps=400, hold_at_step=10)
     Path(held.trial_dir).mkdir(parents=True)
-    (Path(held.trial_dir) / "hold").touch()
+    trial_files(held.trial_dir).hold.touch()
     accept_launches()
     codes = []
     runner = threading.Thread(target=lambda: codes.append(warm(held, tmp_path)))

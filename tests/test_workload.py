@@ -23,6 +23,7 @@ from training.config import TrialConfig
 from training.manifest import list_checkpoints
 from training.workload import WorkloadError, build_model, check_workload
 from user_workload import PACKAGE, workload, write_package
+from training.layout import trial_files
 
 SGD = {"name": "SGD", "kwargs": {"momentum": 0.9}}
 CE = {"name": "cross_entropy"}
@@ -219,7 +220,7 @@ def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, us
     run_id = client.create_run(client.create_experiment("replay")).info.run_id
     held = config(tmp_path / "killed", digits_npz, hold_at_step=50, log_every=5, mlflow_tracking_uri=uri, mlflow_run_id=run_id)
     Path(held.trial_dir).mkdir(parents=True)
-    (Path(held.trial_dir) / "hold").touch()  # the trainer waits before step 50: the kill lands there
+    trial_files(held.trial_dir).hold.touch()  # the trainer waits before step 50: the kill lands there
     proc = launch(held, 2, user_root)
     try:
         deadline = time.time() + 120
@@ -236,7 +237,7 @@ def test_user_model_killed_and_resumed_matches_an_uninterrupted_run(tmp_path, us
     assert [p.name for p in list_checkpoints(held.checkpoint_dir)] == ["step-00000040", "step-00000020"]
     assert not Path(held.result_path).exists()
 
-    (Path(held.trial_dir) / "hold").unlink()
+    trial_files(held.trial_dir).hold.unlink()
     resumed = run(held, 2, user_root)
     assert "resumed at step 40" in (Path(held.trial_dir) / "train.log").read_text()
     assert straight.keys() == resumed.keys() and any("running_mean" in k for k in straight)

@@ -54,6 +54,7 @@ from training.config import TrialConfig
 from training.errors import CampaignError
 from training.fence import commit_guard, grant_of
 from training.files import write_json_atomic
+from training.layout import trial_files
 from training.metrics import MetricsLogger, progress_line
 from training.pruning import Pruning
 from training.workload import WorkloadError, import_target
@@ -238,7 +239,7 @@ class TrialContext:
 
     def _hold(self) -> None:
         """Tests: wait here while `<trial_dir>/hold` exists (a step a test can kill at)."""
-        hold = Path(self.cfg.trial_dir) / "hold"
+        hold = trial_files(self.cfg.trial_dir).hold
         if self.is_rank0 and hold.exists():
             self.write_progress("held")
         while hold.exists():

@@ -74,6 +74,10 @@ class TrialFiles:
     def resize_answer(self) -> Path:  # ...and the campaign answers here
         return self.control / "request-result.json"
 
+    @property
+    def hold(self) -> Path:  # tests: while it exists, the trainer waits at its hold step (CAMPAIGN_HOLD_AT_STEP)
+        return self.root / "hold"
+
     def rendezvous(self, attempt: int) -> Path:  # a pool trial's rendezvous for one attempt
         return self.control / f"rendezvous-{attempt}.json"
 

@@ -52,6 +52,7 @@ from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
 from training.errors import CampaignError
 from training.files import read_json, write_json_atomic
+from training.layout import trial_files
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger, progress_line
 from training.noise_scale import LocalNorm, NoiseScale, decay_for, harmonic_mean, squared_norm
@@ -649,7 +650,7 @@ class Trainer(Stateful):
         hold step, then every control step after it while the file is there), unless the
         agent asks the trial to stop (`stop_requested`): a held trial still resizes, then
         waits again in its next generation, so a short trial can take several resizes."""
-        hold = Path(self.cfg.trial_dir) / "hold"
+        hold = trial_files(self.cfg.trial_dir).hold
         if not hold.exists() or (stop_requested is not None and stop_requested()):
             return
         if self.is_rank0:
