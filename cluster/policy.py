@@ -303,11 +303,10 @@ class ElasticPolicy:
     ((i/m)^q - ((i-1)/m)^q)^(1/q), the marginal value at which heSRPT's shares (Berg et al.,
     SIGMETRICS'20: the mean-completion-time optimum for jobs whose speed-up is n^p, here
     p = 1 - 1/q) equalise. The shortest weighs most, but every job keeps a share that does not
-    fall with its length, and jobs within `rank_tie` of each other weigh alike. With the
-    yield below (then after 10 min), against Pollux on the six Philly workloads: p99
-    completion time under Pollux's on five (from two), average 0.896 of Pollux's (from
-    0.910). Devices go one chunk at a time to the job whose concave hull of value gains most
-    per device, so admitting a job at its minimum competes with growing another. Then:
+    fall with its length, and jobs within `rank_tie` of each other weigh alike (what each
+    of these knobs did against Pollux, measured: docs/benchmarks.md, "scheduling"). Devices
+    go one chunk at a time to the job whose concave hull of value gains most per device, so
+    admitting a job at its minimum competes with growing another. Then:
 
     - hysteresis: devices a running job already holds are worth (1 + hysteresis) times
       more to it, and a job stays untouched for `min_run_s` after a change (it may grow,
