@@ -461,18 +461,22 @@ class LeaseStore:
             os.close(fd)  # closing drops the lock
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
-        """Creates the schema in a new file, or checks an existing one; once per store."""
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            empty = _app_id(conn) == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone()
-            if empty:
-                _create(conn, {"generation": uuid.uuid4().hex})
-            conn.execute("COMMIT")
-        except BaseException:
-            _rollback(conn)
-            raise
-        # Outside a transaction, as SQLite requires; WAL lets readers run beside a writer.
-        conn.execute("PRAGMA journal_mode = WAL")
+        """Creates the schema in a new file, or checks an existing one; once per store. A
+        file already made in WAL mode is only read here, so that a store's first use, a read
+        included, does not wait for another process's write transaction."""
+        made = _app_id(conn) != 0 and conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        if not made:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                empty = _app_id(conn) == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone()
+                if empty:
+                    _create(conn, {"generation": uuid.uuid4().hex})
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
+            # Outside a transaction, as SQLite requires; WAL lets readers run beside a writer.
+            conn.execute("PRAGMA journal_mode = WAL")
         _verify(conn)
         self._verified = True
 

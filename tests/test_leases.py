@@ -439,6 +439,8 @@ def test_reads_never_wait_for_a_writer_and_leave_dead_rows_to_the_next_write(tmp
         assert [lease.holder for lease in store.leases()] == ["live"]
         assert store.usage() == {"d0": 10}
         assert set(store.waiting()) == {"waits"}
+        fresh = LeaseStore(store.path, heartbeat_timeout_s=30, clock=clock)  # `campaign cluster`: a store's first use
+        assert [lease.holder for lease in fresh.leases()] == ["live"]
         with pytest.raises(LeaseStoreBusy, match="stayed locked"):
             store.acquire("new", {"d2": 10}, CAP)  # a write does wait, and says why it gave up
     finally:
