@@ -373,8 +373,9 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
 
 def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) -> tuple[Path, str, Path]:
-    """A campaign of one elastic [1, 2] trial that the test resizes (the policy keeps still):
-    its params file, the trial's id and its folder."""
+    """A campaign of one elastic [1, 2] trial that the test resizes (`min_run_s` 600: the policy
+    neither shrinks nor moves it on its own, though it grows it into idle devices): its params
+    file, the trial's id and its folder."""
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
         "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits)}, "model": {"name": "mlp", "width": 8},
