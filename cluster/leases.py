@@ -310,13 +310,7 @@ class LeaseStore:
         """Every live lease on the host. A read: dead holders' rows are left out, not
         deleted (the next write sweeps them), so a campaign polling this never queues
         behind, or blocks, another campaign's write transaction."""
-        def live(conn: sqlite3.Connection) -> list[Lease]:
-            now = self._clock()
-            rows = _rows(conn)
-            dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
-            return [r for r in rows if r.holder not in dead]
-
-        return self._run(live, write=False)
+        return self._run(lambda conn: self._live_and_dead(_rows(conn), self._clock())[0], write=False)
 
     def usage(self) -> dict[str, int]:
         """Leased bytes per device id, of the live holders (a read, as `leases`)."""
@@ -396,10 +390,15 @@ class LeaseStore:
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> tuple[list[Lease], list[Lease]]:
         """Deletes dead holders' rows; returns (live leases, removed leases)."""
-        rows = _rows(conn)
-        dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
+        live, dead = self._live_and_dead(_rows(conn), now)
         if dead:
-            conn.executemany("DELETE FROM leases WHERE holder = ?", [(h,) for h in dead])
+            conn.executemany("DELETE FROM leases WHERE holder = ?", [(h,) for h in {r.holder for r in dead}])
+        return live, dead
+
+    def _live_and_dead(self, rows: list[Lease], now: float) -> tuple[list[Lease], list[Lease]]:
+        """Rows split by holder: a holder with any row past reclaim (process gone, deadline and
+        margin passed) is dead with all of its rows."""
+        dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
         return [r for r in rows if r.holder not in dead], [r for r in rows if r.holder in dead]
 
     def _in_grace(self, conn: sqlite3.Connection, now: float) -> bool:
@@ -464,8 +463,7 @@ class LeaseStore:
         """Creates the schema in a new file, or checks an existing one; once per store. A
         file already made in WAL mode is only read here, so that a store's first use, a read
         included, does not wait for another process's write transaction."""
-        made = _app_id(conn) != 0 and conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        if not made:
+        if _app_id(conn) == 0 or conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
             conn.execute("BEGIN IMMEDIATE")
             try:
                 empty = _app_id(conn) == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone()
