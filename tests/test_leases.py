@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -493,3 +494,45 @@ def test_a_worker_stops_before_the_renew_deadline_it_cannot_see_renewed(tmp_path
     clock.now += 1.01
     assert other.acquire("b", {"d0": 10}, CAP)
     assert "gone" in fence.check()
+
+
+def fenced_child(lease: dict, body: str) -> subprocess.Popen:
+    """A process that watches `lease` as a trial's worker does, then runs `body`."""
+    code = "import json, signal, sys\nfrom training.fence import watch_lease\n" \
+           "fence = watch_lease(json.loads(sys.argv[1]))\nprint('watching', flush=True)\n" + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(lease)], stdout=subprocess.PIPE)
+
+
+def test_a_worker_whose_fence_thread_cannot_run_is_still_ended_before_its_devices_change_hands(tmp_path):
+    """The worker's main thread holds the GIL in one long C call, so the fence's thread never
+    runs (as under heavy load, where each of its GIL hand-offs waits on the scheduler): the
+    kernel's timer ends the process at the renew deadline, before another holder can take
+    the devices. On a fence with only its thread, the process outlives the deadline."""
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=4.0)
+    assert store.acquire("a", {"d0": 4}, CAP)  # never renewed from here on: its holder "stalled"
+    child = fenced_child(store.fence("a"), "sum(range(10**13))  # one C call: the GIL is never released\nprint('survived')")
+    try:
+        assert child.stdout.readline() == b"watching\n"
+        taker = LeaseStore(store.path, heartbeat_timeout_s=4.0)
+        _wait_for(lambda: taker.acquire("b", {"d0": 10}, CAP), 30, "the stalled holder's devices for another holder")
+        assert child.poll() == -signal.SIGALRM, "the worker still ran when its devices changed hands"
+    finally:
+        child.kill()
+        child.wait()
+    assert child.stdout.read() == b""
+
+
+def test_a_closed_fence_leaves_no_timer_behind(tmp_path):
+    """A warm worker serves one trial after another: the fence of a trial that ended must not
+    end the process later, when that trial's holder has released its lease."""
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=4.0)
+    assert store.acquire("a", {"d0": 4}, CAP)
+    child = fenced_child(store.fence("a"), """
+        armed = signal.getitimer(signal.ITIMER_REAL)[0]
+        fence.close()
+        print(json.dumps([armed, signal.getitimer(signal.ITIMER_REAL)[0]]))
+    """)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0, out
+    armed, after = json.loads(out.splitlines()[1])
+    assert 0 < armed <= 4.0 and after == 0.0

@@ -9,6 +9,14 @@ when its holder last renewed and under which grant (epoch); it ends itself (SIGK
 saves nothing, the last verified checkpoint stands) before the deadline it can no longer
 see renewed, or at once when the lease is gone or was granted again. The stalled process
 is the campaign's: that is why the check runs here, not there.
+
+The thread is not enough on its own: under load it may not run for seconds (the CPU is
+oversubscribed, or the training thread holds the GIL through a long C call, and each of the
+check's GIL hand-offs waits on the scheduler). So every deadline the thread reads is also
+armed as a kernel timer (ITIMER_REAL, whose SIGALRM is left at its default action: end the
+process). If the thread falls behind, the kernel ends the process at the deadline it last
+saw, with no Python code needing to run: starvation can cost a worker its run (it resumes
+from its checkpoint), never a device shared.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class Fence:
         self.clock = clock
         self.deadline = clock() + self.every_s * 2  # until the first read: as good as a fresh grant's, no more
         self._closed = threading.Event()
+        self._lock = threading.Lock()  # close() and the thread's re-arming: never armed after close
 
     def check(self) -> str | None:
         """None while this process may go on using its devices, else why it must stop."""
@@ -83,20 +92,34 @@ class Fence:
         return None
 
     def watch(self) -> "Fence":
-        """Check now (a launch on a lost lease ends at once), then from a daemon thread."""
+        """Check now (a launch on a lost lease ends at once), then from a daemon thread, with
+        the kernel's timer as the backstop at each deadline read (see the module's doc)."""
         if (problem := self.check()) is not None:
             _stop(problem, FENCED)
+        _alarm_ends_process()
+        self._arm()
         threading.Thread(target=self._run, name="lease-fence", daemon=True).start()
         return self
 
     def _run(self) -> None:
         while not self._closed.wait(self.every_s):
-            if (problem := self.check()) is not None:
-                _stop(problem, None)
+            problem = self.check()
+            with self._lock:
+                if self._closed.is_set():  # the trial ended meanwhile: a warm worker's next one has its own
+                    return
+                if problem is not None:
+                    _stop(problem, None)
+                self._arm()
+
+    def _arm(self) -> None:
+        """The kernel ends this process at the deadline unless it is armed again first."""
+        signal.setitimer(signal.ITIMER_REAL, max(self.deadline - self.clock(), 0.001))
 
     def close(self) -> None:
         """The trial is over in this process (a warm worker goes on to the next one)."""
-        self._closed.set()
+        with self._lock:
+            self._closed.set()
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 @contextmanager
@@ -107,6 +130,16 @@ def stops_when_fenced():
         yield
     except Fenced as e:
         _stop(str(e), None)
+
+
+def _alarm_ends_process() -> None:
+    """SIGALRM at its default action (end the process): the fence's timer needs no Python
+    code to run. From the main thread it is set so; elsewhere a handler found is refused."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    elif signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
+        raise RuntimeError("training.fence: SIGALRM has a handler in this process, so the lease's timer "
+                           "could not end it; start the fence from the main thread, before any handler")
 
 
 def _stop(problem: str, code: int | None) -> None:
