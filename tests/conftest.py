@@ -47,6 +47,20 @@ def campaign_cli(*args: str, cwd: Path | None = None):
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def process_state(pid: int) -> tuple[bytes, bool] | None:
+    """(the process's state letter, whether it is being killed), None once it is gone. A
+    process with a SIGKILL pending (sent, or a fatal signal's group exit) runs no more code
+    of its own, though it may stay in view while the kernel finishes a disk write (a
+    checkpoint's fsync under load): a fencing test counts it as stopped."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return fields["State"].split()[0].encode(), bool(pending & (1 << (9 - 1)))
+
+
 def wait_for(check, timeout: float, what: str, every: float = 0.2):
     """`check()`'s first true value, polled until `timeout` seconds; fails naming `what`."""
     import time

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import wait_for
+from conftest import process_state, wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -491,17 +491,21 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
                 proc.wait(timeout=30)
 
 
-def trial_workers_of(node: str) -> list[int]:
-    """The processes of a node that train (torchrun's workers; torchrun itself holds no device)."""
+def trial_workers_of(node: str, with_state: bool = False) -> list:
+    """The processes of a node that train (torchrun's workers; torchrun itself holds no
+    device), not counting those being killed (conftest.process_state); with their state
+    letters when `with_state`, for a failure's message."""
     found = []
     for pid in processes_of(node):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"training.train" in cmdline and b"training.launch" not in cmdline and state not in (b"Z", b"X"):
-            found.append(pid)
+        if b"training.train" not in cmdline or b"training.launch" in cmdline:
+            continue
+        state = process_state(pid)
+        if state is not None and state[0] not in (b"Z", b"X") and not state[1]:
+            found.append((pid, state[0].decode()) if with_state else pid)
     return found
 
 
@@ -551,7 +555,7 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
             nonlocal samples
             node_leases.renew("taker/t@1")
             samples += 1
-            if running := trial_workers_of("a"):
+            if running := trial_workers_of("a", with_state=True):
                 overlaps.append((round(time.monotonic() - stalled_at, 2), running))
 
         try:
