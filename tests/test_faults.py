@@ -476,13 +476,15 @@ def test_two_campaigns_on_one_device_take_turns(tmp_path, digits_npz):
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_until(lambda: name in store.waiting(), 180, f"campaign {name} never queued for the slot")
     store.release("someone-else/x")
+    outputs = {}
     for name, proc in procs.items():
-        output = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, output[-3000:]
+        outputs[name] = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, outputs[name][-3000:]
     starts = sorted(
         (event["time"], name)
         for name in procs
         for event in map(json.loads, (tmp_path / "runs" / name / "allocations.jsonl").read_text().splitlines())
         if event["reason"] == "start"
     )
-    assert [name for _, name in starts] == ["first", "second"] * 3  # turns, in the order they queued
+    assert [name for _, name in starts] == ["first", "second"] * 3, (  # turns, in the order they queued
+        starts, {name: out[-2000:] for name, out in outputs.items()})

@@ -539,11 +539,14 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         node_leases = LeaseStore(tmp_path / "leases-a.db", timeout_s)
 
         def training() -> bool:
+            """Both workers train: a step done (DDP: both ranks past their fence's start). A
+            worker still importing holds no device yet; its fence refuses it a lost lease."""
             if launch.poll() is not None:
                 pytest.fail((tmp_path / "launch.log").read_text()[-3000:])
-            return len(trial_workers_of("a")) == 2
+            stepped = any((read_json(path) or {}).get("step", 0) > 0 for path in (tmp_path / "runs").glob("stalled/*/progress.json"))
+            return stepped and len(trial_workers_of("a")) == 2
 
-        wait_for(training, 240, "the trial's two workers on node a")
+        wait_for(training, 240, "the trial's two workers on node a, training")
         (holder_pid,) = {lease.pid for lease in node_leases.leases()}
         os.kill(holder_pid, signal.SIGSTOP)
         stalled_at = time.monotonic()
