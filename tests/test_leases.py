@@ -496,21 +496,25 @@ def test_a_worker_stops_before_the_renew_deadline_it_cannot_see_renewed(tmp_path
     assert "gone" in fence.check()
 
 
-def fenced_child(lease: dict, body: str) -> subprocess.Popen:
-    """A process that watches `lease` as a trial's worker does, then runs `body`."""
+def fenced_child(lease: dict, body: str, alarm_blocked: bool = False) -> subprocess.Popen:
+    """A process that watches `lease` as a trial's worker does, then runs `body`; started
+    with SIGALRM blocked when `alarm_blocked` (a mask its parent left it)."""
     code = "import json, signal, sys\nfrom training.fence import watch_lease\n" \
            "fence = watch_lease(json.loads(sys.argv[1]))\nprint('watching', flush=True)\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(lease)], stdout=subprocess.PIPE)
+    block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})) if alarm_blocked else None
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(lease)], stdout=subprocess.PIPE, preexec_fn=block)
 
 
-def test_a_worker_whose_fence_thread_cannot_run_is_still_ended_before_its_devices_change_hands(tmp_path):
+@pytest.mark.parametrize("alarm_blocked", [False, True], ids=["alarm-free", "alarm-blocked-by-its-parent"])
+def test_a_worker_whose_fence_thread_cannot_run_is_still_ended_before_its_devices_change_hands(tmp_path, alarm_blocked):
     """The worker's main thread holds the GIL in one long C call, so the fence's thread never
     runs (as under heavy load, where each of its GIL hand-offs waits on the scheduler): the
     kernel's timer ends the process at the renew deadline, before another holder can take
     the devices. On a fence with only its thread, the process outlives the deadline."""
     store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=4.0)
     assert store.acquire("a", {"d0": 4}, CAP)  # never renewed from here on: its holder "stalled"
-    child = fenced_child(store.fence("a"), "sum(range(10**13))  # one C call: the GIL is never released\nprint('survived')")
+    child = fenced_child(store.fence("a"), "sum(range(10**13))  # one C call: the GIL is never released\nprint('survived')",
+                         alarm_blocked)
     try:
         assert child.stdout.readline() == b"watching\n"
         taker = LeaseStore(store.path, heartbeat_timeout_s=4.0)

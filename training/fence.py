@@ -137,6 +137,9 @@ def _alarm_ends_process() -> None:
     code to run. From the main thread it is set so; elsewhere a handler found is refused."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        # A mask is inherited through fork and exec: a parent that blocked SIGALRM would
+        # leave it pending here for good. One thread that takes it is enough.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
     elif signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
         raise RuntimeError("training.fence: SIGALRM has a handler in this process, so the lease's timer "
                            "could not end it; start the fence from the main thread, before any handler")
