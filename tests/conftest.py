@@ -47,18 +47,18 @@ def campaign_cli(*args: str, cwd: Path | None = None):
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
-def process_state(pid: int) -> tuple[bytes, bool] | None:
-    """(the process's state letter, whether it is being killed), None once it is gone. A
-    process with a SIGKILL pending (sent, or a fatal signal's group exit) runs no more code
-    of its own, though it may stay in view while the kernel finishes a disk write (a
-    checkpoint's fsync under load): a fencing test counts it as stopped."""
+def running_state(pid: int) -> str | None:
+    """The process's state letter while it may still run code of its own; None once it is
+    gone, a zombie, or has a SIGKILL pending (sent, or a fatal signal's group exit: it may
+    stay in view a moment while the kernel ends it). A fencing test counts None as stopped."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
-    return fields["State"].split()[0].encode(), bool(pending & (1 << (9 - 1)))
+    state = fields["State"].split()[0]
+    killed = (int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)) & (1 << (9 - 1))
+    return None if killed or state in ("Z", "X") else state
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.2):

@@ -27,7 +27,7 @@ from flows.campaign import HOLD_ENV
 from training.files import read_json
 from training.layout import campaign_files, trial_files
 
-from conftest import process_state, wait_for
+from conftest import running_state, wait_for
 
 pytestmark = pytest.mark.slow  # two real campaigns, torchrun trials
 
@@ -69,8 +69,7 @@ class WorkerSampler(threading.Thread):
                 if b"training.train" not in cmdline or b"training.launch" in cmdline:
                     continue  # torchrun's own process holds no device; its workers do
                 name = next((n for n, root in self.runs.items() if root in cmdline), None)
-                state = process_state(int(proc.name))
-                if name is None or state is None or state[0] in (b"Z", b"X") or state[1]:
+                if name is None or running_state(int(proc.name)) is None:
                     continue  # not this test's, gone, or being killed (it runs no more code of its own)
                 env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
                 cores = env[b"CAMPAIGN_CPU_CORES"].split(b",")

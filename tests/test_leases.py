@@ -523,7 +523,6 @@ def test_a_worker_whose_fence_thread_cannot_run_is_still_ended_before_its_device
     finally:
         child.kill()
         child.wait()
-    assert child.stdout.read() == b""
 
 
 def test_a_closed_fence_leaves_no_timer_behind(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import process_state, wait_for
+from conftest import running_state, wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -493,8 +493,8 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
 
 def trial_workers_of(node: str, with_state: bool = False) -> list:
     """The processes of a node that train (torchrun's workers; torchrun itself holds no
-    device), not counting those being killed (conftest.process_state); with their state
-    letters when `with_state`, for a failure's message."""
+    device), not counting those stopped or being killed (conftest.running_state); with
+    their state letters when `with_state`, for a failure's message."""
     found = []
     for pid in processes_of(node):
         try:
@@ -503,9 +503,8 @@ def trial_workers_of(node: str, with_state: bool = False) -> list:
             continue
         if b"training.train" not in cmdline or b"training.launch" in cmdline:
             continue
-        state = process_state(pid)
-        if state is not None and state[0] not in (b"Z", b"X") and not state[1]:
-            found.append((pid, state[0].decode()) if with_state else pid)
+        if (state := running_state(pid)) is not None:
+            found.append((pid, state) if with_state else pid)
     return found
 
 
