@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -67,7 +68,9 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     slots = [d.id for d in discover(cpu_slots=2).devices]
     capacity = {s: discover(cpu_slots=2).device(s).memory_bytes for s in slots}
     store = LeaseStore()
-    assert store.acquire("someone-else/x", {slots[1]: capacity[slots[1]]}, capacity)
+    # Renewed while held (`hold`): a campaign slow to start must not find it expired.
+    someone_else = contextlib.ExitStack()
+    someone_else.enter_context(store.hold("someone-else/x", {slots[1]: capacity[slots[1]]}, capacity))
     outcomes: dict[str, subprocess.CompletedProcess] = {}
 
     def drive():
@@ -84,7 +87,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
         while (read_json(trial_dir / "progress.json") or {}).get("state") != "held" and time.time() < deadline:
             time.sleep(0.05)
         outcomes["blocked"] = resize(runs, trial, 2)  # the free slot is held by another campaign
-        store.release("someone-else/x")
+        someone_else.close()
         outcomes["grow"] = resize(runs, trial, 2)
         outcomes["shrink"] = resize(runs, trial, 1)
         trial_files(trial_dir).hold.unlink()
