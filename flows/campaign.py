@@ -89,6 +89,22 @@ def inventory_for(spec: CampaignSpec) -> Inventory:
     return discover(cpu_slots=spec.cluster.cpu_slots)
 
 
+def warm_first_wave(spec: CampaignSpec, trials: list[Trial], inventory: Inventory,
+                    requests: dict[str, SizedRequest], usage: dict[str, int]) -> list[Device]:
+    """Where the first one-device trials to run would start now (`usage`: what other
+    campaigns lease), as the loop packs them: the devices whose warm workers are worth
+    starting before the loop (tasks.trial.prestart_warm_workers). Empty unless the trials
+    run in warm workers on this host."""
+    if not spec.cluster.warm_workers or spec.cluster.pool is not None:
+        return []
+    root = campaign_dir(spec.tracking.runs_dir, spec.campaign.name)
+    fixed = [requests[t.id].at(1) for t in trials if requests[t.id].min_devices == requests[t.id].max_devices == 1
+             and completed_result(root / t.id) is None]
+    packer = Packer(inventory, usage, workload=workload_of(fixed))
+    placed = (packer.place(request) for request in fixed)
+    return [inventory.device(p.device_ids[0]) for p in placed if p is not None]
+
+
 def planning_inventory(spec: CampaignSpec) -> Inventory:
     """The declared cluster when the spec has one (for planning), else this host's devices."""
     if not spec.cluster.nodes:

@@ -127,8 +127,8 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
     where the campaign writes them); a warm worker for a one-device trial when `warm`."""
     trial_dir = Path(config.trial_dir)
     if warm and not elastic and len(devices) == 1:
-        env = {**visible_devices_env(devices), **_launch_env()}
-        return LaunchPlan([python, "-m", "training.worker"], env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, warm=True)
+        command, env = _warm_command(devices[0], python)
+        return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, warm=True)
     if elastic:
         workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
         control = control or control_dir(config)
@@ -203,6 +203,11 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
     return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log)
 
 
+def _warm_command(device: Device, python: str) -> tuple[list[str], dict[str, str]]:
+    """A warm worker's command and the env that binds it to `device`."""
+    return [python, "-m", "training.worker"], {**visible_devices_env([device]), **_launch_env()}
+
+
 def _launch_env() -> dict[str, str]:
     return {
         # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
@@ -221,11 +226,13 @@ def _torchrun_dies_with_campaign() -> None:
 class WarmWorker:
     """A `training.worker` process: trials are sent to it one at a time (see that module)."""
 
-    def __init__(self, plan: LaunchPlan):
-        self.key = warm_key(plan)
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path):
+        self.key = _key(command, env, cwd)
+        self.plan_env = env
+        self.env = {**os.environ, **env}  # what the process was started with
         reply_read, reply_write = os.pipe()
         self.proc = subprocess.Popen(
-            [*plan.command, "--reply-fd", str(reply_write)], cwd=plan.cwd, env={**os.environ, **plan.env},
+            [*command, "--reply-fd", str(reply_write)], cwd=cwd, env=self.env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(reply_write,),
             start_new_session=True, preexec_fn=_torchrun_dies_with_campaign, text=True,
         )
@@ -234,8 +241,14 @@ class WarmWorker:
 
     def run(self, plan: LaunchPlan) -> int:
         """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""
+        # The trial sees the campaign's environment of now, as a new process would: a worker
+        # started before the campaign's loop (prestart_warm_workers) learns its metrics hub here.
+        now = {**os.environ, **self.plan_env}
+        changed = {k: v for k, v in now.items() if self.env.get(k) != v}
+        request = {"config": str(plan.config_path), "log": str(plan.log_path), "env": changed, "unset": sorted(set(self.env) - set(now))}
+        self.env = now
         try:
-            self.proc.stdin.write(json.dumps({"config": str(plan.config_path), "log": str(plan.log_path)}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             line = self.replies.readline()
         except (BrokenPipeError, OSError):
@@ -275,11 +288,26 @@ class WarmWorker:
 
 
 def warm_key(plan: LaunchPlan) -> str:
+    return _key(plan.command, plan.env, plan.cwd)
+
+
+def _key(command: list[str], env: dict[str, str], cwd: Path) -> str:
     """Workers are interchangeable when they see the same device, environment and directory."""
-    return json.dumps([sorted(plan.env.items()), str(plan.cwd), plan.command], sort_keys=True)
+    return json.dumps([sorted(env.items()), str(cwd), command], sort_keys=True)
 
 
 _idle_workers: dict[str, list[WarmWorker]] = {}
+
+
+def prestart_warm_workers(devices: Sequence[Device], cwd: Path, python: str = sys.executable) -> None:
+    """One warm worker per entry of `devices` (where the first one-device trials will be
+    placed), started now: each imports torch and the trainer (seconds) while the campaign
+    itself starts. None touches its device until a trial is sent to it, under that trial's
+    lease (training.worker); one whose device no trial gets is ended with the campaign."""
+    workers = [WarmWorker(*_warm_command(device, python), cwd) for device in devices]
+    with _live_lock:
+        for worker in workers:
+            _idle_workers.setdefault(worker.key, []).append(worker)
 
 
 def close_warm_workers() -> None:
@@ -300,7 +328,7 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
         if config.trial_id in _revoked:
             raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
         idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
-        worker = idle.pop() if idle else WarmWorker(plan)
+        worker = idle.pop() if idle else WarmWorker(plan.command, plan.env, plan.cwd)
         _idle_workers[warm_key(plan)] = idle
         _live_groups[worker.proc.pid] = config.trial_id  # its own session: the group id is its pid
     code, keep = None, False

@@ -71,6 +71,53 @@ def test_a_warm_worker_trains_one_trial_after_another_each_in_its_own_log(tmp_pa
         assert cfg.trial_id in (Path(cfg.trial_dir) / "train.log").read_text()
 
 
+def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_then(tmp_path, digits_npz, monkeypatch):
+    """`campaign launch` starts the first trials' workers before its loop (they import while
+    it starts); what the campaign sets in its environment meanwhile (its metrics hub, here the
+    checkpoint key) reaches the trial as it would a process started for it."""
+    from tasks.trial import prestart_warm_workers
+    from training.manifest import KEY_ENV
+
+    tiny = dict(model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2, warmup_steps=0)
+    cfg = config(tmp_path / "first", digits_npz, **tiny)
+    accept_launches()
+    try:
+        prestart_warm_workers([_slot()], tmp_path)
+        (ahead,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        key = tmp_path / "set-after-the-worker-started.key"
+        monkeypatch.setenv(KEY_ENV, str(key))
+        assert warm(cfg, tmp_path) == 0
+        (served,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert served is ahead  # the trial ran in the worker started ahead, not a new one
+    finally:
+        close_warm_workers()
+    assert json.loads(Path(cfg.result_path).read_text())["steps"] == 2
+    assert key.exists()  # its checkpoint was signed with the key named after the worker started
+
+
+def test_workers_are_started_ahead_where_the_first_one_device_trials_will_be_placed(tmp_path, digits_npz):
+    from cluster.inventory import discover
+    from flows.campaign import checked_requests, warm_first_wave
+    from tasks.grid import expand_grid
+    from training.spec import parse_spec
+
+    raw = {"campaign": {"name": "ahead"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 4},
+           "training": {"steps": 2, "batch_size": 16, "lr": 0.05, "eval_every": 2, "checkpoint_every": 2},
+           "grid": {"training.lr": [0.01, 0.02, 0.03]}, "resources": {"devices": 1}, "cluster": {"cpu_slots": 2},
+           "tracking": {"runs_dir": str(tmp_path / "runs")}}
+    spec = parse_spec(raw)
+    slots = discover(cpu_slots=2)
+    trials = expand_grid(spec)
+    requests = checked_requests(spec, trials, slots)
+    ids = lambda devices: sorted(d.id for d in devices)
+    assert ids(warm_first_wave(spec, trials, slots, requests, {})) == ids(slots.devices)  # three trials, two slots
+    taken = slots.devices[0]
+    assert ids(warm_first_wave(spec, trials, slots, requests, {taken.id: taken.memory_bytes})) == [slots.devices[1].id]
+    assert len(warm_first_wave(spec, trials[:1], slots, requests, {})) == 1
+    cold = parse_spec({**raw, "cluster": {"cpu_slots": 2, "warm_workers": False}})
+    assert warm_first_wave(cold, trials, slots, requests, {}) == []
+
+
 def _slot():
     from cluster.inventory import discover
 

@@ -8,9 +8,15 @@ the same process (`training.train.train_trial`, exactly what a torchrun worker r
 with the trial's output in the trial's own train.log.
 
 Protocol (tasks/trial.py drives it): one JSON line per trial on stdin, `{"config": path,
-"log": path}`; one JSON line back on the file descriptor given by `--reply-fd`, `{"code":
-0}` or `{"code": 1}`. A trial that raises is reported with code 1 and the worker exits
-(its state after an exception is not to be trusted); end of stdin ends it.
+"log": path, "env": {name: value}, "unset": [name]}` (the campaign's environment changes
+since the worker started, applied before the trial runs); one JSON line back on the file
+descriptor given by `--reply-fd`, `{"code": 0}` or `{"code": 1}`. A trial that raises is
+reported with code 1 and the worker exits (its state after an exception is not to be
+trusted); end of stdin ends it.
+
+A worker may be started before its device is leased (tasks.trial.prestart_warm_workers),
+so it touches the device (CUDA, its core) only when its first trial comes, under that
+trial's lease.
 """
 
 from __future__ import annotations
@@ -32,7 +38,21 @@ from training.train import pick_device, train_trial
 from training.trainer import DistEnv
 
 
-def run_one(request: dict, device: torch.device) -> int:
+_device: torch.device | None = None  # set up at the first trial, under its lease
+
+
+def _open_device() -> torch.device:
+    """This worker's device and its process group of one, made at the first trial, once its
+    fence watches the lease: a worker started ahead of its lease never touches the device."""
+    global _device
+    if _device is None:
+        device = pick_device(0)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _device = device
+    return _device
+
+
+def run_one(request: dict) -> int:
     """Train the trial with this process's output going to its log."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -45,7 +65,7 @@ def run_one(request: dict, device: torch.device) -> int:
         cfg = TrialConfig.from_file(request["config"])
         fence = watch_lease(cfg.lease)  # this trial's holder: a warm worker serves one after another
         with stops_when_fenced():
-            train_trial(cfg, DistEnv(0, 1, 0), device)
+            train_trial(cfg, DistEnv(0, 1, 0), _open_device())
         return 0
     except BaseException:
         traceback.print_exc()
@@ -59,7 +79,7 @@ def run_one(request: dict, device: torch.device) -> int:
         os.dup2(saved[1], 2)
         for fd in saved:
             os.close(fd)
-        if device.type == "cuda":
+        if _device is not None and _device.type == "cuda":
             torch.cuda.empty_cache()
 
 
@@ -70,16 +90,19 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     skip_final_collection()  # a campaign's end waits for its idle workers to exit
     share_sink()  # one MLflow sink for all the trials of this worker
-    device = pick_device(0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     with os.fdopen(args.reply_fd, "w", buffering=1) as reply:
         for line in sys.stdin:
-            code = run_one(json.loads(line), device)
+            request = json.loads(line)
+            os.environ.update(request.get("env", {}))
+            for name in request.get("unset", []):
+                os.environ.pop(name, None)
+            code = run_one(request)
             reply.write(json.dumps({"code": code}) + "\n")
             if code != 0:
                 break
     close_shared_sink()  # every trial's metrics in MLflow before this worker is seen to end
-    dist.destroy_process_group()
+    if _device is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
