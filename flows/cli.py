@@ -97,8 +97,9 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
     """The first trials' warm workers import torch and the trainer (seconds of CPU each)
     while Prefect's server and the flow start, on cores those leave idle. Only where there
     are such cores: a start is CPU-bound on a small host, where starting them early delayed
-    the first trial by ~4 s and gained nothing overall (2 cores, 8 trivial trials on 2 slots:
-    first start 13.7 s against 10.0 s, the command 22.0 s against 22.6 s, medians of 4)."""
+    the first trial and the whole command (2 cores, 8 trivial trials on 2 slots: first start
+    14.7 s against 9.5 s, the command 24.7 s against 22.7 s; `bench/launch_overhead.py
+    --trials 8 --steps 2 --prestart-both`)."""
     from cluster.leases import LeaseError, LeaseStore, LeaseStoreError
     from flows.campaign import warm_first_wave
     from tasks.trial import prestart_warm_workers
