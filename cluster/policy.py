@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Protocol, Sequence
 
@@ -327,6 +328,12 @@ class ElasticPolicy:
       not bounce back at once: each bounce is a stop and a restart);
     - resize cost: a running job grows only if the gain, over a horizon of its run time so
       far, pays for a `pause_s` pause by at least `min_gain`;
+    - arrivals (`arrival_window_s`, off by default): the horizon over which a growth past
+      the job's request must pay for its pause is cut to how soon the devices free now will
+      be wanted again, at the rate the last `arrival_window_s` of arrivals requested devices
+      (growth up to the request is not limited). On the heavy Philly workload (960 jobs,
+      seed 1) 2 h took restarts per job from 0.86 to 0.74 (Pollux 0.48) and the average from
+      3.99 h to 3.94 h; on the six others the average moved by -2.7 % to +3.8 % (`--sweep`);
     - starvation: a job waiting `starvation_s` runs at its minimum before anything else;
       while it cannot, no job starts or grows, so it runs once protections expire;
     - locality: jobs go on the fewest nodes (best fit), growing jobs extend in place where
@@ -358,10 +365,12 @@ class ElasticPolicy:
     yield_min_s: float = 2400.0
     rank_q: float = 5.0
     rank_tie: float = 1.5
+    arrival_window_s: float = 0.0  # 0: growth past the request is not limited by arrivals
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
         jobs = sorted(jobs, key=lambda j: (j.arrival, j.id))
+        reclaim_s = self._reclaim_s(cluster, jobs, now)
         plans = [self._plan(cluster, job, now) for job in jobs]
         self._weigh_by_rank(plans)
         self._yield_to_shorter(plans, now)
@@ -373,7 +382,7 @@ class ElasticPolicy:
         frozen: set[int] = set()
         for _ in range(3):
             sizes = _greedy(plans, cluster.total, frozen)
-            newly = {i for i, p in enumerate(plans) if i not in frozen and not self._worth_resizing(cluster, p, sizes[i], now)}
+            newly = {i for i, p in enumerate(plans) if i not in frozen and not self._worth_resizing(cluster, p, sizes[i], now, reclaim_s)}
             if not newly:
                 break
             frozen |= newly
@@ -383,13 +392,24 @@ class ElasticPolicy:
             # pay stays at its size (unchecked, a job grew minutes after a change, then was
             # trimmed back, over and over: each a restart).
             for i, plan in enumerate(plans):
-                if not self._worth_resizing(cluster, plan, sizes[i], now):
+                if not self._worth_resizing(cluster, plan, sizes[i], now, reclaim_s):
                     sizes[i] = plan.job.devices
         self._explore(cluster, plans, sizes)
         out = self._place(cluster, plans, sizes)
         if self.fill_idle:
-            self._fill_idle(cluster, plans, out)
+            self._fill_idle(cluster, plans, out, reclaim_s)
         return out
+
+    def _reclaim_s(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> float:
+        """How soon devices free now will be wanted by jobs still to arrive: the devices no
+        job holds or waits for, over the rate at which recent arrivals requested devices."""
+        if not self.arrival_window_s:
+            return math.inf
+        recent = sum(_fixed_size(j) for j in jobs if now - j.arrival < self.arrival_window_s)
+        spare = cluster.total - sum(j.devices if j.running else _fixed_size(j) for j in jobs)
+        if recent <= 0:
+            return math.inf
+        return max(spare, 0) * self.arrival_window_s / recent
 
     # -- sizing -------------------------------------------------------------------
 
@@ -492,7 +512,7 @@ class ElasticPolicy:
         plan.points = points
         return _upper_hull(points)
 
-    def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int, now: float) -> bool:
+    def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int, now: float, reclaim_s: float = math.inf) -> bool:
         """Growing a running job must pay for its pause over its expected remaining run, and
         wait `grow_after_s` since its last change (a job shrunk for a newcomer does not bounce
         back at once: each bounce is a restart)."""
@@ -502,7 +522,8 @@ class ElasticPolicy:
             return True
         if job.unchanged_for(now) < self.grow_after_s:
             return False
-        return self._pays(job, speedup(job.model, current, nodes_of(job.placement)), _speedup_packed(cluster, job, size))
+        return self._pays(job, speedup(job.model, current, nodes_of(job.placement)), _speedup_packed(cluster, job, size),
+                          reclaim_s if size > _fixed_size(job) else math.inf)
 
     def _explore(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> None:
         """Give idle devices to long jobs to run on one more node than they ever did."""
@@ -574,10 +595,10 @@ class ElasticPolicy:
             else:
                 pool.take(held)
 
-    def _pays(self, job: Job, before: float, after: float) -> bool:
+    def _pays(self, job: Job, before: float, after: float, reclaim_s: float = math.inf) -> bool:
         """Going from speed-up `before` to `after` pays for a pause, over a horizon of the
         running job's run so far (its expected remaining run), by at least `min_gain`."""
-        horizon = max(self.min_horizon_s, job.attained / job.devices)
+        horizon = min(max(self.min_horizon_s, job.attained / job.devices), reclaim_s)
         if horizon <= self.pause_s:
             return False
         return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
@@ -622,7 +643,7 @@ class ElasticPolicy:
         pool.give_back({n: c for n, c in ranked[best:]})
         return kept
 
-    def _fill_idle(self, cluster: Cluster, plans: list[_JobPlan], out: dict[str, dict[str, int]]) -> None:
+    def _fill_idle(self, cluster: Cluster, plans: list[_JobPlan], out: dict[str, dict[str, int]], reclaim_s: float = math.inf) -> None:
         """No device stays idle that a job could use: what the decision left free goes, one
         step at a time, to the job that gains most from it (weighted speed-up per device):
         a waiting job starts, a job below its request grows toward it, one at its request
@@ -668,7 +689,7 @@ class ElasticPolicy:
                     after = speedup(job.model, n, nodes_of(placed))
                     if after <= before * (1.0 + 1e-9):
                         continue
-                    if job.running and n > job.requested and not self._pays(job, before, after):
+                    if job.running and n > job.requested and not self._pays(job, before, after, reclaim_s):
                         continue
                     gain = plan.weight * (after - before) / (n - current)
                     if best is None or gain > best[0]:

@@ -34,6 +34,7 @@ elastic_policies = st.builds(
     min_run_s=st.floats(0.0, 1e5),
     min_gain=st.floats(0.0, 1.0),
     starvation_s=st.floats(0.0, 1e6),
+    arrival_window_s=st.floats(0.0, 1e4),
 )
 any_policy = st.one_of(st.sampled_from(POLICIES), elastic_policies)
 GOOD_SCALING = AnalyticStepTime(fixed=0.002, compute=1.0, intra=0.005, inter=0.02, per_node=0.001)
@@ -154,6 +155,24 @@ def test_a_job_started_a_moment_ago_grows_into_idle_devices_up_to_its_request():
     job = Job("a", 0.0, requested=4, min_devices=1, max_devices=4, model=model, placement={"node0": 2}, since=990.0)
     assert ElasticPolicy(fill_idle=False).decide(cluster, [job], 1000.0) == {"a": {"node0": 2}}  # the old behaviour
     assert ElasticPolicy().decide(cluster, [job], 1000.0) == {"a": {"node0": 4}}
+
+
+def test_under_arrival_pressure_a_job_grows_up_to_its_request_but_not_past_it():
+    """`arrival_window_s`: devices free now are wanted again as soon as the recent arrivals'
+    rate says; a growth above the request must pay for its pause before then (on the heavy
+    Philly workload such growths were undone for newcomers: a third of the restarts)."""
+    cluster = Cluster.uniform(1, 8)
+    now = 100_000.0
+    old = Job("old", 0.0, 2, 1, 8, GOOD_SCALING, attained=1e6, placement={"node0": 2}, since=0.0)
+    newcomer = Job("new", now - 60.0, 4, 4, 4, GOOD_SCALING, placement={"node0": 4}, since=now - 60.0)
+    # 2 devices spare, 4 requested by the last 10 minutes' arrivals: wanted again within 300 s, the pause.
+    assert devices_of(ElasticPolicy(pause_s=300.0).decide(cluster, [old, newcomer], now)["old"]) > 2
+    pressed = ElasticPolicy(pause_s=300.0, arrival_window_s=600.0)
+    assert pressed.decide(cluster, [old, newcomer], now) == {"old": {"node0": 2}, "new": {"node0": 4}}
+    below = replace(old, requested=4)  # below its request, it still takes the idle devices
+    assert devices_of(pressed.decide(cluster, [below, newcomer], now)["old"]) == 4
+    quiet = replace(newcomer, arrival=now - 700.0)  # no arrival within the window: growth as before
+    assert devices_of(pressed.decide(cluster, [old, quiet], now)["old"]) > 2
 
 
 @settings(max_examples=200, deadline=None)
