@@ -104,13 +104,16 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
     from flows.campaign import warm_first_wave
     from tasks.trial import prestart_warm_workers
 
+    forced = {"1": True, "0": False}.get(os.environ.get(PRESTART_ENV, ""))
+    spare_cores = len(os.sched_getaffinity(0)) - STARTUP_CORES
+    if forced is False or (forced is None and spare_cores < 1):
+        return  # no worker would start: the lease file and the trials' records are not read
     try:
         usage = LeaseStore().usage()
     except (LeaseError, LeaseStoreError):  # the flow reports the lease file's problem itself
         return
     devices = warm_first_wave(spec, trials, inventory, requests, usage)
-    spare = len(os.sched_getaffinity(0)) >= len(devices) + STARTUP_CORES
-    if {"1": True, "0": False}.get(os.environ.get(PRESTART_ENV, ""), spare):
+    if forced or len(devices) <= spare_cores:
         prestart_warm_workers(devices, Path.cwd())
 
 

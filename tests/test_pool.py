@@ -493,7 +493,7 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
 
 def trial_workers_of(node: str, with_state: bool = False) -> list:
     """The processes of a node that train (torchrun's workers; torchrun itself holds no
-    device), not counting those stopped or being killed (conftest.running_state); with
+    device), not counting those gone, zombies or being killed (conftest.running_state); with
     their state letters when `with_state`, for a failure's message."""
     found = []
     for pid in processes_of(node):
