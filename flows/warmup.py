@@ -42,8 +42,11 @@ def free_port() -> int:
 
 
 class WarmUp:
-    def __init__(self) -> None:
+    def __init__(self, server_env: dict[str, str] | None = None) -> None:
+        """`server_env`: settings for the server process alone (the tests give each of their
+        processes a server with its own database)."""
         self.process: subprocess.Popen | None = None
+        self.server_env = server_env or {}
         self.ready_after: threading.Thread | None = None  # other preparation the flow needs done
         if os.environ.get("PREFECT_API_URL"):  # a server of the user's, the pool's or `campaign ui`'s
             return
@@ -59,7 +62,8 @@ class WarmUp:
     def _start(self) -> None:
         self.port = free_port()
         site = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+               **self.server_env}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory", "prefect.server.api.server:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],

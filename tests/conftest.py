@@ -81,6 +81,51 @@ def digits_npz(tmp_path_factory) -> Path:
     return prepare_digits(tmp_path_factory.mktemp("data") / "digits.npz")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prefect_server_for_campaigns(tmp_path_factory):
+    """One Prefect server per test process, for every `campaign launch` the tests start.
+
+    A launch without PREFECT_API_URL boots a temporary server of its own (flows/warmup.py):
+    ~14 s of CPU each time, a fifth of a small campaign's, and on two cores the suite's time
+    is its CPU. The server is the same one a launch would start (same command and settings,
+    its own database), and it is marked as the launch's temporary one (CAMPAIGN_PREFECT_TEMPORARY),
+    so a campaign records and prints what it would with its own. The launch's own server is
+    still exercised: tests/test_warmup.py, tests/test_ui.py and tests/test_dvc.py (the
+    `make campaign` path) take this one away.
+    """
+    if os.environ.get("PREFECT_API_URL"):  # the person running the tests chose a server
+        yield os.environ["PREFECT_API_URL"]
+        return
+    from flows.warmup import TEMPORARY_ENV, WarmUp
+
+    database = tmp_path_factory.mktemp("prefect-server") / "prefect.db"
+    warm = WarmUp(server_env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"})
+    warm._wait_for_server()
+    yield warm.api_url
+    warm.stop()
+    for name in ("PREFECT_API_URL", TEMPORARY_ENV):
+        os.environ.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def prefect_backend():
+    """Prefect's own test harness (a server on a temporary database) for the flows a test runs
+    in its own process; one per test process, started by the first test that needs it (each
+    start costs ~25 s of CPU). Tests read back only their own flow runs, by id."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def without_shared_prefect_server(monkeypatch) -> None:
+    """For a test of a launch that starts its own Prefect server (the default)."""
+    from flows.warmup import TEMPORARY_ENV
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv(TEMPORARY_ENV, raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow end-to-end tests first: with several workers (`make test` runs three), a long
     test that starts last keeps one worker busy while the others sit idle."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from conftest import without_shared_prefect_server
+
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +25,8 @@ def sh(cwd: Path, *cmd: str) -> str:
     return done.stdout + done.stderr
 
 
-def test_dvc_repro_twice_metrics_and_push(tmp_path):
+def test_dvc_repro_twice_metrics_and_push(tmp_path, monkeypatch):
+    without_shared_prefect_server(monkeypatch)  # `make campaign` as a user runs it: the launch's own server
     work = tmp_path / "project"
     work.mkdir()
     for package in ("training", "tasks", "flows", "cluster"):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from cluster.leases import LeaseStore
 from tasks.records import campaign_status
@@ -17,12 +16,6 @@ from tasks.timeline import intervals as timeline_intervals, read_events
 from training.manifest import latest_valid_checkpoint
 
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
-
-
-@pytest.fixture(scope="module")
-def prefect_backend():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def write_params(root: Path, data: Path) -> Path:

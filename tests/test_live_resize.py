@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from cluster.inventory import discover
 from cluster.leases import LeaseStore
@@ -23,12 +22,6 @@ from training.layout import campaign_files, trial_files
 from conftest import wait_for
 
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
-
-
-@pytest.fixture(scope="module")
-def prefect_backend():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def live_params(tmp_path: Path, data: Path, name: str, training: dict, **sections) -> Path:

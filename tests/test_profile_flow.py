@@ -11,7 +11,6 @@ import yaml
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from prefect.testing.utilities import prefect_test_harness
 from torch import nn
 
 from cluster.leases import LeaseStore
@@ -24,12 +23,6 @@ from training.models import MODELS
 from training.profiler import DdpProfile, ModelProfile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def prefect_backend():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def write_params(root: Path, name: str, devices: int, data: Path) -> Path:

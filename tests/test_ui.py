@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import campaign_cli
+from conftest import campaign_cli, without_shared_prefect_server
 from tasks.records import CampaignRecord, process_identity, write_campaign
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def see(page, url: str, *texts: str, shot: str) -> str:
 
 def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_npz, browser, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # a fresh Prefect database: only this campaign
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    without_shared_prefect_server(monkeypatch)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "campaign": {"name": "ui-test"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
         "training": {"steps": 20, "batch_size": 32, "lr": 0.1, "eval_every": 10, "checkpoint_every": 10},
