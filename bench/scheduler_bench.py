@@ -72,6 +72,8 @@ SWEEP = {
     "no rank weights (1 / remaining)": {"rank_q": 0.0}, "rank q 3": {"rank_q": 3.0}, "rank q 8": {"rank_q": 8.0},
     "no rank ties": {"rank_tie": 1.0}, "hysteresis 0.5": {"hysteresis": 0.5},
     "arrival window 2 h": {"arrival_window_s": 7200.0}, "arrival window 2 h, grow after 4 h": {"arrival_window_s": 7200.0, "grow_after_s": 14400.0},
+    "arrival window 2 h, no repacking": {"arrival_window_s": 7200.0, "repack": False},
+    "arrival window 2 h, grow after 4 h, no repacking": {"arrival_window_s": 7200.0, "grow_after_s": 14400.0, "repack": False},
 }
 POLLUX_BUDGET_S = 0.6  # at 4,096 GPUs its search stops in time for a decision within 1 s (replays run all its generations)
 
