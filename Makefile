@@ -29,7 +29,7 @@ campaign: setup
 # Three workers on the two cores: the end-to-end tests wait on processes they start as much
 # as they compute (27 min in one worker, 18–20 with three; four are no faster, the two cores are
 # busy by then). Each worker has its own lease store, Prefect harness, Prefect server for the
-# campaigns its tests launch, and temporary folders (tests/conftest.py keys them by process).
+# campaigns its slow tests launch, and temporary folders (tests/conftest.py keys them by process).
 # Work stealing: an idle worker takes tests queued for a busy one (with `--dist load` one
 # worker ran the last six minutes' tests alone).
 XDIST := -n 3 --dist worksteal

@@ -81,13 +81,21 @@ def digits_npz(tmp_path_factory) -> Path:
     return prepare_digits(tmp_path_factory.mktemp("data") / "digits.npz")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
+def shared_prefect_server_for_slow_tests(request):
+    """The slow tests launch campaigns: they share their process's server. A run of the fast
+    tests alone (`make test-fast`) starts none; a fast test that launches starts its own."""
+    if request.node.get_closest_marker("slow"):
+        request.getfixturevalue("prefect_server_for_campaigns")
+
+
+@pytest.fixture(scope="session")
 def prefect_server_for_campaigns(tmp_path_factory):
     """One Prefect server per test process, for every `campaign launch` the tests start.
 
     A launch without PREFECT_API_URL boots a temporary server of its own (flows/warmup.py):
-    ~14 s of CPU each time, a fifth of a small campaign's, and on two cores the suite's time
-    is its CPU. The server is the same one a launch would start (same command and settings,
+    ~14 s of CPU each time (one launch test: 59.0 CPU-s with its own, 44.6 with this one),
+    and on two cores the suite's time is its CPU. The server is the same one a launch would start (same command and settings,
     its own database), and it is marked as the launch's temporary one (CAMPAIGN_PREFECT_TEMPORARY),
     so a campaign records and prints what it would with its own. The launch's own server is
     still exercised: tests/test_warmup.py, tests/test_ui.py and tests/test_dvc.py (the
