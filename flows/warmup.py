@@ -16,7 +16,6 @@ so the MLflow store (a file) is created by the flow, after them.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import signal
 import socket
@@ -41,6 +40,43 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+CODE_ROOT = Path(__file__).resolve().parents[1]  # where `flows` is: the server process imports server_app from it
+RETRY_AFTER_S = "0.05"
+
+
+def server_app():
+    """Prefect's server app, as `prefect server start` serves it, whose retryable answers say
+    to retry soon. Its SQLite database refuses a write that collides with another (SQLITE_BUSY
+    on a read transaction turned write: the busy timeout does not wait there) and answers 503;
+    with no Retry-After, Prefect's client waits 2 s before trying again. Two task runs starting
+    together collide this way on the slots of their tags (`bulk_increment_active_slots`): an
+    8-trial campaign on two slots lost 2 s of a slot in one launch out of two. The collision is
+    over within milliseconds, so 50 ms is enough."""
+    from prefect.server.api.server import create_app
+
+    return RetrySoon(create_app())
+
+
+class RetrySoon:
+    """ASGI middleware: a 503 answer without Retry-After gets `Retry-After: RETRY_AFTER_S`."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_retry_soon(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"retry-after", RETRY_AFTER_S.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_retry_soon)
+
+
 class WarmUp:
     def __init__(self, server_env: dict[str, str] | None = None) -> None:
         """`server_env`: settings for the server process alone (the tests give each of their
@@ -61,11 +97,10 @@ class WarmUp:
 
     def _start(self) -> None:
         self.port = free_port()
-        site = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
                **self.server_env}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory", "prefect.server.api.server:create_app",
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(CODE_ROOT), "--factory", "flows.warmup:server_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 

@@ -207,6 +207,7 @@ def nodes_once_made(pool: str) -> list[PoolNode]:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab, monkeypatch):
     """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
     on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
@@ -325,6 +326,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, lab):
     """SIGTERM to `campaign launch` while a trial runs on a node: the trial's flow run is
     cancelled, its processes on the node end and the node's lease of its devices goes."""
@@ -390,6 +392,7 @@ def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) ->
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_node_dies(tmp_path, digits_npz, lab):
     """An elastic [1, 2] trial in a pool runs on one node and is resized by hand there. Its
     node's lease file follows its size; a grow onto a device that file gives to another
@@ -509,6 +512,7 @@ def trial_workers_of(node: str, with_state: bool = False) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digits_npz, lab):
     """The trial's holder on node a (its segment's flow-run process, which renews the node's
     lease) is stopped for twice the heartbeat timeout. Another campaign on the node's lease
@@ -585,6 +589,7 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_and_moved_by_hand(tmp_path, digits_npz, lab):
     """An elastic [1, 2] trial on a pool of one-slot nodes starts on node a, the only one, under
     its agent. When node b joins, the policy grows it onto b (torchrun across both,

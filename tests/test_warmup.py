@@ -61,3 +61,34 @@ def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_default_against_an
     finally:
         server.stdin.close()
         server.wait(timeout=30)
+
+
+def test_a_retryable_answer_of_the_temporary_server_says_to_retry_soon():
+    """A 503 (SQLite refused a colliding write) gets `Retry-After`, which Prefect's client
+    honours, in place of its own 2 s back-off; any other answer, or one that says already
+    when to retry, is sent as it was."""
+    import asyncio
+
+    from prefect.client.base import _parse_retry_after
+
+    from flows.warmup import RETRY_AFTER_S, RetrySoon
+
+    async def headers_sent(status: int, headers: list) -> dict:
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await RetrySoon(app)({"type": "http"}, None, send)
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        return dict(sent[0]["headers"])
+
+    soon = asyncio.run(headers_sent(503, [(b"content-type", b"application/json")]))
+    assert soon == {b"content-type": b"application/json", b"retry-after": RETRY_AFTER_S.encode()}
+    assert _parse_retry_after(soon[b"retry-after"].decode()) == float(RETRY_AFTER_S) < 2
+    assert asyncio.run(headers_sent(503, [(b"Retry-After", b"30")])) == {b"Retry-After": b"30"}
+    assert asyncio.run(headers_sent(200, [])) == {}
