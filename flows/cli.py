@@ -680,8 +680,7 @@ def pool_server(pool: str = typer.Option(..., help="the pool's name"),
            "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
     console.print(f"pool {pool}: Prefect server on http://{host}:{port} (API auth required); every node: "
                   f"export PREFECT_API_URL=http://{host}:{port}/api", highlight=False)
-    os.execvpe(sys.executable, [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
-                                "--analytics-off"], env)
+    os.execvpe(sys.executable, [sys.executable, "-m", "flows.warmup", "--host", host, "--port", str(port)], env)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Prefect's temporary API server, started the moment `campaign launch` begins.
+"""Prefect's temporary API server, started the moment `campaign launch` begins; and Prefect's
+server app as every server the project starts serves it (`server_app`, `serve`).
 
 Without PREFECT_API_URL, Prefect starts a server of its own (a uvicorn process) the first
 time a flow needs its API: the launch then waited for it after every check had run, and
@@ -55,6 +56,21 @@ def server_app():
     from prefect.server.api.server import create_app
 
     return RetrySoon(create_app())
+
+
+def serve(host: str, port: int) -> None:
+    """Prefect's server as `prefect server start` runs it in the foreground (one process: its
+    API, services and UI, settings from the environment), with server_app's retries:
+    `campaign ui` and `campaign pool server` run it (`python -m flows.warmup --host H --port P`),
+    where a pool's segments start together on several nodes."""
+    import uvicorn
+    from prefect.server.api.server import create_app
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings().server
+    uvicorn.run(RetrySoon(create_app(final=True)), host=host, port=port, timeout_keep_alive=settings.api.keepalive_timeout,
+                ws_ping_interval=settings.api.websocket_ping_interval, ws_ping_timeout=settings.api.websocket_ping_timeout,
+                log_level=str(settings.logging_level).lower())
 
 
 class RetrySoon:
@@ -159,3 +175,13 @@ class WarmUp:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Prefect's server, retryable answers retried soon (serve)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=4200)
+    args = parser.parse_args()
+    serve(args.host, args.port)

@@ -1,6 +1,6 @@
 """A campaign on a pool of nodes: `campaign worker` on each, trials placed through Prefect.
 
-Real parts: a Prefect server (`prefect server start`), two `campaign worker` processes (each
+Real parts: a Prefect server (as `campaign pool server` runs it), two `campaign worker` processes (each
 a node with its own CPU slots and lease file, running Prefect's process worker), and
 `campaign launch --pool`. One node is killed mid-trial (every process of it, as a machine
 dying would); its trials finish on the other node from their checkpoints.
