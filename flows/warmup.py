@@ -16,6 +16,7 @@ so the MLflow store (a file) is created by the flow, after them.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import signal
@@ -42,17 +43,11 @@ def free_port() -> int:
 
 
 CODE_ROOT = Path(__file__).resolve().parents[1]  # where `flows` is: the server process imports server_app from it
-RETRY_AFTER_S = "0.05"
 
 
 def server_app():
-    """Prefect's server app, as `prefect server start` serves it, whose retryable answers say
-    to retry soon. Its SQLite database refuses a write that collides with another (SQLITE_BUSY
-    on a read transaction turned write: the busy timeout does not wait there) and answers 503;
-    with no Retry-After, Prefect's client waits 2 s before trying again. Two task runs starting
-    together collide this way on the slots of their tags (`bulk_increment_active_slots`): an
-    8-trial campaign on two slots lost 2 s of a slot in one launch out of two. The collision is
-    over within milliseconds, so 50 ms is enough."""
+    """Prefect's server app, as `prefect server start` serves it, retrying within the server
+    what its database refused as retryable (RetrySoon)."""
     from prefect.server.api.server import create_app
 
     return RetrySoon(create_app())
@@ -74,23 +69,63 @@ def serve(host: str, port: int) -> None:
 
 
 class RetrySoon:
-    """ASGI middleware: a 503 answer without Retry-After gets `Retry-After: RETRY_AFTER_S`."""
+    """ASGI middleware: a request the app answers with 503 is run again within the server,
+    after 50 ms, then 100, 200, ... while under `budget_s` in all; then its 503 goes out.
 
-    def __init__(self, app) -> None:
-        self.app = app
+    Prefect's SQLite database refuses a write that collides with another (SQLITE_BUSY on a
+    read transaction turned write: the busy timeout does not wait there) and the server
+    answers 503, which Prefect's client retries after 2 s, 4, 8 ... Two task runs starting
+    together collide this way on the slots of their tags (`bulk_increment_active_slots`): an
+    8-trial campaign on two slots lost 2 s of a slot in every launch tried. The collision is
+    over within milliseconds. A `Retry-After` of 50 ms was tried first: under load, a request
+    could then spend the client's five retries within a quarter of a second and be dropped
+    (a task run's first log lines went missing in tests/test_flow.py); here the waits double,
+    and the client's own back-off still follows a 503 that lasts. The request is run again
+    exactly as the client would send it again: a refused transaction was rolled back."""
+
+    def __init__(self, app, first_s: float = 0.05, budget_s: float = 5.0) -> None:
+        self.app, self.first_s, self.budget_s = app, first_s, budget_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        parts = []
+        while True:  # the whole request, to give it again
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body, delay, waited = b"".join(parts), self.first_s, 0.0
+        while await self._refused(scope, body, send, last=waited + delay > self.budget_s):
+            await asyncio.sleep(delay)
+            waited, delay = waited + delay, delay * 2
 
-        async def send_retry_soon(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 503:
-                headers = list(message.get("headers", []))
-                if not any(name.lower() == b"retry-after" for name, _ in headers):
-                    message = {**message, "headers": [*headers, (b"retry-after", RETRY_AFTER_S.encode())]}
-            await send(message)
+    async def _refused(self, scope, body: bytes, send, last: bool) -> bool:
+        """Run the request once; True if it was answered 503 and that answer held back."""
+        given, refused = False, False
 
-        await self.app(scope, receive, send_retry_soon)
+        async def replay():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # as a server does after the body: until the client leaves (never, here)
+
+        async def hold_back_503(message) -> None:
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 503 and not last:
+                refused = True
+            if not refused:
+                await send(message)
+
+        try:  # each run gets its own copy of the scope: Starlette's routing writes into it (a mount's root path)
+            await self.app(dict(scope), replay, hold_back_503)
+        except Exception:  # Starlette raises again after it answered the 503
+            if not refused:
+                raise
+        return refused
 
 
 class WarmUp:

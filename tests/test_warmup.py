@@ -63,32 +63,51 @@ def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_default_against_an
         server.wait(timeout=30)
 
 
-def test_a_retryable_answer_of_the_temporary_server_says_to_retry_soon():
-    """A 503 (SQLite refused a colliding write) gets `Retry-After`, which Prefect's client
-    honours, in place of its own 2 s back-off; any other answer, or one that says already
-    when to retry, is sent as it was."""
+def test_a_request_refused_as_retryable_is_run_again_within_the_server():
+    """A 503 (SQLite refused a colliding write) is not sent: the request runs again, body and
+    all, after 50 ms, 100 ms, ...; one refused for longer than the budget gets its 503, and
+    Prefect's client its own back-off. Any other answer goes out as it is, the first time."""
     import asyncio
 
-    from prefect.client.base import _parse_retry_after
+    from flows.warmup import RetrySoon
 
-    from flows.warmup import RETRY_AFTER_S, RetrySoon
+    def serve(statuses: list[int], budget_s: float = 5.0):
+        seen = []
 
-    async def headers_sent(status: int, headers: list) -> dict:
         async def app(scope, receive, send):
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": b""})
+            assert scope == {"type": "http", "path": "/api/x"}  # as the client sent it, each time
+            scope["root_path"] = "/api"  # as Starlette's routing does
+            seen.append((await receive())["body"])
+            status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b"answer %d" % status})
+            if status == 503:
+                raise RuntimeError("database is locked")  # as Starlette raises again after its answer
 
-        sent = []
+        async def request():
+            parts = [{"type": "http.request", "body": b"{\"a\": ", "more_body": True},
+                     {"type": "http.request", "body": b"1}", "more_body": False}]
+            sent = []
 
-        async def send(message):
-            sent.append(message)
+            async def send(message):
+                sent.append(message)
 
-        await RetrySoon(app)({"type": "http"}, None, send)
-        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
-        return dict(sent[0]["headers"])
+            async def receive():
+                return parts.pop(0)
 
-    soon = asyncio.run(headers_sent(503, [(b"content-type", b"application/json")]))
-    assert soon == {b"content-type": b"application/json", b"retry-after": RETRY_AFTER_S.encode()}
-    assert _parse_retry_after(soon[b"retry-after"].decode()) == float(RETRY_AFTER_S) < 2
-    assert asyncio.run(headers_sent(503, [(b"Retry-After", b"30")])) == {b"Retry-After": b"30"}
-    assert asyncio.run(headers_sent(200, [])) == {}
+            started = asyncio.get_running_loop().time()
+            try:
+                await RetrySoon(app, first_s=0.01, budget_s=budget_s)({"type": "http", "path": "/api/x"}, receive, send)
+            except RuntimeError:
+                pass
+            return sent, seen, asyncio.get_running_loop().time() - started
+
+        return asyncio.run(request())
+
+    sent, seen, took = serve([503, 503, 200])
+    assert [m.get("status") or m["body"] for m in sent] == [200, b"answer 200"]
+    assert seen == [b'{"a": 1}'] * 3 and took >= 0.01 + 0.02
+    sent, seen, took = serve([503], budget_s=0.05)  # 10 ms, 20 ms, then past the budget: the 503 goes out
+    assert [m.get("status") or m["body"] for m in sent] == [503, b"answer 503"] and len(seen) == 3
+    sent, seen, _ = serve([404])
+    assert [m.get("status") or m["body"] for m in sent] == [404, b"answer 404"] and len(seen) == 1
