@@ -1,11 +1,12 @@
 """`campaign ui`: a Prefect server and the MLflow UI on 127.0.0.1, for as long as it runs.
 
-Both are the projects' own servers, started as they document (Prefect's app as `prefect server
-start` serves it, with flows.warmup's retries; `mlflow server`), on free loopback ports. The Prefect UI is pointed at its own API
-(PREFECT_UI_API_URL). While it runs, `.campaign/ui.json` in the project folder names the
-Prefect API, and `campaign launch` from that folder reports there instead of starting
-Prefect's temporary server, so the runs show up live. The Prefect server keeps its database
-where the temporary one does (PREFECT_HOME), so campaigns launched before show up too.
+Both are the projects' own servers: Prefect's app as `prefect server start` serves it (with
+flows.warmup's retries of refused writes) and `mlflow server`, on free loopback ports. The
+Prefect UI is pointed at its own API (PREFECT_UI_API_URL). While it runs, `.campaign/ui.json`
+in the project folder names the Prefect API, and `campaign launch` from that folder reports
+there instead of starting Prefect's temporary server, so the runs show up live. The Prefect
+server keeps its database where the temporary one does (PREFECT_HOME), so campaigns launched
+before show up too.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ class WarmUp:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Prefect's server, retryable answers retried soon (serve)")
+    parser = argparse.ArgumentParser(description="Prefect's server as `prefect server start` runs it, refused writes retried within it")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4200)
     args = parser.parse_args()
