@@ -77,11 +77,11 @@ class RetrySoon:
     answers 503, which Prefect's client retries after 2 s, 4, 8 ... Two task runs starting
     together collide this way on the slots of their tags (`bulk_increment_active_slots`): an
     8-trial campaign on two slots lost 2 s of a slot in every launch tried. The collision is
-    over within milliseconds. A `Retry-After` of 50 ms was tried first: under load, a request
-    could then spend the client's five retries within a quarter of a second and be dropped
-    (a task run's first log lines went missing in tests/test_flow.py); here the waits double,
-    and the client's own back-off still follows a 503 that lasts. The request is run again
-    exactly as the client would send it again: a refused transaction was rolled back."""
+    over within milliseconds. A constant `Retry-After` of 50 ms would do for that, but the
+    client tries only five more times, so a busier database (a pool's server, a loaded host)
+    could make it give up within ~0.3 s; here the waits double, and the client's own back-off
+    still follows a 503 that lasts. The request is run again exactly as the client would send
+    it again: a refused transaction was rolled back."""
 
     def __init__(self, app, first_s: float = 0.05, budget_s: float = 5.0) -> None:
         self.app, self.first_s, self.budget_s = app, first_s, budget_s
