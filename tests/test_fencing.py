@@ -61,6 +61,13 @@ class WorkerSampler(threading.Thread):
 
     def sample(self) -> dict[str, set[str]]:
         on: dict[str, set[str]] = defaultdict(set)
+        for name, core in self.workers().values():
+            on[core].add(name)
+        return dict(on)
+
+    def workers(self) -> dict[int, tuple[str, str]]:
+        """Each training worker of this test that may still run code: pid -> (campaign, CPU slot)."""
+        found = {}
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
@@ -73,16 +80,20 @@ class WorkerSampler(threading.Thread):
                     continue  # not this test's, gone, or being killed (it runs no more code of its own)
                 env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
                 cores = env[b"CAMPAIGN_CPU_CORES"].split(b",")
-                on[cores[int(env.get(b"LOCAL_RANK", b"0"))].decode()].add(name)
+                found[int(proc.name)] = (name, cores[int(env.get(b"LOCAL_RANK", b"0"))].decode())
             except (OSError, KeyError, IndexError, ValueError):
                 continue  # gone while read, or not (yet) a worker of a trial
-        return dict(on)
+        return found
 
     def saw(self, name: str) -> bool:
         return any(name in names for _, on in self.samples for names in on.values())
 
     def running(self, name: str) -> bool:
         return bool(self.samples) and any(name in names for names in self.samples[-1][1].values())
+
+    def pids(self, name: str) -> set[int]:
+        """The campaign's worker processes running now (a fresh scan, not the last sample)."""
+        return {pid for pid, (campaign, _) in self.workers().items() if campaign == name}
 
 
 def start_campaign(folder: Path, name: str, digits: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
@@ -127,9 +138,26 @@ def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:
             return
         except sqlite3.OperationalError:
             os.kill(pid, signal.SIGCONT)
+            # Let it finish that transaction before the next stop: stopped again at once, it
+            # could spend most of the retries stopped, and its leases expire before the test's stall.
+            with sqlite3.connect(lease_db, timeout=30, isolation_level=None) as running:
+                running.execute("BEGIN IMMEDIATE")
+                running.execute("ROLLBACK")
+            running.close()
         finally:
             conn.close()
     pytest.fail("the campaign held the lease file's write lock at each of 200 stops")
+
+
+def last_renewal(lease_db: Path, pid: int) -> float:
+    """When the leases the campaign process `pid` holds were last renewed (wall clock)."""
+    conn = sqlite3.connect(lease_db, timeout=30)
+    try:
+        (renewed_at,) = conn.execute("SELECT max(heartbeat_at) FROM leases WHERE pid = ?", (pid,)).fetchone()
+    finally:
+        conn.close()
+    assert renewed_at is not None, f"no lease of process {pid} in the file"
+    return renewed_at
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -161,11 +189,15 @@ def test_a_stalled_holder_never_shares_its_devices(tmp_path, digits_npz):
         hold_trials(tmp_path / "b" / "runs" / "taker")
         assert b.poll() is None and not sampler.saw("b"), b_out.read_text()[-4000:]
 
+        a_workers = wait_for(lambda: sampler.pids("a"), 60, "A's workers in one sample")
         stall_outside_a_lease_transaction(a.pid, tmp_path / "leases.db")  # A's campaign process stalls; its trial's do not
         stalled_at = time.monotonic()
         try:
-            wait_for(lambda: not sampler.running("a"), 3 * TIMEOUT_S, "A's workers to stop by themselves")
-            assert time.monotonic() - stalled_at > TIMEOUT_S / 2  # they stopped near the deadline, not at once
+            # A's last renewal, read once A can renew no more: its workers' deadline counts from it.
+            renewed_at = last_renewal(tmp_path / "leases.db", a.pid)
+            wait_for(lambda: not any(running_state(pid) for pid in a_workers), 3 * TIMEOUT_S,
+                     "A's workers to stop by themselves")
+            assert time.time() - renewed_at > TIMEOUT_S / 2  # they stopped near the deadline, not at once
             wait_for(lambda: sampler.running("b") or b.poll() is not None, 120, "campaign B to train on the devices")
             assert b.poll() is None, b_out.read_text()[-4000:]
             wait_for(lambda: time.monotonic() - stalled_at >= 2 * TIMEOUT_S, 2 * TIMEOUT_S + 1, "2x the heartbeat timeout")
