@@ -621,10 +621,13 @@ def worker(
     address: str = typer.Option("127.0.0.1", help="this node's address: where its trials' stores and rendezvous listen"),
     cpu_slots: Optional[int] = typer.Option(None, help="CPU slots when there is no GPU (default: one per core)"),
     interface: Optional[str] = typer.Option(None, help="the network interface of --address (default: found with `ip addr`)"),
+    work_dir: Optional[Path] = typer.Option(None, help="where this node keeps the trials of a campaign whose folder it "
+                                            "does not see (cluster.shared_storage: false; default ~/.campaign/work)"),
 ) -> None:
     """Make this machine a node of a campaign pool: publish its devices, run trial segments placed on it."""
     import socket
 
+    from flows.pool.mirror import WORK_DIR_ENV
     from flows.pool.nodes import PoolError, check_name
     from flows.pool.secret import POOL_ENV
 
@@ -634,6 +637,8 @@ def worker(
         _fail(str(e))
     _use_pool_secret(pool)  # its flow runs verify each segment's signature with it (flows/pool/segment.py)
     os.environ[POOL_ENV] = pool
+    if work_dir is not None:  # its flow runs read it (flows/pool/mirror.py)
+        os.environ[WORK_DIR_ENV] = str(work_dir.expanduser().resolve())
     from flows.pool.worker import run_worker
 
     try:

@@ -133,11 +133,17 @@ def lab(tmp_path, monkeypatch):
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
-def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
+def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, hide: Path | None = None,
+                 **extra_env: str) -> subprocess.Popen:
+    """`hide`: a folder this node must not see (an empty tmpfs over it in the node's own mount
+    namespace, which `ip netns exec` makes); the node then keeps its trials in `node-<name>/`."""
     env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / f"leases-{node}.db"),
            "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node_mark(node), **extra_env}
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node,
-                             "--address", address, "--cpu-slots", str(slots)],
+    command = [sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node, "--address", address,
+               "--cpu-slots", str(slots)]
+    if hide is not None:
+        command = ["sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(hide), *command, "--work-dir", str(tmp_path / f"node-{node}")]
+    return subprocess.Popen(["ip", "netns", "exec", ns, *command],
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -372,6 +378,126 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         assert worker.poll() is None  # the node itself goes on serving the pool
     finally:
         end_launch_and_worker(launch, worker)
+
+
+def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]:
+    """An MLflow server on the head's address, its store in `folder` (the nodes reach it over the network)."""
+    from flows.ui import free_port, healthy
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
+                               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"], cwd=folder,
+                              stdout=open(folder / "mlflow-server.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{host}:{port}"
+    wait_for(lambda: healthy(url + "/health") or (server.poll() is not None and pytest.fail((folder / "mlflow-server.log").read_text())),
+             120, "the MLflow server")
+    return server, url
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc_remote(tmp_path, digits_npz, lab):
+    """Nodes a and b (one CPU slot each) do not see the campaign's folder: each runs its worker
+    in a mount namespace where that folder is an empty tmpfs, and keeps its trials in a folder
+    of its own. Two one-device trials start, one on each node, held at a step after their first
+    checkpoint. Node b dies (SIGKILL to all of it): its trial starts again on node a once a's
+    trial is done, from the checkpoint the DVC directory remote holds, and ends where an
+    uninterrupted one would. Every file the campaign reads (progress, record, log, result)
+    came to it through the Prefect API; metrics through the MLflow server."""
+    from mlflow import MlflowClient
+    from prefect.settings import temporary_settings
+
+    from tasks.tracking import TRIAL_TAG
+    from training.checkpoint_remote import CheckpointRemote
+
+    head, api, nodes = lab
+    folder, remote = tmp_path / "head", tmp_path / "remote"
+    folder.mkdir()
+    remote.mkdir()
+    mlflow_server, mlflow_url = start_mlflow_server(folder, head)
+    workers, launch = {}, None
+    try:
+        for node in ("a", "b"):
+            workers[node] = start_worker(api, tmp_path, node, *nodes[node], 1, hide=folder)
+        with temporary_settings(updates=pool_settings(api)):
+            wait_for(lambda: (n := nodes_once_made("lab")) and len(n) == 2 and all(x.live for x in n), 120, "both nodes live")
+        params = folder / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "apart", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 16},
+            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 150, "log_every": 10},
+            "grid": {"training.lr": [0.02, 0.05]},
+            "resources": {"devices": 1},
+            "cluster": {"shared_storage": False},
+            "tracking": {"mlflow_uri": mlflow_url, "experiment": "apart", "dvc_remote": str(remote),
+                         "runs_dir": str(folder / "runs"), "summary": str(folder / "summary.json")},
+        }))
+        runs = folder / "runs" / "apart"
+        trial_ids = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
+        for trial_id in trial_ids:  # held at HOLD_AT while the campaign's hold file is there (it reaches the node)
+            (runs / trial_id).mkdir(parents=True, exist_ok=True)
+            trial_files(runs / trial_id).hold.touch()
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=folder,
+            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
+                 "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
+            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+
+        def launch_log() -> str:
+            return (tmp_path / "launch.log").read_text(errors="replace")[-4000:]
+
+        def held() -> dict[str, list[str]]:
+            out = {t: (read_json(runs / t / "record.json") or {}).get("devices", []) for t in trial_ids
+                   if (read_json(runs / t / "progress.json") or {}).get("state") == "held"}
+            if launch.poll() is not None:
+                pytest.fail(f"the campaign ended early:\n{launch_log()}")
+            return out if len(out) == 2 else {}
+
+        placed = wait_for(held, 300, "both trials held, as the campaign's folder says")
+        assert sorted(d for devices in placed.values() for d in devices) == ["a/cpu0", "b/cpu0"], placed
+        moved = next(t for t, devices in placed.items() if devices == ["b/cpu0"])
+        # Its checkpoint at step 50 is on the remote; in the campaign's folder there is none.
+        at_remote = CheckpointRemote(str(remote), f"apart/{moved}")
+        wait_for(lambda: [e for e in at_remote.entries() if e.get("step") == 50], 60, "step 50 on the remote")
+        assert (tmp_path / "node-b" / "apart" / moved / "checkpoints").is_dir()
+        assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
+
+        for pid in processes_of("b"):  # node b dies: its worker, flow run and trial processes, at once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
+        wait_for(lambda: "node b left the pool" in said(), 120, "node b seen dead")
+        for trial_id in trial_ids:
+            trial_files(runs / trial_id).hold.unlink()
+        assert launch.wait(timeout=300) == 0, launch_log()
+
+        results = {t: read_json(runs / t / "result.json") for t in trial_ids}
+        assert all(r is not None and r["steps"] == 150 for r in results.values()), results
+        assert results[moved]["resumed_from_step"] == 50, results[moved]  # pulled from the remote onto node a
+        log = (runs / moved / "train.log").read_text()
+        # Node b's part (copied before it died), then node a's, in the campaign's copy of the log.
+        assert "resumed at step 50" in log and log.index("fresh start") < log.index("resumed at step 50"), log[-3000:]
+        record = read_json(runs / moved / "record.json")
+        assert [i["devices"] for i in record["intervals"]] == [["b/cpu0"], ["a/cpu0"]], record
+        assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
+        client = MlflowClient(mlflow_url)
+        experiment = client.get_experiment_by_name("apart")
+        finished = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(TRIAL_TAG) in trial_ids]
+        assert {r.data.tags[TRIAL_TAG] for r in finished if "train_loss" in r.data.metrics} == set(trial_ids), finished
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        for proc in workers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in workers.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(mlflow_server.pid, signal.SIGTERM)
+        mlflow_server.wait(timeout=30)
 
 
 def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) -> tuple[Path, str, Path]:

@@ -204,3 +204,19 @@ def test_each_campaign_writes_its_own_summary_unless_the_spec_names_one():
     assert parse_spec(raw).tracking.summary == Path(f"metrics/{raw['campaign']['name']}.json")
     assert parse_spec(with_change("tracking/summary", "out/s.json")).tracking.summary == Path("out/s.json")
     assert parse_spec(with_change("campaign/name", "other", with_change("tracking", {}))).tracking.summary == Path("metrics/other.json")
+
+
+def test_a_pool_without_shared_storage_says_what_it_needs_before_anything_runs(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    needs = {"cluster": {"pool": "lab", "shared_storage": False},
+             "tracking": {"dvc_remote": "/srv/checkpoints", "mlflow_uri": "http://head:5000"},
+             "training": {**GOOD["training"], "eval_every": 10}}
+    assert parse_spec({**GOOD, **needs}).cluster.shared_storage is False
+    for change, value, words in [
+        ("cluster/pool", DELETE, ["shared_storage: false", "cluster.pool"]),
+        ("tracking/dvc_remote", DELETE, ["tracking.dvc_remote", "checkpoints travel"]),
+        ("tracking/mlflow_uri", "sqlite:///mlflow.db", ["MLflow server", "sqlite:///mlflow.db", "mlflow server --host"]),
+        ("early_stopping", {"rule": "asha"}, ["early_stopping", "drop early_stopping"]),
+    ]:
+        message = str(pytest.raises(SpecError, parse_spec, with_change(change, value, {**GOOD, **needs})).value)
+        assert all(word in message for word in words), (change, message)

@@ -242,6 +242,10 @@ class ClusterSection(Strict):
     pool: str | None = Field(
         default=None, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
         description="run the trials on the nodes of this campaign pool (`campaign worker --pool NAME` on each), not this host")
+    shared_storage: bool = Field(
+        default=True, description="a pool's nodes see tracking.runs_dir at the same path; false: each node keeps its trials "
+                                  "in a folder of its own, their files travel through the Prefect API and their checkpoints "
+                                  "through tracking.dvc_remote, and a trial runs on one node at a time")
 
 
 class SchedulingSection(Strict):
@@ -441,6 +445,27 @@ class CampaignSpec(Strict):
         if self.early_stopping is not None and not self.function and self.training.eval_every > self.training.steps:
             raise ValueError(f"early_stopping needs evaluations: training.eval_every ({self.training.eval_every}) is past "
                              f"training.steps ({self.training.steps})")
+        return self
+
+    @model_validator(mode="after")
+    def _pool_without_shared_storage(self) -> "CampaignSpec":
+        """What a pool whose nodes share no folder with the campaign needs (flows/pool/mirror.py)."""
+        if self.cluster.shared_storage:
+            return self
+        if self.cluster.pool is None:
+            raise ValueError("cluster.shared_storage: false is about a pool's nodes: name the pool (cluster.pool) or leave "
+                             "shared_storage out")
+        if self.tracking.dvc_remote is None:
+            raise ValueError("cluster.shared_storage: false needs tracking.dvc_remote: the checkpoints travel between the "
+                             "nodes through it (a folder every node reaches, or any DVC remote)")
+        uri = tracking_uri(self.tracking)
+        if not uri.startswith(("http://", "https://", "databricks")):
+            raise ValueError(f"cluster.shared_storage: false needs an MLflow server every node reaches as tracking.mlflow_uri "
+                             f"(or $MLFLOW_TRACKING_URI), not {uri!r}: start one on the head (`mlflow server --host "
+                             "ADDRESS --backend-store-uri sqlite:///mlflow.db`) and give its http:// address")
+        if self.early_stopping is not None:
+            raise ValueError("early_stopping reports to a study in the campaign's folder, which the nodes do not see with "
+                             "cluster.shared_storage: false: drop early_stopping or share the runs folder")
         return self
 
     @property

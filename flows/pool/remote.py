@@ -22,6 +22,7 @@ from typing import Any
 from prefect import task
 
 from cluster.types import Device, Inventory
+from flows.pool.mirror import CampaignMirror
 from flows.pool.secret import load_secret, sign
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result, log_allocation
@@ -122,10 +123,12 @@ def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
 
 @task
 def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
-                     elastic: bool = False, node_devices: list[Device] = ()) -> dict[str, Any]:
+                     elastic: bool = False, node_devices: list[Device] = (), shared_storage: bool = True) -> dict[str, Any]:
     """One segment of a trial on its node(s) of `pool`: the trial's result, {"preempted": True}
     (an elastic trial resized to zero), or {"node_lost": node}. `node_devices`: every device of
-    an elastic trial's node, which it may grow onto.
+    an elastic trial's node, which it may grow onto. `shared_storage`: the nodes see the
+    trial's folder; else the node keeps its own and the files travel through the Prefect
+    API (flows/pool/mirror.py), copied here every poll.
 
     A trial placed on several nodes gets one flow run per node (torchrun's c10d rendezvous
     between them). It is elastic across them (`--nnodes=1:N`, tasks/trial.py): when a node
@@ -152,6 +155,19 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 if len(groups) > 1 else None)
         segments[node] = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
                           "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
+        if not shared_storage:
+            segments[node]["files_key"] = attempt
+    mirror = None if shared_storage else CampaignMirror(Path(config.trial_dir), attempt, config.trial_id)
+    if mirror is not None:
+        mirror.start()  # the node finds the campaign's files (and the trial's record) when it begins
+
+    def copy_files(last: bool = False) -> None:
+        if mirror is None:
+            return
+        try:
+            mirror.pull() if last else mirror.tick()
+        except PoolError as e:  # the server away a moment: the next poll copies again
+            print(f"trial {config.trial_id}: could not copy its files from the node ({e})", flush=True)
 
     def send(node: str):
         return run_deployment(
@@ -167,6 +183,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 _cancel(run_id)
 
     def node_lost(node: str) -> dict[str, Any]:
+        copy_files(last=True)
         if node not in states:  # its flow run will never say how it ended
             _mark_crashed(runs[node], f"node {node} stopped beating")
             states[node] = None
@@ -200,6 +217,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     away: set[str] = set()  # nodes it went on without
     while len(states) < len(runs):
         time.sleep(POLL_S)
+        copy_files()
         for node, run_id in runs.items():
             if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
                 states[node] = state
@@ -228,6 +246,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             else:
                 cancel_others()
             _all_ended(runs, states, RECALL_WAIT_S)
+            copy_files(last=True)
             return completed_result(Path(config.trial_dir)) or {"preempted": True}  # it may have ended meanwhile
         if campaign_stopping(config.trial_id):
             cancel_others()
@@ -240,6 +259,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             return node_lost(lost[0])
         if back := [node for node in away if node in alive and host not in states]:
             take_back(back)
+    copy_files(last=True)  # the segment's last copy (its result, record and log) was sent before its run ended
     result = completed_result(Path(config.trial_dir))
     if result is not None:
         return result

@@ -30,10 +30,12 @@ from prefect import flow
 from cluster.leases import LeaseStore
 from cluster.types import Device
 from flows.live import LeaseHeartbeat
+from flows.pool.mirror import NodeMirror, node_trial_dir
 from flows.pool.secret import node_secret, verify
 from flows.pool.relay import CommandRelay
 from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
+from training.elastic import clear_commands
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
 
@@ -70,12 +72,29 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
 @flow(name="campaign-trial-segment", log_prints=True)
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
                   span: dict[str, Any] | None = None, elastic: bool = False,
-                  node_devices: list[dict[str, Any]] | None = None, signature: str | None = None) -> dict[str, Any]:
+                  node_devices: list[dict[str, Any]] | None = None, files_key: str | None = None,
+                  signature: str | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
+    `files_key`: the campaign's folder is not on this node (`cluster.shared_storage: false`):
+    the trial runs in a folder of this node's, its files copied through this key's artifacts.
     `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
-    verify(node_secret(), {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span,
-                           "elastic": elastic, "node_devices": node_devices}, signature)
+    params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
+              "node_devices": node_devices}
+    verify(node_secret(), params | ({"files_key": files_key} if files_key is not None else {}), signature)
     cfg = TrialConfig(**config)
+    if files_key is None:
+        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices)
+    if span is not None:
+        raise TrialFailed(f"trial {cfg.trial_id}: a trial across nodes needs the campaign's folder on every node")
+    local = node_trial_dir(campaign, cfg.trial_id)
+    cfg = dataclasses.replace(cfg, trial_dir=str(local))
+    clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
+    with NodeMirror(local, files_key, cfg.trial_id):
+        return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices)
+
+
+def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
+                 elastic: bool, node_devices: list[dict[str, Any]] | None) -> dict[str, Any]:
     placed = [Device(**d) for d in devices]
     node = os.environ.get(NODE_ENV, "")
     if any(d.node != node for d in placed):

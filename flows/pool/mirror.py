@@ -1,0 +1,269 @@
+"""A trial's folder on a pool node that shares no storage with the campaign
+(`cluster.shared_storage: false`).
+
+The node keeps the trial in a folder of its own (`node_trial_dir`). Two Prefect artifacts per
+segment carry the trial's small files between it and the campaign's copy of the folder,
+through the Prefect server every node already reaches:
+
+- up (node → campaign): the files the trial writes (its progress, result, record, an elastic
+  agent's state and a relay's refusals), whole (its config stays: it names the node's paths); and what this segment added to its
+  log and its resize log, appended to the campaign's copy after what earlier segments wrote;
+- down (campaign → node): the files the campaign writes for the trial (the scheduler's batch,
+  an elastic agent's commands, a test's hold file), whole, and deleted on the node when the
+  campaign deletes them; and, once before the launch, the trial's record (its attempts and
+  devices so far), which the node's segment goes on from.
+
+Checkpoints do not travel here: the trainer pushes each verified one to `tracking.dvc_remote`
+and a node resuming the trial pulls it (training/checkpoint_remote.py). Each side copies every
+`MIRROR_S`, so the campaign sees a node's files about a second later than through a shared
+folder. Each artifact is created once and updated in place (no version per copy).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from training.files import write_atomic
+from training.layout import trial_files
+
+MIRROR_S = 1.0  # how often each side copies
+MAX_FILE_BYTES = 256 * 1024  # a whole file larger than this is not copied (none of the trial's records is near it)
+MAX_APPENDED_BYTES = 256 * 1024  # of a segment's log, the newest this many bytes travel
+WORK_DIR_ENV = "CAMPAIGN_NODE_WORK_DIR"  # set by `campaign worker --work-dir`: where a node keeps its trials
+
+
+def _names(root: Path) -> dict[str, str]:
+    """The trial folder's files by role, as paths relative to its root (training.layout names them)."""
+    files = trial_files(root)
+    rel = lambda path: path.relative_to(root).as_posix()  # noqa: E731
+    return {"log": rel(files.log), "resizes": rel(files.resizes), "record": rel(files.record), "batch": rel(files.batch),
+            "config": rel(files.config),
+            "hold": rel(files.hold), "control": rel(files.control), "checkpoints": rel(files.checkpoints)}
+
+
+def _down_patterns(root: Path) -> tuple[str, ...]:
+    """What the campaign writes for the trial while it runs: the node only reads these."""
+    n = _names(root)
+    return n["hold"], n["batch"], f"{n['control']}/command-*.json", f"{n['control']}/stop-*"
+
+
+def _appended(root: Path) -> tuple[str, ...]:
+    """Files each segment appends to: only its part travels, after the earlier segments'."""
+    n = _names(root)
+    return n["log"], n["resizes"]
+
+
+def _is_down(root: Path, rel: str) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pattern) for pattern in _down_patterns(root))
+
+
+def _small_files(root: Path) -> dict[str, Path]:
+    """The folder's files a copy carries: not its checkpoints (the DVC remote's), not a relay's
+    inner folder (`control/node-*`, the node's own), not a temporary file being written."""
+    n = _names(root)
+    found = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if (rel == n["checkpoints"] or rel.startswith(n["checkpoints"] + "/") or rel.startswith(n["control"] + "/node-")
+                or path.name.startswith(".") or not path.is_file()):
+            continue
+        found[rel] = path
+    return found
+
+
+def _read(path: Path, limit: int) -> str | None:
+    try:
+        if path.stat().st_size > limit:
+            return None
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return None  # gone while listed
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    if _read(path, MAX_FILE_BYTES * 4) == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text.encode())
+
+
+# --- the two copies (files only: no I/O with Prefect) ----------------------------------
+
+def up_snapshot(root: Path, since: dict[str, int]) -> dict[str, Any]:
+    """The node's side: its files for the campaign. `since`: each appended file's size when
+    this segment began (only what it added travels)."""
+    appended = _appended(root)
+    whole, added = {}, {}
+    for rel, path in _small_files(root).items():
+        if rel in appended:
+            try:
+                with open(path, "rb") as f:
+                    start = since.get(rel, 0)
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(start, size - MAX_APPENDED_BYTES))
+                    added[rel] = f.read().decode("utf-8", errors="replace")
+            except OSError:
+                continue
+        elif not _is_down(root, rel) and rel != _names(root)["config"] and (text := _read(path, MAX_FILE_BYTES)) is not None:
+            whole[rel] = text
+    return {"files": whole, "appended": added}
+
+
+def apply_up(root: Path, snapshot: dict[str, Any], base: dict[str, int]) -> None:
+    """The campaign's side: the node's files into its copy of the folder. `base`: each
+    appended file's size here before this segment (what earlier segments wrote stays)."""
+    for rel, text in snapshot.get("files", {}).items():
+        if not _is_down(root, rel):
+            _write(root, rel, text)
+    for rel, text in snapshot.get("appended", {}).items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab+") as f:  # what earlier segments wrote, then this one's part
+            f.truncate(base.get(rel, 0))
+            f.write(text.encode())
+
+
+def down_snapshot(root: Path, seed: dict[str, str] | None = None) -> dict[str, Any]:
+    """The campaign's side: the files it writes for the trial, and `seed` (the trial's record
+    when the segment was sent, which the node's segment goes on from)."""
+    files = {rel: text for rel, path in _small_files(root).items()
+             if _is_down(root, rel) and (text := _read(path, MAX_FILE_BYTES)) is not None}
+    return {"files": files, "seed": seed or {}}
+
+
+def record_seed(root: Path) -> dict[str, str]:
+    rel = _names(root)["record"]
+    text = _read(root / rel, MAX_FILE_BYTES)
+    return {rel: text} if text is not None else {}
+
+
+def apply_down(root: Path, snapshot: dict[str, Any], seed: bool = False) -> None:
+    """The node's side: the campaign's files into the node's folder (`seed`: the record too,
+    before the launch); one the campaign deleted goes here too."""
+    files = snapshot.get("files", {})
+    for rel, text in {**(snapshot.get("seed", {}) if seed else {}), **files}.items():
+        _write(root, rel, text)
+    for rel, path in _small_files(root).items():
+        if _is_down(root, rel) and rel not in files:
+            path.unlink(missing_ok=True)
+
+
+def appended_sizes(root: Path) -> dict[str, int]:
+    sizes = {}
+    for rel in _appended(root):
+        try:
+            sizes[rel] = (root / rel).stat().st_size
+        except OSError:
+            sizes[rel] = 0
+    return sizes
+
+
+# --- carried by Prefect artifacts --------------------------------------------------------
+
+def artifact_key(files_key: str, direction: str) -> str:
+    """An artifact key (lowercase letters, digits, dashes) for one segment's copies."""
+    return f"trial-files-{files_key}-{direction}"
+
+
+class Channel:
+    """One artifact, created on the first send and updated in place after it."""
+
+    def __init__(self, key: str, description: str):
+        self.key, self.description = key, description
+        self._id = None
+        self._last: Any = None
+
+    def send(self, data: dict[str, Any]) -> None:
+        if data == self._last:
+            return
+        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+        from flows.pool.nodes import call
+
+        if self._id is None:
+            made = call(lambda client: client.create_artifact(ArtifactCreate(
+                key=self.key, type="campaign-files", description=self.description, data=data)))
+            self._id = made.id
+        else:
+            call(lambda client: client.update_artifact(self._id, ArtifactUpdate(data=data)))
+        self._last = data
+
+    def receive(self) -> dict[str, Any] | None:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        from flows.pool.nodes import call
+
+        found = call(lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])), limit=1))
+        return found[0].data if found and isinstance(found[0].data, dict) else None
+
+
+class NodeMirror:
+    """The node's side, for one segment: the campaign's files down once before the launch,
+    then both ways every MIRROR_S in a thread, and a last copy up when the segment ends."""
+
+    def __init__(self, root: Path, files_key: str, trial: str):
+        self.root = root
+        self.down = Channel(artifact_key(files_key, "down"), f"trial {trial}: the campaign's files for its node")
+        self.up = Channel(artifact_key(files_key, "up"), f"trial {trial}: its node's files for the campaign")
+        self.since: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trial-files", daemon=True)
+
+    def __enter__(self) -> "NodeMirror":
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (first := self.down.receive()) is not None:
+            apply_down(self.root, first, seed=True)
+        self.since = appended_sizes(self.root)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.up.send(up_snapshot(self.root, self.since))  # the segment's last word: its result, record and log
+
+    def _run(self) -> None:
+        while not self._stop.wait(MIRROR_S):
+            try:
+                if (down := self.down.receive()) is not None:
+                    apply_down(self.root, down)
+                self.up.send(up_snapshot(self.root, self.since))
+            except Exception as e:  # the server away a moment: the next copy catches up
+                print(f"trial files: copy with the campaign failed ({e.__class__.__name__}: {e}); trying again", flush=True)
+
+
+class CampaignMirror:
+    """The campaign's side, for one segment: `start` before the segment is sent (its files,
+    with the record, are there when it begins), `tick` while it runs, `pull` once it ended."""
+
+    def __init__(self, root: Path, files_key: str, trial: str):
+        self.root = root
+        self.down = Channel(artifact_key(files_key, "down"), f"trial {trial}: the campaign's files for its node")
+        self.up = Channel(artifact_key(files_key, "up"), f"trial {trial}: its node's files for the campaign")
+        self.base: dict[str, int] = {}
+        self.seed: dict[str, str] = {}
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.base = appended_sizes(self.root)
+        self.seed = record_seed(self.root)
+        self.down.send(down_snapshot(self.root, self.seed))
+
+    def tick(self) -> None:
+        self.down.send(down_snapshot(self.root, self.seed))
+        self.pull()
+
+    def pull(self) -> None:
+        if (up := self.up.receive()) is not None:
+            apply_up(self.root, up, self.base)
+
+
+def node_trial_dir(campaign: str, trial_id: str) -> Path:
+    """Where this node keeps a trial of a campaign whose folder it does not see."""
+    work = os.environ.get(WORK_DIR_ENV) or str(Path.home() / ".campaign" / "work")
+    return Path(work).expanduser() / campaign / trial_id
