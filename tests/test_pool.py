@@ -147,11 +147,12 @@ def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slo
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, **extra_env: str) -> subprocess.Popen:
+def start_live_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, hide: Path | None = None,
+                      **extra_env: str) -> subprocess.Popen:
     """A node's worker, once the pool sees it beating."""
     from prefect.settings import temporary_settings
 
-    worker = start_worker(api, tmp_path, node, ns, address, slots, **extra_env)
+    worker = start_worker(api, tmp_path, node, ns, address, slots, hide, **extra_env)
     with temporary_settings(updates=pool_settings(api)):
         wait_for(lambda: any(n.name == node and n.live for n in nodes_once_made("lab")), 120, f"node {node} live")
     return worker
@@ -500,10 +501,11 @@ def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc
         mlflow_server.wait(timeout=30)
 
 
-def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) -> tuple[Path, str, Path]:
+def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict, apart: dict | None = None) -> tuple[Path, str, Path]:
     """A campaign of one elastic [1, 2] trial that the test resizes (`min_run_s` 600: the policy
     neither shrinks nor moves it on its own, though it grows it into idle devices): its params
-    file, the trial's id and its folder."""
+    file, the trial's id and its folder. `apart`: the tracking settings of a pool without a
+    shared folder (its MLflow server and DVC remote)."""
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
         "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits)}, "model": {"name": "mlp", "width": 8},
@@ -511,35 +513,49 @@ def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict) ->
         "resources": {"devices": [1, 2]},
         "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": name,
-                     "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+                     "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json"), **(apart or {})},
+        **({"cluster": {"shared_storage": False}} if apart else {}),
     }))
-    (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+    (trial_id,) = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
     return params, trial_id, tmp_path / "runs" / name / trial_id
 
 
 @pytest.mark.slow
 @pytest.mark.waits
-def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_node_dies(tmp_path, digits_npz, lab):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared folder", "nothing shared"])
+def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_node_dies(tmp_path, digits_npz, lab, shared):
     """An elastic [1, 2] trial in a pool runs on one node and is resized by hand there. Its
     node's lease file follows its size; a grow onto a device that file gives to another
     campaign (one the head does not know about) is refused, and the request answered so.
     A node that joins mid-campaign is seen; when the trial's node dies, the trial resumes
-    there from its last checkpoint (the hand-set size was for the node it lost)."""
+    there from its last checkpoint (the hand-set size was for the node it lost).
+    Nothing shared: the nodes do not see the campaign's folder (`start_worker(hide=...)`):
+    the resize commands, the agent's state and the refusal travel through Prefect, the
+    checkpoint through the DVC remote."""
     from cluster.leases import LeaseStore
+    from training.checkpoint_remote import CheckpointRemote
 
     head, api, nodes = lab
     ns, address = nodes["a"]
-    worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
+    folder = tmp_path if shared else tmp_path / "head"
+    apart, mlflow_server = None, None
+    if not shared:
+        (tmp_path / "remote").mkdir()
+        folder.mkdir()
+        mlflow_server, mlflow_url = start_mlflow_server(folder, head)
+        apart = {"mlflow_uri": mlflow_url, "dvc_remote": str(tmp_path / "remote")}
+    hide = None if shared else folder
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 2, hide=hide)
     launch = worker_b = None
-    runs = tmp_path / "runs"
+    runs = folder / "runs"
     try:
         # Stopped by the test; held from step 510 (its first checkpoint, at 500, made) at every
         # control step while its hold file is there: it answers resizes, and trains no more.
-        params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "elastic", {"steps": 10**6, "checkpoint_every": 500})
+        params, trial_id, trial_dir = elastic_campaign(folder, digits_npz, "elastic", {"steps": 10**6, "checkpoint_every": 500}, apart)
         trial_dir.mkdir(parents=True)
         trial_files(trial_dir).hold.touch()
         launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=folder,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db"),
                  "CAMPAIGN_HOLD_AT_STEP": "510"},
             stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
@@ -556,7 +572,7 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
 
         def resize(devices: int) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial_id, str(devices), "--runs-dir", str(runs),
-                                   "--wait-s", "120"], capture_output=True, text=True, timeout=150, cwd=tmp_path)
+                                   "--wait-s", "120"], capture_output=True, text=True, timeout=150, cwd=folder)
 
         wait_for(lambda: running_on(2), 240, "the trial on both devices of node a")
         assert leased() == {"a/cpu0", "a/cpu1"}
@@ -585,9 +601,14 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
         assert [(len(e["from"]), len(e["to"])) for e in events] == [(2, 1), (1, 2)], events
 
         # Node b joins while the campaign runs; then node a dies: the trial resumes on b from its checkpoint.
-        worker_b = start_worker(api, tmp_path, "b", *nodes["b"], 2)
+        worker_b = start_worker(api, tmp_path, "b", *nodes["b"], 2, hide=hide)
         wait_for(lambda: "node b joined pool lab" in (tmp_path / "launch.log").read_text(), 120, "the campaign to see node b")
-        wait_for(lambda: latest_valid_checkpoint(trial_files(trial_dir).checkpoints) is not None, 240, "the trial's checkpoint at step 500")
+        if shared:
+            wait_for(lambda: latest_valid_checkpoint(trial_files(trial_dir).checkpoints) is not None, 240, "the trial's checkpoint at step 500")
+        else:
+            at_remote = CheckpointRemote(str(tmp_path / "remote"), f"elastic/{trial_id}")
+            wait_for(lambda: at_remote.entries(), 240, "the trial's checkpoint at step 500 on the remote")
+            assert not trial_files(trial_dir).checkpoints.exists()
         for pid in processes_of("a"):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -618,6 +639,9 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
+        if mlflow_server is not None:
+            os.killpg(mlflow_server.pid, signal.SIGTERM)
+            mlflow_server.wait(timeout=30)
 
 
 def trial_workers_of(node: str, with_state: bool = False) -> list:
