@@ -89,12 +89,6 @@ def inventory_for(spec: CampaignSpec) -> Inventory:
     return discover(cpu_slots=spec.cluster.cpu_slots)
 
 
-def spans_nodes(spec: CampaignSpec) -> bool:
-    """Whether a trial may run across several nodes: in a pool whose nodes share the runs
-    folder (its checkpoint is written by ranks on every node into one folder)."""
-    return spec.cluster.pool is not None and spec.cluster.shared_storage
-
-
 def warm_first_wave(spec: CampaignSpec, trials: list[Trial], inventory: Inventory,
                     requests: dict[str, SizedRequest], usage: dict[str, int]) -> list[Device]:
     """Where the first one-device trials to run would start now (`usage`: what other
@@ -128,7 +122,7 @@ def checked_requests(spec: CampaignSpec, trials: list[Trial], inventory: Invento
     check_trials(trials)
     requests = size_trials(spec, trials, inventory)
     # In a pool a trial may span nodes (torchrun's c10d rendezvous); on one host it is one node anyway.
-    check_fits([r.at(r.min_devices) for r in requests.values()], inventory, multi_node=spans_nodes(spec))
+    check_fits([r.at(r.min_devices) for r in requests.values()], inventory, multi_node=spec.cluster.pool is not None)
     return requests
 
 
@@ -197,13 +191,12 @@ class CampaignRun:
         # A pool's trials run on its nodes through the pool's segment deployment; this host only orchestrates.
         self.pool = spec.cluster.pool
         self.deployment = prepare_pool(self.pool) if self.pool else None
-        self.multi_node = spans_nodes(spec)
         self.shared_storage = spec.cluster.shared_storage
         self.next_pool_look = time.time() + POOL_LOOK_S
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s, spec.scheduling.order)
-            self.scheduler = LiveScheduler(policy, per_node, multi_node=self.multi_node)
+            self.scheduler = LiveScheduler(policy, per_node, multi_node=self.pool is not None)
         for t in trials:
             done = completed_result(self.root / t.id)
             if done is not None:
@@ -329,7 +322,7 @@ class CampaignRun:
 
     def start_first_come(self) -> None:
         """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
-        packer = self.packer(multi_node=self.multi_node)
+        packer = self.packer(multi_node=self.pool is not None)
         for trial in list(self.pending):
             request = self.requests[trial.id]
             queued_min = sum(self.requests[t.id].min_devices for t in self.pending if t is not trial)
@@ -365,7 +358,7 @@ class CampaignRun:
             if target is not None and job.awaiting is None and pending_request(job.trial_dir, job.handled) is None:
                 self.choose_batch(job.trial, job.trial_dir, target, actions.batch.get(job.trial.id))
                 request_resize(job.trial_dir, target, by="policy")  # served like a person's, in serve_resizes
-        packer = self.packer(multi_node=self.multi_node)  # in a pool the policy may start a trial across nodes
+        packer = self.packer(multi_node=self.pool is not None)  # in a pool the policy may start a trial across nodes
         for trial in [t for t in self.pending if t.id in actions.start]:
             self.choose_batch(trial, self.root / trial.id, actions.start[trial.id], actions.batch.get(trial.id))
             placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
@@ -389,7 +382,7 @@ class CampaignRun:
     def serve(self) -> None:
         for job in self.running.values():
             before = job.device_ids
-            if line := serve_resizes(job, self.inventory, self.store, self.capacity, recall if self.multi_node else None):
+            if line := serve_resizes(job, self.inventory, self.store, self.capacity, recall if self.pool else None):
                 self.logger.info(line)
             if job.device_ids != before:
                 log_allocation(self.root, job.trial.id, job.device_ids, "resize")
@@ -545,7 +538,7 @@ class CampaignRun:
         """After a node left: every waiting trial still fits the nodes left (else it would wait forever)."""
         try:
             check_fits([self.requests[t.id].at(self.requests[t.id].min_devices) for t in self.pending], self.inventory,
-                       multi_node=self.multi_node)
+                       multi_node=self.pool is not None)
         except CampaignError as e:
             raise PoolError(f"the nodes left in pool {self.pool} cannot run every trial: {e}. Start `campaign worker --pool "
                             f"{self.pool}` on more nodes and `campaign launch` again: the trials resume from their checkpoints") from None

@@ -141,3 +141,51 @@ def _works_in(proc: Path, folder: Path) -> bool:
         return os.readlink(proc / "cwd").startswith(str(folder)) or str(folder).encode() in (proc / "cmdline").read_bytes()
     except OSError:
         return False
+
+
+def _across_two_machines(rank: int, tmp: str, init: str, out) -> None:
+    """One rank of a trial whose ranks' folders are on different machines (node-0, node-1)."""
+    import torch.distributed as dist
+
+    from training.manifest import latest_valid_checkpoint
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        root = Path(tmp) / f"node-{rank}"
+        remote = CheckpointRemote(str(Path(tmp) / "remote"), "camp/t1", keep=2)
+        writer = Checkpointer(root, keep=2, rank=rank, world_size=2, remote=remote, one_writer=True)
+        writer.save(10, {"w": torch.full((4,), 10.0), "progress": {"step": 10}})
+        whole = latest_valid_checkpoint(root)
+        dist.barrier()
+        reader = Checkpointer(root, keep=2, rank=rank, world_size=2, remote=remote, one_writer=True)
+        state = {"w": torch.zeros(4), "progress": {"step": 0}}
+        step = reader.load_latest(state)
+        out.put((rank, str(whole) if whole else None, step, state["w"].tolist(), str(reader.loaded)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_writer_puts_a_whole_checkpoint_on_rank_0s_machine_and_the_others_pull_it(tmp_path):
+    """A trial across nodes without shared storage: rank 0 writes every replicated item, so its
+    folder holds the whole (verified) checkpoint, which it pushes; rank 1, whose folder has
+    none, pulls it into its own folder and loads from there (not from rank 0's path)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_across_two_machines, args=(rank, str(tmp_path), init, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    for _ in procs:
+        rank, whole, step, weights, loaded = out.get(timeout=120)
+        results[rank] = (whole, step, weights, loaded)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert results[0][0] == str(tmp_path / "node-0" / "step-00000010")  # whole on rank 0's machine
+    assert results[1][0] is None  # nothing loadable was written on rank 1's
+    for rank in (0, 1):
+        assert results[rank][1:3] == (10, [10.0] * 4), results
+        assert results[rank][3] == str(tmp_path / f"node-{rank}" / "step-00000010"), results

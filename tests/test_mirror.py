@@ -5,6 +5,8 @@ artifacts that carry them run in tests/test_pool.py's pool without a shared fold
 from __future__ import annotations
 
 import json
+import os
+import time
 
 from flows.pool.mirror import apply_down, apply_up, appended_sizes, down_snapshot, record_seed, up_snapshot
 from training.elastic import command_path, write_command
@@ -30,11 +32,15 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     node.log.write_text("an old segment on this node\n")
     (node.control / "node-a").mkdir(parents=True)
     write_json_atomic(node.control / "node-a" / "inner.json", {"seq": 3})
+    write_json_atomic(node.progress, {"step": 999, "state": "held"})  # an old segment's, from before this one
+    os.utime(node.progress, (time.time() - 60, time.time() - 60))
 
     base, seed = appended_sizes(campaign.root), record_seed(campaign.root)
     apply_down(node.root, through_json(down_snapshot(campaign.root, seed)), seed=True)
     assert read_json(node.record)["attempts"] == 1 and node.hold.exists() and read_json(node.batch) == {"batch_size": 64}
-    since = appended_sizes(node.root)
+    since, started_at = appended_sizes(node.root), time.time()
+    # Nothing of this segment yet: neither the record it was seeded with nor the old progress goes up.
+    assert up_snapshot(node.root, since, started_at) == {"files": {}, "appended": {}}
 
     # The segment runs: its log grows, the record and progress change, the config names the node's paths.
     with open(node.log, "a") as f:
@@ -42,7 +48,7 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     write_json_atomic(node.record, {"state": "running", "attempts": 2, "devices": ["a/cpu0"]})
     write_json_atomic(node.progress, {"step": 60, "state": "held"})
     write_json_atomic(node.config, {"trial_dir": str(node.root)})
-    snapshot = through_json(up_snapshot(node.root, since))
+    snapshot = through_json(up_snapshot(node.root, since, started_at))
     assert not any(rel.startswith("checkpoints") or "node-a" in rel for rel in snapshot["files"]), snapshot["files"]
     apply_up(campaign.root, snapshot, base)
     assert campaign.log.read_text() == "segment 1 on another node\nsegment 2: resumed at step 50\n"
@@ -61,7 +67,27 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     with open(node.log, "a") as f:
         f.write("step 150: done\n")
     write_json_atomic(node.result, {"steps": 150})
-    apply_up(campaign.root, through_json(up_snapshot(node.root, since)), base)
-    apply_up(campaign.root, through_json(up_snapshot(node.root, since)), base)
+    apply_up(campaign.root, through_json(up_snapshot(node.root, since, started_at)), base)
+    apply_up(campaign.root, through_json(up_snapshot(node.root, since, started_at)), base)
     assert campaign.log.read_text().count("segment 2") == 1 and campaign.log.read_text().endswith("step 150: done\n")
     assert read_json(campaign.result) == {"steps": 150}
+
+
+def test_a_trial_across_nodes_meets_through_the_campaigns_copy_and_keeps_each_nodes_log(tmp_path):
+    """The host node's rendezvous endpoint goes up and down to the other node, which never
+    deletes it; each node's log is its own file in the campaign's copy."""
+    campaign, host, other = (trial_files(tmp_path / name / "t1") for name in ("campaign", "a", "b"))
+    for files in (campaign, host, other):
+        files.root.mkdir(parents=True)
+    since, started_at = {}, time.time()
+    write_json_atomic(host.rendezvous("abc"), {"endpoint": "10.0.0.2:29400"})
+    host.log.write_text("host: world size 2\n")
+    (other.root / "train-b.log").write_text("node b: world size 2\n")
+    for files in (host, other):
+        apply_up(campaign.root, through_json(up_snapshot(files.root, since, started_at)), {})
+    apply_down(other.root, through_json(down_snapshot(campaign.root)))
+    assert read_json(other.rendezvous("abc")) == {"endpoint": "10.0.0.2:29400"}
+    apply_down(host.root, {"files": {}, "seed": {}})  # a copy from before the endpoint reached the campaign
+    assert host.rendezvous("abc").exists()  # the host's own endpoint stays
+    assert campaign.log.read_text() == "host: world size 2\n"
+    assert (campaign.root / "train-b.log").read_text() == "node b: world size 2\n"

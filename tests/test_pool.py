@@ -8,10 +8,12 @@ dying would); its trials finish on the other node from their checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import re
+import shlex
 from datetime import datetime, timedelta, timezone
 import signal
 import subprocess
@@ -123,11 +125,7 @@ def lab(tmp_path, monkeypatch):
         finally:
             stop_servers(servers)
     finally:
-        for pid in processes_of(None):  # whatever a test left running on any of its nodes dies with it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_node(None)  # whatever a test left running on any of its nodes dies with it
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
@@ -136,13 +134,18 @@ def lab(tmp_path, monkeypatch):
 def start_worker(api: str, tmp_path: Path, node: str, ns: str, address: str, slots: int, hide: Path | None = None,
                  **extra_env: str) -> subprocess.Popen:
     """`hide`: a folder this node must not see (an empty tmpfs over it in the node's own mount
-    namespace, which `ip netns exec` makes); the node then keeps its trials in `node-<name>/`."""
+    namespace, which `ip netns exec` makes), nor the other nodes' own folders; the node then
+    keeps its trials in `node-<name>/`."""
     env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / f"leases-{node}.db"),
            "PREFECT_HOME": str(tmp_path / f"prefect-{node}"), "CAMPAIGN_NODE_MARK": node_mark(node), **extra_env}
     command = [sys.executable, "-m", "flows.cli", "worker", "--pool", "lab", "--node", node, "--address", address,
                "--cpu-slots", str(slots)]
     if hide is not None:
-        command = ["sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(hide), *command, "--work-dir", str(tmp_path / f"node-{node}")]
+        hidden = [hide, *(tmp_path / f"node-{other}" for other in ("a", "b") if other != node)]
+        for folder in hidden:
+            folder.mkdir(exist_ok=True)
+        mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(str(folder))}" for folder in hidden)
+        command = ["sh", "-c", f'{mounts} && exec "$@"', "worker", *command, "--work-dir", str(tmp_path / f"node-{node}")]
     return subprocess.Popen(["ip", "netns", "exec", ns, *command],
                             env=env, stdout=open(tmp_path / f"worker-{node}.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -166,13 +169,18 @@ def pool_settings(api: str) -> dict:
     return {PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: os.environ[CLIENT_AUTH_ENV]}
 
 
-def end_launch_and_worker(launch: subprocess.Popen | None, worker: subprocess.Popen) -> None:
-    """What a test leaves running: the campaign killed, the node's worker stopped in order."""
+def end_launch_and_workers(launch: subprocess.Popen | None, workers) -> None:
+    """What a test leaves running: the campaign killed, every node's worker stopped in order."""
     if launch is not None and launch.poll() is None:
         launch.kill()
-    if worker.poll() is None:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=30)
+    for proc in workers:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in workers:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def listening(ns: str) -> set[str]:
@@ -184,6 +192,15 @@ def node_mark(node: str) -> str:
     """A node's mark in its processes' environment: this test process's own (the suite runs
     tests side by side, and another test's nodes are named a and b too)."""
     return f"{node}@{os.getpid()}"
+
+
+def kill_node(node: str | None) -> None:
+    """SIGKILL every process of a node (None: of every node this test process started), at once, as a machine dying."""
+    for pid in processes_of(node):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def processes_of(node: str | None) -> list[int]:
@@ -291,11 +308,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
             assert listening(ns) <= {address, "127.0.0.1"}, (node, listening(ns))
         assert any(address == nodes["a"][1] for address in listening(nodes["a"][0]))  # the rendezvous store, on the host node
 
-        for pid in processes_of("b"):  # node b dies: its worker, flow runs and trial processes, at once
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_node("b")  # node b dies: its worker, flow runs and trial processes, at once
         said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
         wait_for(lambda: f"trial {across}: node b stopped beating; it goes on without it" in said(), 120, "node b left behind")
         # Node b comes back (its worker started again): the trial takes it in again. Held at its
@@ -320,16 +333,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
         assert "NodeLost" not in launch_log()
         assert not processes_of("b")
     finally:
-        if launch is not None and launch.poll() is None:
-            launch.kill()
-        for proc in workers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in workers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        end_launch_and_workers(launch, workers.values())
 
 
 @pytest.mark.slow
@@ -378,7 +382,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         wait_for(lambda: not node_leases.leases(), 60, "node a's lease to go")
         assert worker.poll() is None  # the node itself goes on serving the pool
     finally:
-        end_launch_and_worker(launch, worker)
+        end_launch_and_workers(launch, [worker])
 
 
 def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]:
@@ -395,6 +399,26 @@ def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]
     return server, url
 
 
+@contextlib.contextmanager
+def campaign_folder(tmp_path: Path, head: str, shared: bool):
+    """The campaign's folder and what its spec's tracking adds: with a shared folder, the
+    test's own (the nodes see it); with nothing shared, `head/`, which `start_worker(hide=...)`
+    hides from the nodes, an MLflow server on the head's address and a DVC directory remote.
+    Yields (folder, tracking settings, the folder to hide or None)."""
+    if shared:
+        yield tmp_path, None, None
+        return
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (tmp_path / "remote").mkdir()
+    server, url = start_mlflow_server(folder, head)
+    try:
+        yield folder, {"mlflow_uri": url, "dvc_remote": str(tmp_path / "remote")}, folder
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.waits
 def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc_remote(tmp_path, digits_npz, lab):
@@ -405,21 +429,23 @@ def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc
     trial is done, from the checkpoint the DVC directory remote holds, and ends where an
     uninterrupted one would. Every file the campaign reads (progress, record, log, result)
     came to it through the Prefect API; metrics through the MLflow server."""
+    head, api, nodes = lab
+    with campaign_folder(tmp_path, head, shared=False) as (folder, apart, hide):
+        run_campaign_apart(tmp_path, digits_npz, api, nodes, folder, apart, hide)
+
+
+def run_campaign_apart(tmp_path, digits_npz, api, nodes, folder, apart, hide) -> None:
     from mlflow import MlflowClient
     from prefect.settings import temporary_settings
 
     from tasks.tracking import TRIAL_TAG
     from training.checkpoint_remote import CheckpointRemote
 
-    head, api, nodes = lab
-    folder, remote = tmp_path / "head", tmp_path / "remote"
-    folder.mkdir()
-    remote.mkdir()
-    mlflow_server, mlflow_url = start_mlflow_server(folder, head)
+    remote, mlflow_url = apart["dvc_remote"], apart["mlflow_uri"]
     workers, launch = {}, None
     try:
         for node in ("a", "b"):
-            workers[node] = start_worker(api, tmp_path, node, *nodes[node], 1, hide=folder)
+            workers[node] = start_worker(api, tmp_path, node, *nodes[node], 1, hide=hide)
         with temporary_settings(updates=pool_settings(api)):
             wait_for(lambda: (n := nodes_once_made("lab")) and len(n) == 2 and all(x.live for x in n), 120, "both nodes live")
         params = folder / "params.yaml"
@@ -429,8 +455,7 @@ def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc
             "grid": {"training.lr": [0.02, 0.05]},
             "resources": {"devices": 1},
             "cluster": {"shared_storage": False},
-            "tracking": {"mlflow_uri": mlflow_url, "experiment": "apart", "dvc_remote": str(remote),
-                         "runs_dir": str(folder / "runs"), "summary": str(folder / "summary.json")},
+            "tracking": {**apart, "experiment": "apart", "runs_dir": str(folder / "runs"), "summary": str(folder / "summary.json")},
         }))
         runs = folder / "runs" / "apart"
         trial_ids = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
@@ -457,16 +482,12 @@ def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc
         assert sorted(d for devices in placed.values() for d in devices) == ["a/cpu0", "b/cpu0"], placed
         moved = next(t for t, devices in placed.items() if devices == ["b/cpu0"])
         # Its checkpoint at step 50 is on the remote; in the campaign's folder there is none.
-        at_remote = CheckpointRemote(str(remote), f"apart/{moved}")
+        at_remote = CheckpointRemote(remote, f"apart/{moved}")
         wait_for(lambda: [e for e in at_remote.entries() if e.get("step") == 50], 60, "step 50 on the remote")
         assert (tmp_path / "node-b" / "apart" / moved / "checkpoints").is_dir()
         assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
 
-        for pid in processes_of("b"):  # node b dies: its worker, flow run and trial processes, at once
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_node("b")  # node b dies: its worker, flow run and trial processes, at once
         said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
         wait_for(lambda: "node b left the pool" in said(), 120, "node b seen dead")
         for trial_id in trial_ids:
@@ -487,18 +508,7 @@ def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc
         finished = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(TRIAL_TAG) in trial_ids]
         assert {r.data.tags[TRIAL_TAG] for r in finished if "train_loss" in r.data.metrics} == set(trial_ids), finished
     finally:
-        if launch is not None and launch.poll() is None:
-            launch.kill()
-        for proc in workers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in workers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        os.killpg(mlflow_server.pid, signal.SIGTERM)
-        mlflow_server.wait(timeout=30)
+        end_launch_and_workers(launch, workers.values())
 
 
 def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict, apart: dict | None = None) -> tuple[Path, str, Path]:
@@ -532,19 +542,17 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
     Nothing shared: the nodes do not see the campaign's folder (`start_worker(hide=...)`):
     the resize commands, the agent's state and the refusal travel through Prefect, the
     checkpoint through the DVC remote."""
+    head, api, nodes = lab
+    with campaign_folder(tmp_path, head, shared) as (folder, apart, hide):
+        run_elastic_pool_campaign(tmp_path, digits_npz, api, nodes, folder, apart, hide)
+
+
+def run_elastic_pool_campaign(tmp_path, digits_npz, api, nodes, folder, apart, hide) -> None:
     from cluster.leases import LeaseStore
     from training.checkpoint_remote import CheckpointRemote
 
-    head, api, nodes = lab
+    shared = apart is None
     ns, address = nodes["a"]
-    folder = tmp_path if shared else tmp_path / "head"
-    apart, mlflow_server = None, None
-    if not shared:
-        (tmp_path / "remote").mkdir()
-        folder.mkdir()
-        mlflow_server, mlflow_url = start_mlflow_server(folder, head)
-        apart = {"mlflow_uri": mlflow_url, "dvc_remote": str(tmp_path / "remote")}
-    hide = None if shared else folder
     worker = start_live_worker(api, tmp_path, "a", ns, address, 2, hide=hide)
     launch = worker_b = None
     runs = folder / "runs"
@@ -609,11 +617,7 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
             at_remote = CheckpointRemote(str(tmp_path / "remote"), f"elastic/{trial_id}")
             wait_for(lambda: at_remote.entries(), 240, "the trial's checkpoint at step 500 on the remote")
             assert not trial_files(trial_dir).checkpoints.exists()
-        for pid in processes_of("a"):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_node("a")
         def on_b() -> list[str]:
             devices = (read_json(trial_dir / "control" / "state.json") or {}).get("devices", [])
             return devices if (running_on(1) or running_on(2)) and all(d.startswith("b/") for d in devices) else []
@@ -639,9 +643,6 @@ def test_an_elastic_trial_in_a_pool_is_resized_on_its_node_and_moves_when_the_no
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
-        if mlflow_server is not None:
-            os.killpg(mlflow_server.pid, signal.SIGTERM)
-            mlflow_server.wait(timeout=30)
 
 
 def trial_workers_of(node: str, with_state: bool = False) -> list:
@@ -735,18 +736,27 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         assert "fenced:" in log, log[-3000:]  # the workers stopped themselves
         node_leases.release("taker/t@1")
     finally:
-        end_launch_and_worker(launch, worker)
+        end_launch_and_workers(launch, [worker])
 
 
 @pytest.mark.slow
 @pytest.mark.waits
-def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_and_moved_by_hand(tmp_path, digits_npz, lab):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared folder", "nothing shared"])
+def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_and_moved_by_hand(tmp_path, digits_npz, lab, shared):
     """An elastic [1, 2] trial on a pool of one-slot nodes starts on node a, the only one, under
     its agent. When node b joins, the policy grows it onto b (torchrun across both,
     --nnodes=1:2); `campaign resize` to 1 moves it back onto one node, and to 2 across both
     again. Each move stops it at a checkpoint it writes then; each node's lease file follows
     it, no step is lost, and its final weights equal those of the same trial run on one
-    process, bit for bit."""
+    process, bit for bit. Nothing shared: the nodes meet through the campaign's copy of the
+    rendezvous file (Prefect artifacts), rank 0 writes each whole checkpoint on its node and
+    pushes it to the DVC remote, and a node without it pulls it to resume."""
+    head, api, nodes = lab
+    with campaign_folder(tmp_path, head, shared) as (folder, apart, hide):
+        run_spread_campaign(tmp_path, digits_npz, api, nodes, folder, apart, hide)
+
+
+def run_spread_campaign(tmp_path, digits_npz, api, nodes, folder, apart, hide) -> None:
     import torch
 
     from cluster.leases import LeaseStore
@@ -755,17 +765,16 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
     from training.progress import read_progress
     from training.workload import build_model
 
-    head, api, nodes = lab
-    workers = {"a": start_live_worker(api, tmp_path, "a", *nodes["a"], 1)}
+    workers = {"a": start_live_worker(api, tmp_path, "a", *nodes["a"], 1, hide=hide)}
     launch = None
-    runs = tmp_path / "runs"
+    runs = folder / "runs"
     try:
-        params, trial_id, trial_dir = elastic_campaign(tmp_path, digits_npz, "spread",
-                                                       {"steps": 300, "checkpoint_every": 50, "eval_every": 300, "log_every": 10})
+        params, trial_id, trial_dir = elastic_campaign(folder, digits_npz, "spread",
+                                                       {"steps": 300, "checkpoint_every": 50, "eval_every": 300, "log_every": 10}, apart)
         trial_dir.mkdir(parents=True)
         trial_files(trial_dir).hold.touch()  # held from step HOLD_AT, at every control step after it, while the file is there
         launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=folder,
             env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
                  "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
             stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
@@ -781,14 +790,14 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
 
         def resize(devices: int) -> str:
             done = subprocess.run([sys.executable, "-m", "flows.cli", "resize", trial_id, str(devices), "--runs-dir", str(runs),
-                                   "--wait-s", "180"], capture_output=True, text=True, timeout=200, cwd=tmp_path)
+                                   "--wait-s", "180"], capture_output=True, text=True, timeout=200, cwd=folder)
             said = " ".join((done.stdout + done.stderr).split())
             assert done.returncode == 0, said + (tmp_path / "launch.log").read_text()[-3000:]
             return said
 
         wait_for(lambda: at_world(1) and leased() == {"a/cpu0"}, 240, "the trial on node a, held")
         # Node b joins: the policy grows the trial onto it (nothing else waits; min_run_s does not hold back a grow).
-        workers["b"] = start_live_worker(api, tmp_path, "b", *nodes["b"], 1)
+        workers["b"] = start_live_worker(api, tmp_path, "b", *nodes["b"], 1, hide=hide)
         wait_for(lambda: at_world(2) and leased() == {"a/cpu0", "b/cpu0"}, 240, "the policy's grow across both nodes")
         resize(1)  # by hand; the size is pinned from now on
         wait_for(lambda: at_world(1) and len(leased()) == 1, 180, "the trial on one node")
@@ -814,8 +823,9 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
                          ("moving", []), ("start", both), ("end", [])], moves
 
         # The same trial on one process, from its own config: the same weights, bit for bit.
-        raw = {**read_json(trial_dir / "trial.json"), "trial_dir": str(tmp_path / "alone"), "hold_at_step": None, "lease": None,
-               "mlflow_tracking_uri": None, "mlflow_run_id": None}
+        config = trial_dir / "trial.json" if apart is None else tmp_path / "node-a" / "spread" / trial_id / "trial.json"
+        raw = {**read_json(config), "trial_dir": str(tmp_path / "alone"), "hold_at_step": None, "lease": None,
+               "mlflow_tracking_uri": None, "mlflow_run_id": None, "checkpoint_remote": None, "one_checkpoint_writer": False}
         alone = TrialConfig(**raw)
         Path(alone.trial_dir).mkdir()
         (Path(alone.trial_dir) / "trial.json").write_text(alone.to_json())
@@ -834,4 +844,4 @@ def test_an_elastic_trial_in_a_pool_is_grown_onto_a_second_node_by_the_policy_an
             assert torch.equal(reference[name], moved[name]), name
     finally:
         for worker in workers.values():
-            end_launch_and_worker(launch, worker)
+            end_launch_and_workers(launch, [worker])

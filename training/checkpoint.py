@@ -12,6 +12,7 @@ pushed once in view, and a resume pulls a newer one than its folder holds.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import warnings
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from training.fence import Fenced
 from training.files import fsync_dir
@@ -44,8 +46,12 @@ class Checkpointer:
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None,
                  guard: Callable[[], str | None] | None = None, grant: dict[str, Any] | None = None,
-                 remote: "CheckpointRemote | None" = None):
+                 remote: "CheckpointRemote | None" = None, one_writer: bool = False):
         self.root = Path(root)
+        # Rank 0 writes every replicated item (DCP's dedup to the lowest rank): the whole
+        # checkpoint is then in rank 0's folder, though the ranks' folders are on different
+        # machines (a trial across nodes without shared storage; the others pull it to resume).
+        self.one_writer = one_writer
         self.remote = remote  # pushed to after each save, pulled from before a resume
         # Asked on rank 0 just before a checkpoint becomes visible (training.fence.commit_guard);
         # the grant goes into its manifest, so a late write under an old grant is not trusted.
@@ -58,6 +64,9 @@ class Checkpointer:
         self._pending: Future | None = None
         self._finalized: Future | None = None
         self.loaded: Path | None = None  # the checkpoint the last load_latest read (a resume's record says which)
+
+    def _planner(self) -> DefaultSavePlanner | None:
+        return DefaultSavePlanner(dedup_save_to_lowest_rank=True) if self.one_writer else None  # one per save: it keeps state
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -80,24 +89,35 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> Path:
         self.wait()
+        self._drop_empty_leftovers(step)
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         if blocking or self.async_group is None:
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(state, checkpoint_id=tmp, planner=self._planner())
             self._barrier()
             if self.rank == 0:
                 self._finalize(step, tmp, final)
             self._barrier()
             return final
-        self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group)
+        self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group, planner=self._planner())
         if self.rank == 0:
             # The callback runs after waiters on the write wake up: it must hold its own
             # reference to the future it completes, not read it from self.
             finalized = self._finalized = Future()
             self._pending.add_done_callback(lambda done: self._finalize_when(done, step, tmp, final, finalized))
         return final
+
+    def _drop_empty_leftovers(self, step: int) -> None:
+        """One writer: on a node other than rank 0's, each save leaves a folder holding one empty
+        file per rank, never put in view. Its first rank drops those of earlier saves (done on
+        every rank: the last save's wait() returned)."""
+        if not self.one_writer or os.environ.get("GROUP_RANK", "0") == "0" or os.environ.get("LOCAL_RANK", "0") != "0":
+            return
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            if checkpoint_step(stale.with_name(stale.name[len(TMP_PREFIX):])) < step:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _finalize_when(self, done: Future, step: int, tmp: Path, final: Path, finalized: Future) -> None:
         try:
@@ -139,14 +159,16 @@ class Checkpointer:
         remote, rank 0 first pulls a newer one than its folder holds, and a rank whose node
         lacks the chosen one (no shared storage) pulls it too."""
         found = self._newest_on_rank0() if self.rank == 0 else None
-        found = self._on_rank0(str(found) if found else None)
-        if found is None:
+        # Its name, not rank 0's path: without shared storage each node's folder may be elsewhere.
+        name = self._on_rank0(found.name if found else None)
+        if name is None:
             return None
+        mine = self.root / name
         if self.remote is not None:
-            if not Path(found).is_dir():
-                self.remote.pull_step(checkpoint_step(Path(found)), self.root)
+            if not mine.is_dir():
+                self.remote.pull_step(checkpoint_step(mine), self.root)
             self._barrier()  # every rank has it before any loads
-        return Path(found)
+        return mine
 
     def _newest_on_rank0(self) -> Path | None:
         found = latest_valid_checkpoint(self.root)

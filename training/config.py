@@ -74,6 +74,10 @@ class TrialConfig:
     # {"url": a DVC remote, "key": "<campaign>/<trial>"}: checkpoints pushed there and pulled from
     # there on a resume (training.checkpoint_remote); None: they stay in trial_dir only
     checkpoint_remote: dict[str, Any] | None = None
+    # Rank 0 writes every replicated item of a checkpoint (all of a DDP trainer's state): a trial
+    # across nodes that share no folder then has its whole checkpoint on rank 0's node, which
+    # pushes it to the remote; the other nodes pull it to resume. False: DCP spreads the writes.
+    one_checkpoint_writer: bool = False
     # A function trial (training.function): {"target": "pkg.mod:fn", "kwargs": {...}} runs the
     # user's own loop instead of ours; `point` is the trial's whole spec, handed to it as ctx.config.
     function: dict[str, Any] | None = None

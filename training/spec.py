@@ -245,7 +245,7 @@ class ClusterSection(Strict):
     shared_storage: bool = Field(
         default=True, description="a pool's nodes see tracking.runs_dir at the same path; false: each node keeps its trials "
                                   "in a folder of its own, their files travel through the Prefect API and their checkpoints "
-                                  "through tracking.dvc_remote, and a trial runs on one node at a time")
+                                  "through tracking.dvc_remote")
 
 
 class SchedulingSection(Strict):

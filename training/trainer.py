@@ -208,7 +208,8 @@ class Trainer(Stateful):
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group,
                                          guard=commit_guard(self.cfg.lease), grant=grant_of(self.cfg.lease),
-                                         remote=remote_for(self.cfg.checkpoint_remote, self.cfg.keep_checkpoints))
+                                         remote=remote_for(self.cfg.checkpoint_remote, self.cfg.keep_checkpoints),
+                                         one_writer=self.cfg.one_checkpoint_writer)
         if env.rank == 0 and not self.metrics.enabled:
             self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id)
         elif env.rank != 0:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +43,32 @@ def _names(root: Path) -> dict[str, str]:
     files = trial_files(root)
     rel = lambda path: path.relative_to(root).as_posix()  # noqa: E731
     return {"log": rel(files.log), "resizes": rel(files.resizes), "record": rel(files.record), "batch": rel(files.batch),
-            "config": rel(files.config),
-            "hold": rel(files.hold), "control": rel(files.control), "checkpoints": rel(files.checkpoints)}
+            "config": rel(files.config), "hold": rel(files.hold), "control": rel(files.control),
+            "checkpoints": rel(files.checkpoints), "rendezvous": rel(files.rendezvous(0)).replace("-0.", "-*.")}
 
 
 def _down_patterns(root: Path) -> tuple[str, ...]:
-    """What the campaign writes for the trial while it runs: the node only reads these."""
+    """What the campaign writes for the trial while it runs: the nodes only read these."""
     n = _names(root)
     return n["hold"], n["batch"], f"{n['control']}/command-*.json", f"{n['control']}/stop-*"
 
 
-def _appended(root: Path) -> tuple[str, ...]:
-    """Files each segment appends to: only its part travels, after the earlier segments'."""
+def _relayed_patterns(root: Path) -> tuple[str, ...]:
+    """What one node writes for the others (the host node's rendezvous endpoint of a trial
+    across nodes): up from it, then down to every node."""
+    return (_names(root)["rendezvous"],)
+
+
+def _appended_patterns(root: Path) -> tuple[str, ...]:
+    """Files each segment appends to (the log, each other node's log of a trial across nodes,
+    the resize log): only its part travels, after the earlier segments'."""
     n = _names(root)
-    return n["log"], n["resizes"]
+    log = Path(n["log"])
+    return n["log"], (log.parent / f"{log.stem}-*{log.suffix}").as_posix(), n["resizes"]
 
 
-def _is_down(root: Path, rel: str) -> bool:
-    return any(fnmatch.fnmatchcase(rel, pattern) for pattern in _down_patterns(root))
+def _matches(rel: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pattern) for pattern in patterns)
 
 
 def _small_files(root: Path) -> dict[str, Path]:
@@ -94,31 +104,40 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 # --- the two copies (files only: no I/O with Prefect) ----------------------------------
 
-def up_snapshot(root: Path, since: dict[str, int]) -> dict[str, Any]:
-    """The node's side: its files for the campaign. `since`: each appended file's size when
-    this segment began (only what it added travels)."""
-    appended = _appended(root)
+def up_snapshot(root: Path, since: dict[str, int], started_at: float) -> dict[str, Any]:
+    """The node's side: what this segment wrote, for the campaign. Whole files written since
+    `started_at` (not another segment's left on this node, nor the record it was seeded with);
+    of each appended file, what it added past its size when the segment began (`since`)."""
+    appended, down = _appended_patterns(root), _down_patterns(root)
     whole, added = {}, {}
     for rel, path in _small_files(root).items():
-        if rel in appended:
+        if _matches(rel, appended):
             try:
                 with open(path, "rb") as f:
                     start = since.get(rel, 0)
                     size = f.seek(0, os.SEEK_END)
+                    if size <= start:
+                        continue
                     f.seek(max(start, size - MAX_APPENDED_BYTES))
                     added[rel] = f.read().decode("utf-8", errors="replace")
             except OSError:
                 continue
-        elif not _is_down(root, rel) and rel != _names(root)["config"] and (text := _read(path, MAX_FILE_BYTES)) is not None:
-            whole[rel] = text
+        elif not _matches(rel, down) and rel != _names(root)["config"]:
+            try:
+                if path.stat().st_mtime < started_at:
+                    continue
+            except OSError:
+                continue
+            if (text := _read(path, MAX_FILE_BYTES)) is not None:
+                whole[rel] = text
     return {"files": whole, "appended": added}
 
 
 def apply_up(root: Path, snapshot: dict[str, Any], base: dict[str, int]) -> None:
-    """The campaign's side: the node's files into its copy of the folder. `base`: each
-    appended file's size here before this segment (what earlier segments wrote stays)."""
+    """The campaign's side: a node's files into its copy of the folder. `base`: each
+    appended file's size here before that node's segment (what earlier segments wrote stays)."""
     for rel, text in snapshot.get("files", {}).items():
-        if not _is_down(root, rel):
+        if not _matches(rel, _down_patterns(root)):
             _write(root, rel, text)
     for rel, text in snapshot.get("appended", {}).items():
         path = root / rel
@@ -129,10 +148,12 @@ def apply_up(root: Path, snapshot: dict[str, Any], base: dict[str, int]) -> None
 
 
 def down_snapshot(root: Path, seed: dict[str, str] | None = None) -> dict[str, Any]:
-    """The campaign's side: the files it writes for the trial, and `seed` (the trial's record
-    when the segment was sent, which the node's segment goes on from)."""
+    """The campaign's side: the files it writes for the trial and those one node wrote for the
+    others, and `seed` (the trial's record when the segment was sent, which the node's segment
+    goes on from)."""
+    patterns = _down_patterns(root) + _relayed_patterns(root)
     files = {rel: text for rel, path in _small_files(root).items()
-             if _is_down(root, rel) and (text := _read(path, MAX_FILE_BYTES)) is not None}
+             if _matches(rel, patterns) and (text := _read(path, MAX_FILE_BYTES)) is not None}
     return {"files": files, "seed": seed or {}}
 
 
@@ -149,34 +170,45 @@ def apply_down(root: Path, snapshot: dict[str, Any], seed: bool = False) -> None
     for rel, text in {**(snapshot.get("seed", {}) if seed else {}), **files}.items():
         _write(root, rel, text)
     for rel, path in _small_files(root).items():
-        if _is_down(root, rel) and rel not in files:
+        if _matches(rel, _down_patterns(root)) and rel not in files:
             path.unlink(missing_ok=True)
 
 
 def appended_sizes(root: Path) -> dict[str, int]:
+    """Each appended file's size now (one not there yet starts at 0)."""
     sizes = {}
-    for rel in _appended(root):
-        try:
-            sizes[rel] = (root / rel).stat().st_size
-        except OSError:
-            sizes[rel] = 0
+    for rel, path in _small_files(root).items():
+        if _matches(rel, _appended_patterns(root)):
+            try:
+                sizes[rel] = path.stat().st_size
+            except OSError:
+                pass
     return sizes
 
 
 # --- carried by Prefect artifacts --------------------------------------------------------
 
-def artifact_key(files_key: str, direction: str) -> str:
-    """An artifact key (lowercase letters, digits, dashes) for one segment's copies."""
-    return f"trial-files-{files_key}-{direction}"
+def artifact_key(attempt: str, direction: str) -> str:
+    """An artifact key (lowercase letters, digits, dashes) for one attempt's copies."""
+    return re.sub(r"[^a-z0-9-]", "-", f"trial-files-{attempt}-{direction}".lower())
 
 
 class Channel:
-    """One artifact, created on the first send and updated in place after it."""
+    """One artifact, updated in place after the first send (a segment sent again to its node,
+    for the same attempt, finds the one its first run made)."""
 
     def __init__(self, key: str, description: str):
         self.key, self.description = key, description
         self._id = None
         self._last: Any = None
+
+    def _find(self):
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        from flows.pool.nodes import call
+
+        found = call(lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])), limit=1))
+        return found[0] if found else None
 
     def send(self, data: dict[str, Any]) -> None:
         if data == self._last:
@@ -185,6 +217,8 @@ class Channel:
 
         from flows.pool.nodes import call
 
+        if self._id is None and (made := self._find()) is not None:
+            self._id = made.id
         if self._id is None:
             made = call(lambda client: client.create_artifact(ArtifactCreate(
                 key=self.key, type="campaign-files", description=self.description, data=data)))
@@ -194,23 +228,21 @@ class Channel:
         self._last = data
 
     def receive(self) -> dict[str, Any] | None:
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-        from flows.pool.nodes import call
-
-        found = call(lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])), limit=1))
-        return found[0].data if found and isinstance(found[0].data, dict) else None
+        found = self._find()
+        return found.data if found is not None and isinstance(found.data, dict) else None
 
 
 class NodeMirror:
-    """The node's side, for one segment: the campaign's files down once before the launch,
+    """A node's side, for one segment: the campaign's files down once before the launch,
     then both ways every MIRROR_S in a thread, and a last copy up when the segment ends."""
 
-    def __init__(self, root: Path, files_key: str, trial: str):
+    def __init__(self, root: Path, keys: dict[str, str], trial: str, node: str):
+        """`keys`: the artifacts' keys the campaign chose for this segment ({"down", "up"})."""
         self.root = root
-        self.down = Channel(artifact_key(files_key, "down"), f"trial {trial}: the campaign's files for its node")
-        self.up = Channel(artifact_key(files_key, "up"), f"trial {trial}: its node's files for the campaign")
+        self.down = Channel(keys["down"], f"trial {trial}: the campaign's files for its nodes")
+        self.up = Channel(keys["up"], f"trial {trial}: node {node}'s files for the campaign")
         self.since: dict[str, int] = {}
+        self.started_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trial-files", daemon=True)
 
@@ -219,48 +251,60 @@ class NodeMirror:
         if (first := self.down.receive()) is not None:
             apply_down(self.root, first, seed=True)
         self.since = appended_sizes(self.root)
+        self.started_at = time.time()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        self.up.send(up_snapshot(self.root, self.since))  # the segment's last word: its result, record and log
+        self.up.send(self.snapshot())  # the segment's last word: its result, record and log
+
+    def snapshot(self) -> dict[str, Any]:
+        return up_snapshot(self.root, self.since, self.started_at)
 
     def _run(self) -> None:
         while not self._stop.wait(MIRROR_S):
             try:
                 if (down := self.down.receive()) is not None:
                     apply_down(self.root, down)
-                self.up.send(up_snapshot(self.root, self.since))
+                self.up.send(self.snapshot())
             except Exception as e:  # the server away a moment: the next copy catches up
                 print(f"trial files: copy with the campaign failed ({e.__class__.__name__}: {e}); trying again", flush=True)
 
 
 class CampaignMirror:
-    """The campaign's side, for one segment: `start` before the segment is sent (its files,
-    with the record, are there when it begins), `tick` while it runs, `pull` once it ended."""
+    """The campaign's side, for one attempt of a trial: `start` before its segments are sent
+    (their files, with the record, are there when they begin), `add` each node it is sent to,
+    `tick` while it runs, `pull` once it ended."""
 
-    def __init__(self, root: Path, files_key: str, trial: str):
-        self.root = root
-        self.down = Channel(artifact_key(files_key, "down"), f"trial {trial}: the campaign's files for its node")
-        self.up = Channel(artifact_key(files_key, "up"), f"trial {trial}: its node's files for the campaign")
-        self.base: dict[str, int] = {}
+    def __init__(self, root: Path, attempt: str, trial: str):
+        self.root, self.attempt, self.trial = root, attempt, trial
+        self.down = Channel(artifact_key(attempt, "down"), f"trial {trial}: the campaign's files for its nodes")
+        self.ups: dict[str, tuple[Channel, dict[str, int]]] = {}  # node -> its channel, and what was here before it
         self.seed: dict[str, str] = {}
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.base = appended_sizes(self.root)
         self.seed = record_seed(self.root)
         self.down.send(down_snapshot(self.root, self.seed))
+
+    def add(self, node: str) -> dict[str, str]:
+        """A segment sent to `node`: the keys it copies through. Sent again (a node taken back),
+        it gets a channel of its own: what its earlier segment copied here stays, once."""
+        sent = sum(key.startswith(f"{node}#") for key in self.ups)
+        up = artifact_key(self.attempt, f"up-{node}-{sent}")
+        self.ups[f"{node}#{sent}"] = (Channel(up, f"trial {self.trial}: node {node}'s files"), appended_sizes(self.root))
+        return {"down": self.down.key, "up": up}
 
     def tick(self) -> None:
         self.down.send(down_snapshot(self.root, self.seed))
         self.pull()
 
     def pull(self) -> None:
-        if (up := self.up.receive()) is not None:
-            apply_up(self.root, up, self.base)
+        for channel, base in self.ups.values():
+            if (up := channel.receive()) is not None:
+                apply_up(self.root, up, base)
 
 
 def node_trial_dir(campaign: str, trial_id: str) -> Path:

@@ -4,7 +4,7 @@
 loop (a future the loop waits on), but the segment runs on the trial's node, as a flow run
 of the pool's segment deployment sent to that node's work queue (`flows/pool/segment.py`). It
 follows the flow run to its end and reads the result from the trial's folder, on storage
-the nodes share. It also watches the node: when the node's worker stops beating
+the nodes share or copied from the nodes' own folders (`flows/pool/mirror.py`). It also watches the node: when the node's worker stops beating
 (`flows.pool.nodes.live`), the flow run is marked crashed and the task answers
 `{"node_lost": node}` (like a preemption, an answer and not an error: the trial did
 nothing wrong), and the campaign queues the trial again on the nodes that are left, where
@@ -155,11 +155,9 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 if len(groups) > 1 else None)
         segments[node] = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
                           "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
-        if not shared_storage:
-            segments[node]["files_key"] = attempt
     mirror = None if shared_storage else CampaignMirror(Path(config.trial_dir), attempt, config.trial_id)
     if mirror is not None:
-        mirror.start()  # the node finds the campaign's files (and the trial's record) when it begins
+        mirror.start()  # the nodes find the campaign's files (and the trial's record) when they begin
 
     def copy_files(last: bool = False) -> None:
         if mirror is None:
@@ -170,6 +168,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             print(f"trial {config.trial_id}: could not copy its files from the node ({e})", flush=True)
 
     def send(node: str):
+        if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
+            segments[node]["files"] = mirror.add(node)
         return run_deployment(
             deployment, parameters={**segments[node], "signature": sign(secret, segments[node])},
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
@@ -241,6 +241,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             # resumes from its last checkpoint.
             if across and elastic:
                 write_json_atomic(trial_files(config.trial_dir).stop(attempt), {"at": time.time()})
+                copy_files()  # without shared storage the stop file reaches the nodes through this copy
                 if not _all_ended(runs, states, RECALL_WAIT_S):
                     cancel_others()
             else:

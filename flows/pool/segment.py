@@ -5,7 +5,9 @@ It runs what a one-machine campaign runs in its own process (`tasks.trial`: plan
 wait, the result from the trial's folder), here on the node's devices. Before launching it
 leases them in the node's own lease store, so that no device of the node is given to two
 trials even by two campaigns that share the pool. The trial's folder is on storage every
-node shares: its checkpoints let the trial resume on another node. An elastic trial on one
+node shares, or (`cluster.shared_storage: false`) in a folder of the node's own, copied with
+the campaign's through Prefect artifacts (`flows/pool/mirror.py`); its checkpoints, in the
+shared folder or through the DVC remote, let the trial resume on another node. An elastic trial on one
 node runs under its agent; its resizes there pass through `flows/pool/relay.py`, which
 leases a grow in the node's lease file before the agent sees it. Resized onto other nodes,
 it is stopped and started again across them, as a trial that spans nodes (below).
@@ -13,7 +15,7 @@ it is stopped and started again across them, as a trial that spans nodes (below)
 A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
 with the c10d rendezvous (`tasks.trial.plan_node_launch`); the host node picks a free port
 on its own address and writes the endpoint into the trial's folder for this attempt, where
-the other nodes read it. Only the host node keeps the trial's record.
+the other nodes read it (through the campaign's copy when nothing is shared). Only the host node keeps the trial's record.
 """
 
 from __future__ import annotations
@@ -72,24 +74,24 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
 @flow(name="campaign-trial-segment", log_prints=True)
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
                   span: dict[str, Any] | None = None, elastic: bool = False,
-                  node_devices: list[dict[str, Any]] | None = None, files_key: str | None = None,
+                  node_devices: list[dict[str, Any]] | None = None, files: dict[str, str] | None = None,
                   signature: str | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
-    `files_key`: the campaign's folder is not on this node (`cluster.shared_storage: false`):
-    the trial runs in a folder of this node's, its files copied through this key's artifacts.
+    `files`: the campaign's folder is not on this node (`cluster.shared_storage: false`): the
+    trial runs in a folder of this node's, its files copied through these artifacts
+    ({"down", "up"}: flows/pool/mirror.py), and, across nodes, rank 0 writes its whole
+    checkpoint (the other nodes pull it from the DVC remote to resume).
     `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
     params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
               "node_devices": node_devices}
-    verify(node_secret(), params | ({"files_key": files_key} if files_key is not None else {}), signature)
+    verify(node_secret(), params | ({"files": files} if files is not None else {}), signature)
     cfg = TrialConfig(**config)
-    if files_key is None:
+    if files is None:
         return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices)
-    if span is not None:
-        raise TrialFailed(f"trial {cfg.trial_id}: a trial across nodes needs the campaign's folder on every node")
     local = node_trial_dir(campaign, cfg.trial_id)
-    cfg = dataclasses.replace(cfg, trial_dir=str(local))
+    cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None)
     clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
-    with NodeMirror(local, files_key, cfg.trial_id):
+    with NodeMirror(local, files, cfg.trial_id, os.environ.get(NODE_ENV, "")):
         return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices)
 
 
