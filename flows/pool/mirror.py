@@ -1,22 +1,25 @@
-"""A trial's folder on a pool node that shares no storage with the campaign
+"""A trial's folder on pool nodes that share no storage with the campaign
 (`cluster.shared_storage: false`).
 
-The node keeps the trial in a folder of its own (`node_trial_dir`). Two Prefect artifacts per
-segment carry the trial's small files between it and the campaign's copy of the folder,
-through the Prefect server every node already reaches:
+Each node keeps the trial in a folder of its own (`node_trial_dir`). Prefect artifacts carry
+the trial's small files between those folders and the campaign's copy, through the Prefect
+server every node already reaches; each is created once and updated in place:
 
-- up (node → campaign): the files the trial writes (its progress, result, record, an elastic
-  agent's state and a relay's refusals), whole (its config stays: it names the node's paths); and what this segment added to its
-  log and its resize log, appended to the campaign's copy after what earlier segments wrote;
-- down (campaign → node): the files the campaign writes for the trial (the scheduler's batch,
-  an elastic agent's commands, a test's hold file), whole, and deleted on the node when the
-  campaign deletes them; and, once before the launch, the trial's record (its attempts and
-  devices so far), which the node's segment goes on from.
+- up, one artifact per segment (node → campaign): what the segment wrote since it began,
+  whole (progress, result, record, an elastic agent's state, a relay's refusals, the host
+  node's rendezvous endpoint; not its config, which names the node's paths), and what it
+  added to its logs and resize log, appended to the campaign's copy after what earlier
+  segments wrote;
+- down, one artifact per attempt (campaign → every node of it): the files the campaign
+  writes for the trial (the scheduler's batch, an elastic agent's commands, stop files, a
+  test's hold file), whole, and deleted on the nodes when the campaign deletes them; the
+  host's rendezvous endpoint, for the other nodes; and the trial's record when the attempt
+  began, which seeds the node's record before its launch.
 
 Checkpoints do not travel here: the trainer pushes each verified one to `tracking.dvc_remote`
-and a node resuming the trial pulls it (training/checkpoint_remote.py). Each side copies every
-`MIRROR_S`, so the campaign sees a node's files about a second later than through a shared
-folder. Each artifact is created once and updated in place (no version per copy).
+and a node resuming the trial pulls it (training/checkpoint_remote.py; across nodes rank 0
+writes the whole checkpoint: training/checkpoint.py). Each side copies every `MIRROR_S`, so
+the campaign sees a node's files about a second later than through a shared folder.
 """
 
 from __future__ import annotations
@@ -194,8 +197,8 @@ def artifact_key(attempt: str, direction: str) -> str:
 
 
 class Channel:
-    """One artifact, updated in place after the first send (a segment sent again to its node,
-    for the same attempt, finds the one its first run made)."""
+    """One artifact, created on the first send (or found, when a run of the same segment made
+    it before) and updated in place after it."""
 
     def __init__(self, key: str, description: str):
         self.key, self.description = key, description
