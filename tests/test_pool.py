@@ -232,21 +232,25 @@ def nodes_once_made(pool: str) -> list[PoolNode]:
 
 @pytest.mark.slow
 @pytest.mark.waits
-def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab, monkeypatch):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared folder", "nothing shared"])
+def test_pool_runs_trials_on_its_nodes_one_across_both_and_a_dead_nodes_trial_finishes_elsewhere(tmp_path, digits_npz, lab, monkeypatch,
+                                                                                                  shared):
     """Node a has 3 CPU slots, node b 1; the campaign's two 2-device trials start at once, one
     on a, one across a and b (torchrun's c10d rendezvous). Node b dies while both are held at
     a step: the trial it was part of goes on without it; node b's worker starts again and the
-    trial takes it back in, from its checkpoint, and ends across both (never queued again)."""
+    trial takes it back in, from its checkpoint, and ends across both (never queued again).
+    Nothing shared: node b, back, copies its files through a new artifact and pulls the
+    checkpoint rank 0 wrote on node a from the DVC remote."""
     from prefect.settings import temporary_settings
 
     head, api, nodes = lab
     monkeypatch.setenv("PREFECT_API_URL", api)  # for the processes this test starts
     workers = {}
-    with temporary_settings(updates=pool_settings(api)):  # this process reads the pool too
-        run_pool_campaign(tmp_path, digits_npz, api, nodes, workers)
+    with temporary_settings(updates=pool_settings(api)), campaign_folder(tmp_path, head, shared) as (folder, apart, hide):
+        run_pool_campaign(tmp_path, digits_npz, api, nodes, workers, folder, apart, hide)
 
 
-def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
+def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers, folder, apart, hide) -> None:
     from conftest import campaign_cli
 
     before = campaign_cli("cluster", "--pool", "lab")  # no worker has made the pool yet: said so, no traceback
@@ -256,7 +260,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
     try:
         for node, slots in (("a", 3), ("b", 1)):
             ns, address = nodes[node]
-            workers[node] = start_worker(api, tmp_path, node, ns, address, slots)
+            workers[node] = start_worker(api, tmp_path, node, ns, address, slots, hide=hide)
         seen = wait_for(lambda: (n := nodes_once_made("lab")) and len(n) == 2 and all(x.live for x in n) and n, 120, "both nodes live")
         assert [(n.name, n.address, len(n.inventory.devices)) for n in seen] == [("a", nodes["a"][1], 3), ("b", nodes["b"][1], 1)]
         assert {d.id for d in pool_inventory(seen).devices} == {"a/cpu0", "a/cpu1", "a/cpu2", "b/cpu0"}
@@ -264,23 +268,24 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
                                env={**os.environ, "COLUMNS": "200"}, timeout=60)
         assert "2 of 2 node(s) live" in shown.stdout and "b/cpu0" in shown.stdout, shown.stdout + shown.stderr
 
-        params = tmp_path / "params.yaml"
+        params = folder / "params.yaml"
         params.write_text(yaml.safe_dump({
             "campaign": {"name": "pooled", "seed": 3}, "data": {"path": str(digits_npz)},
             "model": {"name": "mlp", "width": 16},
             "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 150, "log_every": 10},
             "grid": {"training.lr": [0.02, 0.05]},
             "resources": {"devices": 2},
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "pooled",
-                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+            "tracking": {"mlflow_uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "pooled",
+                         "runs_dir": str(folder / "runs"), "summary": str(folder / "summary.json"), **(apart or {})},
+            **({"cluster": {"shared_storage": False}} if apart else {}),
         }))
-        runs = tmp_path / "runs" / "pooled"
-        trial_ids = [t.id for t in expand_grid(load_spec(params))]
+        runs = folder / "runs" / "pooled"
+        trial_ids = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
         for trial_id in trial_ids:  # every trial waits at HOLD_AT while its hold file is there
             (runs / trial_id).mkdir(parents=True, exist_ok=True)
             trial_files(runs / trial_id).hold.touch()
         launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=folder,
             env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT), "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
             stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
 
@@ -313,7 +318,7 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
         wait_for(lambda: f"trial {across}: node b stopped beating; it goes on without it" in said(), 120, "node b left behind")
         # Node b comes back (its worker started again): the trial takes it in again. Held at its
         # step on node a, the trial's agent there restarts with node b from the checkpoint at 50.
-        workers["b"] = start_worker(api, tmp_path, "b", *nodes["b"], 1, CAMPAIGN_NODE_MARK=node_mark("b-again"))
+        workers["b"] = start_worker(api, tmp_path, "b", *nodes["b"], 1, hide=hide, CAMPAIGN_NODE_MARK=node_mark("b-again"))
         wait_for(lambda: f"trial {across}: node b is back; it takes the node in again" in said(), 120, "node b taken back")
         train_log = runs / across / "train.log"
         wait_for(lambda: "world size 2, resumed at step 50" in train_log.read_text(), 180, "the trial on both nodes again")
@@ -325,7 +330,17 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers) -> None:
             result = read_json(runs / trial_id / "result.json")
             assert result is not None and result["steps"] == 150, (trial_id, launch_log())
         result = read_json(runs / across / "result.json")
-        assert result["resumed_from_step"] == 50, result  # its checkpoint, written by ranks on both nodes
+        assert result["resumed_from_step"] == 50, result  # its checkpoint, written by ranks on both nodes (nothing shared: by rank 0)
+        if apart is not None:  # the metrics went to the MLflow server; no checkpoint came to the campaign's folder
+            from mlflow import MlflowClient
+
+            from tasks.tracking import TRIAL_TAG
+
+            client = MlflowClient(apart["mlflow_uri"])
+            runs_found = client.search_runs([client.get_experiment_by_name("pooled").experiment_id])
+            assert {r.data.tags.get(TRIAL_TAG) for r in runs_found if "train_loss" in r.data.metrics} == set(trial_ids), runs_found
+            assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
+            assert (tmp_path / "node-b" / "pooled" / across / "checkpoints" / "step-00000050").is_dir()  # pulled, never written there
         # Where it was, without node b and then with it again: never queued again.
         events = [e for e in map(json.loads, (runs / "allocations.jsonl").read_text().splitlines()) if e["trial"] == across]
         assert [e["reason"] for e in events] == ["start", "node left", "node back", "end"], events
@@ -417,98 +432,6 @@ def campaign_folder(tmp_path: Path, head: str, shared: bool):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
-
-
-@pytest.mark.slow
-@pytest.mark.waits
-def test_a_pool_without_a_shared_folder_moves_a_dead_nodes_trial_through_the_dvc_remote(tmp_path, digits_npz, lab):
-    """Nodes a and b (one CPU slot each) do not see the campaign's folder: each runs its worker
-    in a mount namespace where that folder is an empty tmpfs, and keeps its trials in a folder
-    of its own. Two one-device trials start, one on each node, held at a step after their first
-    checkpoint. Node b dies (SIGKILL to all of it): its trial starts again on node a once a's
-    trial is done, from the checkpoint the DVC directory remote holds, and ends where an
-    uninterrupted one would. Every file the campaign reads (progress, record, log, result)
-    came to it through the Prefect API; metrics through the MLflow server."""
-    head, api, nodes = lab
-    with campaign_folder(tmp_path, head, shared=False) as (folder, apart, hide):
-        run_campaign_apart(tmp_path, digits_npz, api, nodes, folder, apart, hide)
-
-
-def run_campaign_apart(tmp_path, digits_npz, api, nodes, folder, apart, hide) -> None:
-    from mlflow import MlflowClient
-    from prefect.settings import temporary_settings
-
-    from tasks.tracking import TRIAL_TAG
-    from training.checkpoint_remote import CheckpointRemote
-
-    remote, mlflow_url = apart["dvc_remote"], apart["mlflow_uri"]
-    workers, launch = {}, None
-    try:
-        for node in ("a", "b"):
-            workers[node] = start_worker(api, tmp_path, node, *nodes[node], 1, hide=hide)
-        with temporary_settings(updates=pool_settings(api)):
-            wait_for(lambda: (n := nodes_once_made("lab")) and len(n) == 2 and all(x.live for x in n), 120, "both nodes live")
-        params = folder / "params.yaml"
-        params.write_text(yaml.safe_dump({
-            "campaign": {"name": "apart", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 16},
-            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50, "eval_every": 150, "log_every": 10},
-            "grid": {"training.lr": [0.02, 0.05]},
-            "resources": {"devices": 1},
-            "cluster": {"shared_storage": False},
-            "tracking": {**apart, "experiment": "apart", "runs_dir": str(folder / "runs"), "summary": str(folder / "summary.json")},
-        }))
-        runs = folder / "runs" / "apart"
-        trial_ids = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
-        for trial_id in trial_ids:  # held at HOLD_AT while the campaign's hold file is there (it reaches the node)
-            (runs / trial_id).mkdir(parents=True, exist_ok=True)
-            trial_files(runs / trial_id).hold.touch()
-        launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=folder,
-            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
-                 "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
-            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
-
-        def launch_log() -> str:
-            return (tmp_path / "launch.log").read_text(errors="replace")[-4000:]
-
-        def held() -> dict[str, list[str]]:
-            out = {t: (read_json(runs / t / "record.json") or {}).get("devices", []) for t in trial_ids
-                   if (read_json(runs / t / "progress.json") or {}).get("state") == "held"}
-            if launch.poll() is not None:
-                pytest.fail(f"the campaign ended early:\n{launch_log()}")
-            return out if len(out) == 2 else {}
-
-        placed = wait_for(held, 300, "both trials held, as the campaign's folder says")
-        assert sorted(d for devices in placed.values() for d in devices) == ["a/cpu0", "b/cpu0"], placed
-        moved = next(t for t, devices in placed.items() if devices == ["b/cpu0"])
-        # Its checkpoint at step 50 is on the remote; in the campaign's folder there is none.
-        at_remote = CheckpointRemote(remote, f"apart/{moved}")
-        wait_for(lambda: [e for e in at_remote.entries() if e.get("step") == 50], 60, "step 50 on the remote")
-        assert (tmp_path / "node-b" / "apart" / moved / "checkpoints").is_dir()
-        assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
-
-        kill_node("b")  # node b dies: its worker, flow run and trial processes, at once
-        said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
-        wait_for(lambda: "node b left the pool" in said(), 120, "node b seen dead")
-        for trial_id in trial_ids:
-            trial_files(runs / trial_id).hold.unlink()
-        assert launch.wait(timeout=300) == 0, launch_log()
-
-        results = {t: read_json(runs / t / "result.json") for t in trial_ids}
-        assert all(r is not None and r["steps"] == 150 for r in results.values()), results
-        assert results[moved]["resumed_from_step"] == 50, results[moved]  # pulled from the remote onto node a
-        log = (runs / moved / "train.log").read_text()
-        # Node b's part (copied before it died), then node a's, in the campaign's copy of the log.
-        assert "resumed at step 50" in log and log.index("fresh start") < log.index("resumed at step 50"), log[-3000:]
-        record = read_json(runs / moved / "record.json")
-        assert [i["devices"] for i in record["intervals"]] == [["b/cpu0"], ["a/cpu0"]], record
-        assert not any((runs / t / "checkpoints").exists() for t in trial_ids)
-        client = MlflowClient(mlflow_url)
-        experiment = client.get_experiment_by_name("apart")
-        finished = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(TRIAL_TAG) in trial_ids]
-        assert {r.data.tags[TRIAL_TAG] for r in finished if "train_loss" in r.data.metrics} == set(trial_ids), finished
-    finally:
-        end_launch_and_workers(launch, workers.values())
 
 
 def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict, apart: dict | None = None) -> tuple[Path, str, Path]:
