@@ -31,7 +31,9 @@ from conftest import running_state, wait_for
 
 pytestmark = pytest.mark.slow  # two real campaigns, torchrun trials
 
-TIMEOUT_S = 6.0  # the lease heartbeat timeout of both campaigns (heartbeat every 1.5 s, margin 1.5 s)
+# The lease heartbeat timeout of both campaigns (heartbeat every 2.5 s, margin 2.5 s): long
+# enough that a campaign slowed by a loaded host (CI) still renews in time while it runs.
+TIMEOUT_S = 10.0
 SAMPLE_S = 0.1
 
 
