@@ -164,8 +164,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             return
         try:
             mirror.pull() if last else mirror.tick()
-        except PoolError as e:  # the server away a moment: the next poll copies again
-            print(f"trial {config.trial_id}: could not copy its files from the node ({e})", flush=True)
+        except Exception as e:  # the server away a moment, or it refused one call: the next poll copies again
+            print(f"trial {config.trial_id}: could not copy its files with its nodes ({e.__class__.__name__}: {e})", flush=True)
 
     def send(node: str):
         if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
