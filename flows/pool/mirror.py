@@ -78,13 +78,16 @@ def _small_files(root: Path) -> dict[str, Path]:
     """The folder's files a copy carries: not its checkpoints (the DVC remote's), not a relay's
     inner folder (`control/node-*`, the node's own), not a temporary file being written."""
     n = _names(root)
+    skipped = {n["checkpoints"]}
     found = {}
-    for path in root.rglob("*"):
-        rel = path.relative_to(root).as_posix()
-        if (rel == n["checkpoints"] or rel.startswith(n["checkpoints"] + "/") or rel.startswith(n["control"] + "/node-")
-                or path.name.startswith(".") or not path.is_file()):
-            continue
-        found[rel] = path
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder).relative_to(root).as_posix()
+        prefix = "" if here == "." else here + "/"
+        # Not walked into at all: a checkpoint folder holds many files, and this runs every second.
+        dirs[:] = [d for d in dirs if prefix + d not in skipped and not (prefix + d).startswith(n["control"] + "/node-")]
+        for name in files:
+            if not name.startswith("."):
+                found[prefix + name] = Path(folder) / name
     return found
 
 
@@ -285,6 +288,7 @@ class CampaignMirror:
         self.root, self.attempt, self.trial = root, attempt, trial
         self.down = Channel(artifact_key(attempt, "down"), f"trial {trial}: the campaign's files for its nodes")
         self.ups: dict[str, tuple[Channel, dict[str, int]]] = {}  # node -> its channel, and what was here before it
+        self.applied: dict[str, dict[str, Any]] = {}  # node -> the copy last applied from it (not applied again)
         self.seed: dict[str, str] = {}
 
     def start(self) -> None:
@@ -305,9 +309,10 @@ class CampaignMirror:
         self.pull()
 
     def pull(self) -> None:
-        for channel, base in self.ups.values():
-            if (up := channel.receive()) is not None:
+        for node, (channel, base) in self.ups.items():
+            if (up := channel.receive()) is not None and up != self.applied.get(node):
                 apply_up(self.root, up, base)
+                self.applied[node] = up
 
 
 def node_trial_dir(campaign: str, trial_id: str) -> Path:
