@@ -208,6 +208,7 @@ def test_a_campaign_killed_outright_leaves_its_hub_to_send_what_its_trainers_log
             break
         time.sleep(0.1)
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3]
+    assert not Path(path).parent.exists()  # the socket's folder went with the hub, not left in /tmp
 
 
 def test_a_hub_that_is_gone_leaves_the_trainer_its_own_sink(tmp_path, monkeypatch):

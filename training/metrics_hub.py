@@ -129,8 +129,9 @@ class Hub:
 
     HELLO_WAIT_S = 5.0  # a trainer sends its first line as it connects
 
-    def __init__(self, server: socket.socket, path: str, flush_s: float):
+    def __init__(self, server: socket.socket, path: str, flush_s: float, owned_folder: str | None = None):
         self.server, self.path, self.flush_s = server, path, flush_s
+        self.owned_folder = owned_folder  # the socket's private folder, removed once no connection can come
         self.buffer: list[tuple[int, dict]] = []  # (connection's order of arrival, line)
         self.open_runs: dict[int, tuple] = {}  # connection's order -> the run it logs to, while it is read
         self.lock = threading.Lock()
@@ -225,6 +226,8 @@ class Hub:
             wake.connect(self.path)
         self.acceptor.join()
         self.server.close()
+        if self.owned_folder:  # the hub outlives a campaign killed outright, whose own cleanup never ran
+            shutil.rmtree(self.owned_folder, ignore_errors=True)
         with self.lock:
             readers = list(self.readers)
         for reader in readers:  # no time limit: a trainer still running keeps sending (as its own sink would take)
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flush-s", type=float, default=2.0)
     args = parser.parse_args(argv)
     _ignore_signals()  # a signal to the campaign's process group is not for the hub: its stdin closing is
-    hub = Hub(socket.socket(fileno=args.listen_fd), args.path, args.flush_s)  # accepting before MLflow is imported
+    hub = Hub(socket.socket(fileno=args.listen_fd), args.path, args.flush_s, owned_folder=os.path.dirname(args.path))  # accepting before MLflow is imported
     closer = threading.Thread(target=lambda: (sys.stdin.read(), hub.close()), name="stdin", daemon=True)
     closer.start()
     hub.send_until_drained(_Runs())
