@@ -94,12 +94,12 @@ def _checked(spec) -> tuple[list, object, dict]:
 
 
 def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
-    """The first trials' warm workers import torch and the trainer (seconds of CPU each)
-    while Prefect's server and the flow start, on cores those leave idle. Only where there
-    are such cores: a start is CPU-bound on a small host, where starting them early delayed
-    the first trial and the whole command (2 cores, 8 trivial trials on 2 slots: first start
-    14.7 s against 9.5 s, the command 24.7 s against 22.7 s; `bench/launch_overhead.py
-    --trials 8 --steps 2 --prestart-both`)."""
+    """The zygote the first trials' warm workers are forked from imports torch and the
+    trainer (~2 s of CPU, once) while Prefect's server and the flow start, on a core those
+    leave idle. Only where there is one: a start is CPU-bound on a small host, where starting
+    workers early delayed the first trial and the whole command (2 cores, 8 trivial trials on
+    2 slots, when each worker imported for itself: first start 14.7 s against 9.5 s, the
+    command 24.7 s against 22.7 s; `bench/launch_overhead.py --trials 8 --steps 2 --prestart-both`)."""
     from cluster.leases import LeaseError, LeaseStore, LeaseStoreError
     from flows.campaign import warm_first_wave
     from tasks.trial import prestart_warm_workers
@@ -112,9 +112,7 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
         usage = LeaseStore().usage()
     except (LeaseError, LeaseStoreError):  # the flow reports the lease file's problem itself
         return
-    devices = warm_first_wave(spec, trials, inventory, requests, usage)
-    if forced or len(devices) <= spare_cores:
-        prestart_warm_workers(devices, Path.cwd())
+    prestart_warm_workers(warm_first_wave(spec, trials, inventory, requests, usage), Path.cwd())
 
 
 def _use_pool_secret(pool: str) -> None:

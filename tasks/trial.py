@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -223,13 +225,149 @@ def _torchrun_dies_with_campaign() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+class _ForkedProcess:
+    """A worker forked by a zygote, seen as much like a `subprocess.Popen` as WarmWorker needs
+    (pid, stdin, poll, wait, kill). Its exit code comes from the zygote, its parent."""
+
+    def __init__(self, zygote: "_Zygote", pid: int, stdin) -> None:
+        self.zygote, self.pid, self.stdin = zygote, pid, stdin
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.exits.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.zygote.changed:
+            if not self.zygote.changed.wait_for(lambda: self.pid in self.zygote.exits, timeout):
+                raise subprocess.TimeoutExpired(f"warm worker {self.pid}", timeout)
+        return self.zygote.exits[self.pid]
+
+    def kill(self) -> None:
+        if self.returncode is None:  # not reaped yet, so the pid is still this worker's
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Zygote:
+    """`python -m training.worker --zygote-fd N`: imports torch and the trainer once and forks
+    the campaign's warm workers (training/worker.py says how). A campaign of many short
+    one-device trials paid that import (~2 s of CPU) once per slot, at its start, when the
+    CPU is busiest; a fork is ready in milliseconds."""
+
+    def __init__(self, python: str, cwd: Path) -> None:
+        self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [python, "-m", "training.worker", "--zygote-fd", str(theirs.fileno())], cwd=cwd, env={**os.environ, **_launch_env()},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+            start_new_session=True,  # no parent-death signal: it ends when this end of the socket closes (training/worker.py)
+        )
+        theirs.close()
+        self.exits: dict[int, int] = {}
+        self.children: set[int] = set()
+        self.changed = threading.Condition()
+        self.started: queue.Queue[int | None] = queue.Queue()
+        self.fork_lock = threading.Lock()
+        threading.Thread(target=self._read, name="warm-zygote", daemon=True).start()
+
+    def fork(self, env: dict[str, str], cwd: Path) -> tuple[_ForkedProcess, Any]:
+        """A new worker with this environment, in this folder, and the reading end of its
+        replies; `ZygoteGone` if the zygote is gone."""
+        if self.proc.poll() is not None:
+            raise ZygoteGone(f"the warm workers' zygote exited (code {self.proc.returncode})")
+        stdin_read, stdin_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        try:
+            with self.fork_lock:  # one request in flight: each "started" answers the request before it
+                try:
+                    socket.send_fds(self.socket, [json.dumps({"env": env, "cwd": str(cwd)}).encode()], [stdin_read, reply_write])
+                except OSError as e:
+                    raise ZygoteGone(str(e)) from e
+                pid = self.started.get()
+            if pid is None:
+                self.started.put(None)  # for the next request too
+                raise ZygoteGone(f"the warm workers' zygote exited (code {self.proc.poll()})")
+        except BaseException:
+            for fd in (stdin_write, reply_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(stdin_read)
+            os.close(reply_write)
+        return _ForkedProcess(self, pid, os.fdopen(stdin_write, "w")), os.fdopen(reply_read, "r")
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.socket.recv(4096)
+            except OSError:
+                message = b""
+            if not message:  # the zygote is gone, and its workers die with it (SIGTERM): none will be reported
+                with self.changed:
+                    for pid in self.children - set(self.exits):
+                        self.exits[pid] = -signal.SIGTERM
+                    self.changed.notify_all()
+                self.started.put(None)
+                return
+            answer = json.loads(message)
+            if "started" in answer:
+                with self.changed:
+                    self.children.add(answer["started"])
+                self.started.put(answer["started"])
+            else:
+                with self.changed:
+                    self.exits[answer["exited"]] = answer["code"]
+                    self.changed.notify_all()
+
+    def close(self) -> None:
+        """No more forks: the zygote exits (a worker still running would die with it)."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.socket.close()
+
+
+class ZygoteGone(RuntimeError):
+    pass
+
+
+_zygotes: dict[tuple[str, str], _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote_for(python: str, cwd: Path) -> _Zygote:
+    """The campaign's zygote for this interpreter and folder, started at the first call. One
+    that exited is not started again: its workers are started on their own (ZygoteGone)."""
+    with _zygotes_lock:
+        key = (python, str(cwd))
+        if key not in _zygotes:
+            _zygotes[key] = _Zygote(python, cwd)
+        return _zygotes[key]
+
+
 class WarmWorker:
-    """A `training.worker` process: trials are sent to it one at a time (see that module)."""
+    """A `training.worker` process: trials are sent to it one at a time (see that module).
+    Forked by the campaign's zygote; started on its own if the zygote cannot fork."""
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path):
         self.key = _key(command, env, cwd)
         self.plan_env = env
         self.env = {**os.environ, **env}  # what the process was started with
+        try:
+            self.proc, self.replies = _zygote_for(command[0], cwd).fork(self.env, cwd)
+            return
+        except ZygoteGone:
+            pass
         reply_read, reply_write = os.pipe()
         self.proc = subprocess.Popen(
             [*command, "--reply-fd", str(reply_write)], cwd=cwd, env=self.env,
@@ -300,14 +438,12 @@ _idle_workers: dict[str, list[WarmWorker]] = {}
 
 
 def prestart_warm_workers(devices: Sequence[Device], cwd: Path, python: str = sys.executable) -> None:
-    """One warm worker per entry of `devices` (where the first one-device trials will be
-    placed), started now: each imports torch and the trainer (seconds) while the campaign
-    itself starts. None touches its device until a trial is sent to it, under that trial's
-    lease (training.worker); one whose device no trial gets is ended with the campaign."""
-    workers = [WarmWorker(*_warm_command(device, python), cwd) for device in devices]
-    with _live_lock:
-        for worker in workers:
-            _idle_workers.setdefault(worker.key, []).append(worker)
+    """Start the zygote the first one-device trials' warm workers will be forked from (where
+    `devices`, their devices, are not empty): it imports torch and the trainer (seconds)
+    while the campaign itself starts, and forks each worker when its trial comes, under that
+    trial's lease (training.worker). One import, however many devices."""
+    if devices:
+        _zygote_for(python, cwd)
 
 
 def close_warm_workers() -> None:
@@ -319,17 +455,33 @@ def close_warm_workers() -> None:
         worker.end_input()
     for worker in idle:
         worker.close()
+    with _zygotes_lock:
+        zygotes = list(_zygotes.values())
+        _zygotes.clear()
+    for zygote in zygotes:
+        zygote.close()
 
 
 def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
-    with _live_lock:
+    def refuse_if_stopping() -> None:
         if _stopped.is_set():
             raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
         if config.trial_id in _revoked:
             raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
+
+    with _live_lock:
+        refuse_if_stopping()
         idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
-        worker = idle.pop() if idle else WarmWorker(plan.command, plan.env, plan.cwd)
+        worker = idle.pop() if idle else None
         _idle_workers[warm_key(plan)] = idle
+    if worker is None:  # outside the lock: a fork waits for the zygote's imports (seconds, at a campaign's start)
+        worker = WarmWorker(plan.command, plan.env, plan.cwd)
+    with _live_lock:
+        try:
+            refuse_if_stopping()  # a stop that came while the worker was made finds no group of it to stop
+        except TrialStopped:
+            worker.discard()
+            raise
         _live_groups[worker.proc.pid] = config.trial_id  # its own session: the group id is its pid
     code, keep = None, False
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from training.process import group_alive
 import torch
 
@@ -72,9 +73,10 @@ def test_a_warm_worker_trains_one_trial_after_another_each_in_its_own_log(tmp_pa
 
 
 def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_then(tmp_path, digits_npz, monkeypatch):
-    """`campaign launch` starts the first trials' workers before its loop (they import while
-    it starts); what the campaign sets in its environment meanwhile (its metrics hub, here the
-    checkpoint key) reaches the trial as it would a process started for it."""
+    """`campaign launch` starts the zygote of the first trials' workers before its loop (it
+    imports while the campaign starts); each worker is forked from it, and what the campaign
+    sets in its environment meanwhile (its metrics hub, here the checkpoint key) reaches the
+    trial as it would a process started for it."""
     from tasks.trial import prestart_warm_workers
     from training.manifest import KEY_ENV
 
@@ -83,14 +85,17 @@ def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_the
     accept_launches()
     try:
         prestart_warm_workers([_slot()], tmp_path)
-        (ahead,) = [w for ws in trial_module._idle_workers.values() for w in ws]
-        key = tmp_path / "set-after-the-worker-started.key"
+        (zygote,) = trial_module._zygotes.values()
+        key = tmp_path / "set-after-the-zygote-started.key"
         monkeypatch.setenv(KEY_ENV, str(key))
         assert warm(cfg, tmp_path) == 0
         (served,) = [w for ws in trial_module._idle_workers.values() for w in ws]
-        assert served is ahead  # the trial ran in the worker started ahead, not a new one
+        assert parent_of(served.proc.pid) == zygote.proc.pid  # forked from the zygote started ahead, not started anew
+        assert warm(config(tmp_path / "second", digits_npz, **tiny), tmp_path) == 0
+        assert [w.proc.pid for ws in trial_module._idle_workers.values() for w in ws] == [served.proc.pid]  # kept warm
     finally:
         close_warm_workers()
+    assert zygote.proc.returncode is not None and served.proc.returncode == 0  # both ended with the campaign
     assert json.loads(Path(cfg.result_path).read_text())["steps"] == 2
     assert key.exists()  # its checkpoint was signed with the key named after the worker started
 
@@ -116,6 +121,69 @@ def test_workers_are_started_ahead_where_the_first_one_device_trials_will_be_pla
     assert len(warm_first_wave(spec, trials[:1], slots, requests, {})) == 1
     cold = parse_spec({**raw, "cluster": {"cpu_slots": 2, "warm_workers": False}})
     assert warm_first_wave(cold, trials, slots, requests, {}) == []
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_forked_worker_that_dies_mid_trial_is_reported_with_its_signal_and_not_kept(tmp_path, digits_npz):
+    """The zygote, the worker's parent, reports how it ended: a worker killed during its
+    trial gives the trial the kill's code (as a process started on its own would), and the
+    next trial gets a new worker forked from the same zygote."""
+    import signal
+
+    held = config(tmp_path / "held", digits_npz, model={"name": "mlp", "width": 4}, steps=4, checkpoint_every=2, eval_every=4,
+                  warmup_steps=0, hold_at_step=2)
+    hold = trial_files(held.trial_dir).hold
+    hold.parent.mkdir(parents=True)
+    hold.touch()
+    accept_launches()
+    codes = []
+    try:
+        runner = threading.Thread(target=lambda: codes.append(warm(held, tmp_path)))
+        runner.start()
+        progress = trial_files(held.trial_dir).progress
+        wait_for(lambda: progress.exists() and json.loads(progress.read_text())["state"] == "held", 120, "the trial held at step 2")
+        (zygote,) = trial_module._zygotes.values()
+        (pid,) = list(trial_module._live_groups)
+        assert parent_of(pid) == zygote.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        runner.join(60)
+        assert codes == [-signal.SIGKILL]
+        assert not [w for ws in trial_module._idle_workers.values() for w in ws]  # a dead worker is not kept
+        tiny = config(tmp_path / "after", digits_npz, model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2,
+                      warmup_steps=0)
+        assert warm(tiny, tmp_path) == 0
+        (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert parent_of(worker.proc.pid) == zygote.proc.pid
+    finally:
+        close_warm_workers()
+
+
+def test_a_campaign_killed_outright_takes_its_zygote_and_forked_workers_with_it(tmp_path):
+    """SIGKILL to the campaign runs none of its cleanup: the zygote sees its socket close and
+    exits, and its workers die with it (their parent-death signal)."""
+    import signal
+    import textwrap
+
+    campaign = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from tasks.trial import WarmWorker, _warm_command, _zygotes
+        from cluster.inventory import discover
+        worker = WarmWorker(*_warm_command(discover(cpu_slots=1).devices[0], sys.executable), Path({str(tmp_path)!r}))
+        (zygote,) = _zygotes.values()
+        print(zygote.proc.pid, worker.proc.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    zygote, worker = map(int, campaign.stdout.readline().split())
+    assert parent_of(worker) == zygote
+    campaign.kill()
+    campaign.wait()
+    gone = lambda pid: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    wait_for(lambda: gone(zygote) and gone(worker), 60, "the zygote and its worker to end with the campaign")
 
 
 def _slot():
