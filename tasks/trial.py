@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +31,7 @@ from training.fence import lease_problem
 from training.files import write_atomic
 from training.loopback import BIND_ENV
 from training.process import die_with_parent, stop_process_groups
+from training.zygote import Zygote, ZygoteGone
 from training.layout import trial_files
 
 LOG_TAIL_CHARS = 3000
@@ -225,133 +224,18 @@ def _torchrun_dies_with_campaign() -> None:
     die_with_parent(signal.SIGTERM)
 
 
-class _ForkedProcess:
-    """A worker forked by a zygote, seen as much like a `subprocess.Popen` as WarmWorker needs
-    (pid, stdin, poll, wait, kill). Its exit code comes from the zygote, its parent."""
-
-    def __init__(self, zygote: "_Zygote", pid: int, stdin) -> None:
-        self.zygote, self.pid, self.stdin = zygote, pid, stdin
-
-    @property
-    def returncode(self) -> int | None:
-        return self.zygote.exits.get(self.pid)
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        with self.zygote.changed:
-            if not self.zygote.changed.wait_for(lambda: self.pid in self.zygote.exits, timeout):
-                raise subprocess.TimeoutExpired(f"warm worker {self.pid}", timeout)
-        return self.zygote.exits[self.pid]
-
-    def kill(self) -> None:
-        if self.returncode is None:  # not reaped yet, so the pid is still this worker's
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-class _Zygote:
-    """`python -m training.worker --zygote-fd N`: imports torch and the trainer once and forks
-    the campaign's warm workers (training/worker.py says how). A campaign of many short
-    one-device trials paid that import (~2 s of CPU) once per slot, at its start, when the
-    CPU is busiest; a fork is ready in milliseconds."""
-
-    def __init__(self, python: str, cwd: Path) -> None:
-        self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(
-            [python, "-m", "training.worker", "--zygote-fd", str(theirs.fileno())], cwd=cwd, env={**os.environ, **_launch_env()},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-            start_new_session=True,  # no parent-death signal: it ends when this end of the socket closes (training/worker.py)
-        )
-        theirs.close()
-        self.exits: dict[int, int] = {}
-        self.children: set[int] = set()
-        self.changed = threading.Condition()
-        self.started: queue.Queue[int | None] = queue.Queue()
-        self.fork_lock = threading.Lock()
-        threading.Thread(target=self._read, name="warm-zygote", daemon=True).start()
-
-    def fork(self, env: dict[str, str], cwd: Path) -> tuple[_ForkedProcess, Any]:
-        """A new worker with this environment, in this folder, and the reading end of its
-        replies; `ZygoteGone` if the zygote is gone."""
-        if self.proc.poll() is not None:
-            raise ZygoteGone(f"the warm workers' zygote exited (code {self.proc.returncode})")
-        stdin_read, stdin_write = os.pipe()
-        reply_read, reply_write = os.pipe()
-        try:
-            with self.fork_lock:  # one request in flight: each "started" answers the request before it
-                try:
-                    socket.send_fds(self.socket, [json.dumps({"env": env, "cwd": str(cwd)}).encode()], [stdin_read, reply_write])
-                except OSError as e:
-                    raise ZygoteGone(str(e)) from e
-                pid = self.started.get()
-            if pid is None:
-                self.started.put(None)  # for the next request too
-                raise ZygoteGone(f"the warm workers' zygote exited (code {self.proc.poll()})")
-        except BaseException:
-            for fd in (stdin_write, reply_read):
-                os.close(fd)
-            raise
-        finally:
-            os.close(stdin_read)
-            os.close(reply_write)
-        return _ForkedProcess(self, pid, os.fdopen(stdin_write, "w")), os.fdopen(reply_read, "r")
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self.socket.recv(4096)
-            except OSError:
-                message = b""
-            if not message:  # the zygote is gone, and its workers die with it (SIGTERM): none will be reported
-                with self.changed:
-                    for pid in self.children - set(self.exits):
-                        self.exits[pid] = -signal.SIGTERM
-                    self.changed.notify_all()
-                self.started.put(None)
-                return
-            answer = json.loads(message)
-            if "started" in answer:
-                with self.changed:
-                    self.children.add(answer["started"])
-                self.started.put(answer["started"])
-            else:
-                with self.changed:
-                    self.exits[answer["exited"]] = answer["code"]
-                    self.changed.notify_all()
-
-    def close(self) -> None:
-        """No more forks: the zygote exits (a worker still running would die with it)."""
-        try:
-            self.socket.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.socket.close()
-
-
-class ZygoteGone(RuntimeError):
-    pass
-
-
-_zygotes: dict[tuple[str, str], _Zygote] = {}
+_zygotes: dict[tuple[str, str], Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
-def _zygote_for(python: str, cwd: Path) -> _Zygote:
-    """The campaign's zygote for this interpreter and folder, started at the first call. One
+def _zygote_for(python: str, cwd: Path) -> Zygote:
+    """The campaign's zygote of warm workers for this interpreter and folder (training/zygote.py),
+    started at the first call: torch and the trainer imported once, not once per worker. One
     that exited is not started again: its workers are started on their own (ZygoteGone)."""
     with _zygotes_lock:
         key = (python, str(cwd))
         if key not in _zygotes:
-            _zygotes[key] = _Zygote(python, cwd)
+            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **_launch_env()}, python, new_session=True)
         return _zygotes[key]
 
 
@@ -364,7 +248,7 @@ class WarmWorker:
         self.plan_env = env
         self.env = {**os.environ, **env}  # what the process was started with
         try:
-            self.proc, self.replies = _zygote_for(command[0], cwd).fork(self.env, cwd)
+            self.replies = self._fork(_zygote_for(command[0], cwd), cwd)
             return
         except ZygoteGone:
             pass
@@ -376,6 +260,24 @@ class WarmWorker:
         )
         os.close(reply_write)
         self.replies = os.fdopen(reply_read, "r")
+
+    def _fork(self, zygote: Zygote, cwd: Path):
+        """This worker forked by the zygote: its stdin and reply pipes passed to it; the
+        reading end of the replies."""
+        stdin_read, stdin_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        try:
+            self.proc = zygote.fork("training.worker", ["--reply-fd", "{fd1}"], self.env, cwd, fds=[stdin_read, reply_write], stdin=True,
+                                    name="warm worker")
+        except BaseException:
+            os.close(stdin_write)
+            os.close(reply_read)
+            raise
+        finally:
+            os.close(stdin_read)
+            os.close(reply_write)
+        self.proc.stdin = os.fdopen(stdin_write, "w")
+        return os.fdopen(reply_read, "r")
 
     def run(self, plan: LaunchPlan) -> int:
         """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""

@@ -87,12 +87,16 @@ def test_micro_batches_keep_the_result(tmp_path, digits_npz):
 
 
 def worker_pids(wid: str, config: Path) -> list[int]:
+    """The trial's worker `wid`: forked from the agent's zygote, its command line is the
+    zygote's (which names the trial's config) and its process name says which worker it is."""
+    from training.elastic import worker_name
+
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if str(config).encode() in (proc / "cmdline").read_bytes() and f"CAMPAIGN_WORKER_ID={wid}".encode() in (proc / "environ").read_bytes():
+            if str(config).encode() in (proc / "cmdline").read_bytes() and (proc / "comm").read_text().strip() == worker_name(wid):
                 found.append(int(proc.name))
         except OSError:
             continue

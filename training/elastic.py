@@ -42,6 +42,7 @@ from training.loopback import loopback_store
 from training.process import die_with_parent, skip_final_collection
 from training.agent_state import agent_state_now
 from training.layout import agent_state_in
+from training.zygote import ForkedProcess, Zygote, ZygoteGone
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
 TERM_SAVE_S = 25.0  # a stopping campaign waits 30 s (tasks/trial.py STOP_GRACE_S) before SIGKILL
@@ -52,6 +53,14 @@ POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
 IDLE_POLL_S = 0.1
 
 
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # read as a worker's interpreter and torch start
+
+
+def worker_name(wid: str) -> str:
+    """An elastic worker's process name (`ps -o comm`): its command line is its zygote's."""
+    return f"elastic {wid}"
+
+
 class WorkerDied(RuntimeError):
     pass
 
@@ -60,7 +69,7 @@ class WorkerDied(RuntimeError):
 class Worker:
     wid: str
     device_id: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     assignments: int = 0
     leaving: bool = False
 
@@ -89,6 +98,12 @@ def write_command(control: Path, seq: int, devices: list[dict], mode: str = "res
 class Agent:
     def __init__(self, config: Path, control: Path, python: str = sys.executable):
         self.config, self.control, self.python = config, control, python
+        # The workers are forked from one process that imports torch and the trainer once
+        # (training/zygote.py): a joiner is ready for its state seconds sooner, and the first
+        # generation's start pays one import, not one per device. Started first: it imports
+        # while the agent sets up. In the agent's process group: a stop of the trial reaches all.
+        self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, python, output=None,
+                             serves=str(config))
         self.store = loopback_store(0, wait_for_workers=False, timeout=timedelta(days=7))
         self.workers: dict[str, Worker] = {}
         self.members: list[str] = []
@@ -113,8 +128,12 @@ class Agent:
         wid = f"w{self._next_wid}"
         self._next_wid += 1
         env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_PORT": str(self.store.port),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", "--config", str(self.config)], env=env)
+               **WORKER_ENV}
+        args = ["--config", str(self.config)]
+        try:
+            proc = self.zygote.fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(wid))
+        except ZygoteGone:  # started on its own, as before the zygote
+            proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
         self.workers[wid] = Worker(wid, device["id"], proc)
         return wid
 

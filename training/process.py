@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -29,6 +30,16 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
+
+
+def name_process(name: str) -> None:
+    """This process's name as `ps -o comm`, `top` and /proc/<pid>/comm show it (15 bytes at
+    most; Linux only): a forked worker's command line is its zygote's, so this tells them apart."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
 def skip_final_collection() -> None:
