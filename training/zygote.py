@@ -91,12 +91,16 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
 
 
 def _fork_problem() -> str | None:
-    """Why forking would not be safe now, or None."""
+    """Why forking would not be safe now, or None. A CUDA driver loaded here (any CUDA call
+    loads it, `torch.cuda.is_available()` included unless NVML answers it) would leave the
+    children unable to use their GPUs."""
     if len(os.listdir("/proc/self/task")) > 1:
         return "the zygote has more than one thread"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the zygote has initialised CUDA"
+    if "libcuda.so" in Path("/proc/self/maps").read_text():
+        return "the zygote has loaded the CUDA driver"
     return None
 
 
@@ -192,6 +196,8 @@ class Zygote:
             command += ["--preload", module]
         # No parent-death signal: it fires when the *thread* that started a process ends, and
         # the first thread to need a worker starts the zygote. It ends when this socket closes.
+        # torch.cuda.is_available() through NVML, not the CUDA driver, should anything imported here ask.
+        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                      pass_fds=(theirs.fileno(),), start_new_session=new_session)
         theirs.close()
