@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         agent.kill_all()
         agent.write_state("failed")
         return FAILED
+    finally:
+        agent.zygote.close()  # waited for: nothing of the trial outlives its agent's exit
 
 
 if __name__ == "__main__":

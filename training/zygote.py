@@ -20,8 +20,9 @@ Forking is safe here: the zygote has one thread and has not touched CUDA (checke
 every fork), so a child starts from a clean state, applies its own environment
 (CUDA_VISIBLE_DEVICES, its cores) and only then opens a device. The zygote ignores SIGTERM
 and SIGINT (a signal to a trial's process group is for the workers, which may save first)
-and ends when the other end of its socket closes: when its starter ends or dies. Its
-children die with it (their parent-death signal).
+and ends when the other end of its socket closes: when its starter ends or dies. It then
+kills and reaps the children still running; a child whose zygote is killed outright dies
+with it too (its parent-death signal).
 """
 
 from __future__ import annotations
@@ -75,8 +76,12 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
         if control not in ready:
             continue
         message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
-        if not message:
-            os._exit(0)  # the children get their parent-death signal; nothing else to tear down
+        if not message:  # the starter is done, or dead: so are its workers, reaped here (their CPU counted to its tree)
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                os.waitpid(pid, 0)
+            os._exit(0)
         problem = _fork_problem()
         if problem:
             control.send(json.dumps({"refused": problem}).encode())
@@ -253,7 +258,7 @@ class Zygote:
                 return
 
     def close(self, timeout: float = 30.0) -> None:
-        """No more forks: the zygote exits (a child still running dies with it)."""
+        """No more forks: the zygote kills and reaps the children still running, and exits."""
         try:
             self.socket.shutdown(socket.SHUT_RDWR)
         except OSError:
