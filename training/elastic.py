@@ -98,12 +98,7 @@ def write_command(control: Path, seq: int, devices: list[dict], mode: str = "res
 class Agent:
     def __init__(self, config: Path, control: Path, python: str = sys.executable):
         self.config, self.control, self.python = config, control, python
-        # The workers are forked from one process that imports torch and the trainer once
-        # (training/zygote.py): a joiner is ready for its state seconds sooner, and the first
-        # generation's start pays one import, not one per device. Started first: it imports
-        # while the agent sets up. In the agent's process group: a stop of the trial reaches all.
-        self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, python, output=None,
-                             serves=str(config))
+        self.zygote: Zygote | None = None  # started with the first worker (forked_worker)
         self.store = loopback_store(0, wait_for_workers=False, timeout=timedelta(days=7))
         self.workers: dict[str, Worker] = {}
         self.members: list[str] = []
@@ -131,11 +126,21 @@ class Agent:
                **WORKER_ENV}
         args = ["--config", str(self.config)]
         try:
-            proc = self.zygote.fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(wid))
+            proc = self.forked_worker(args, env, worker_name(wid))
         except ZygoteGone:  # started on its own, as before the zygote
             proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
         self.workers[wid] = Worker(wid, device["id"], proc)
         return wid
+
+    def forked_worker(self, args: list[str], env: dict[str, str], name: str) -> ForkedProcess:
+        """The workers are forked from one process that imports torch and the trainer once
+        (training/zygote.py): a joiner is ready for its state seconds sooner, and the first
+        generation pays one import, not one per device. The zygote is in the agent's process
+        group: a stop of the trial reaches every process of it."""
+        if self.zygote is None:
+            self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, self.python, output=None,
+                                 serves=str(self.config))
+        return self.zygote.fork("training.elastic_worker", args, env, Path.cwd(), name=name)
 
     def assign(self, wid: str, payload: dict) -> None:
         worker = self.workers[wid]
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         agent.write_state("failed")
         return FAILED
     finally:
-        agent.zygote.close()  # waited for: nothing of the trial outlives its agent's exit
+        if agent.zygote is not None:
+            agent.zygote.close()  # waited for: nothing of the trial outlives its agent's exit
 
 
 if __name__ == "__main__":
