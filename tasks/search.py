@@ -105,10 +105,31 @@ class Search:
         return Drawn(frozen.number, frozen._trial_id, make_trial(self.spec, dict(point), frozen.user_attrs.get(SEED_INDEX, 0)))
 
     def unfinished(self) -> list[Drawn]:
-        """Trials drawn but never told: running when the campaign stopped. They run again."""
+        """Trials drawn but never told: running when the campaign stopped. They run again. A
+        campaign killed inside `ask` left the trial made but its draw not finished (Optuna
+        stores the trial, then each value, then our attributes): the draw is finished now,
+        so the trial runs its own point, not the spec's defaults."""
         from optuna.trial import TrialState
 
-        return [self._drawn(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [self._drawn(t) if TRIAL in t.user_attrs else self._finish_draw(self._reopened(t._trial_id)) for t in running]
+
+    def _reopened(self, storage_id: int):
+        """A running trial of the study, its values not drawn yet drawn now (one left by an
+        interrupted `ask`)."""
+        import optuna
+        from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+        trial = optuna.Trial(self.study, storage_id)
+        if self.strategy != "grid" and POINT not in trial.user_attrs:
+            for name, dist in self._distributions().items():
+                if isinstance(dist, CategoricalDistribution):
+                    trial.suggest_categorical(name, dist.choices)
+                elif isinstance(dist, FloatDistribution):
+                    trial.suggest_float(name, dist.low, dist.high, log=dist.log)
+                else:
+                    trial.suggest_int(name, dist.low, dist.high)
+        return trial
 
     def all_drawn(self) -> list[Drawn]:
         """Every trial drawn so far, in draw order (a campaign's summary covers them all)."""
@@ -132,6 +153,10 @@ class Search:
         distributions = {} if self.strategy == "grid" else self._distributions()
         trial = self.study.ask(distributions)
         self._draws += 1
+        return self._finish_draw(trial)
+
+    def _finish_draw(self, trial) -> Drawn:
+        """A trial just asked for: its repeats enqueued (a fresh draw), its campaign trial named."""
         point = trial.user_attrs.get(POINT, trial.params)
         if SEED_INDEX not in trial.user_attrs:  # a fresh draw: its repeats come next
             trial.set_user_attr(SEED_INDEX, 0)

@@ -67,6 +67,25 @@ def test_a_restarted_search_goes_on_where_it_was(tmp_path, strategy):
     assert states == ["COMPLETE", "PRUNED", "RUNNING", "RUNNING", "RUNNING", "RUNNING"]
 
 
+@pytest.mark.parametrize("strategy", ["random", "tpe"])
+def test_a_draw_cut_short_by_a_kill_is_finished_when_the_search_goes_on(tmp_path, strategy):
+    """Optuna's ask stores the trial before its values: a campaign killed between the two
+    leaves a running trial with no point. Opened again, the search draws its values then
+    (within the space) and runs it as its own point, not the spec's defaults."""
+    the_spec = spec(search={"strategy": strategy, "trials": 3, "space": {"training.lr": {"log_uniform": [1e-4, 1e-2]},
+                                                                           "model.width": {"int_uniform": [4, 8]}}})
+    first = Search(the_spec, tmp_path)
+    done = first.ask()
+    first.study.ask()  # the kill lands here: the trial is stored, none of its values
+    again = Search(the_spec, tmp_path)
+    (_, cut) = sorted(again.unfinished(), key=lambda d: d.number)
+    assert (cut.number, again.remaining()) == (done.number + 1, 1)
+    lr, width = cut.trial.overrides["training.lr"], cut.trial.overrides["model.width"]
+    assert 1e-4 <= lr <= 1e-2 and 4 <= width <= 8  # its own point, drawn now (the spec's lr is 0.1)
+    assert again.study.trials[cut.number].params == {"training.lr": lr, "model.width": width}
+    assert cut.trial.id in [d.trial.id for d in Search(the_spec, tmp_path).unfinished()]  # the same trial the next time
+
+
 @pytest.mark.parametrize("bad, culprit", [
     ({"search": {"strategy": "tpe", "space": {"training.lr": {"uniform": [0.1, 0.2]}}}}, "search.trials is required"),
     ({"search": {"trials": 4, "space": {"training.lr": {"normal": [0, 1]}}}}, "a search dimension is one of"),
