@@ -16,8 +16,8 @@ first descriptor as its standard input. The answer is `{"started": pid}`, and la
 reap it and know its code. A child's command line is the zygote's (which names what it
 serves: `--for`); its process name (`ps -o comm`, /proc/<pid>/comm) is the request's `name`.
 
-Forking is safe here: the zygote has one thread and has not touched CUDA (checked before
-every fork), so a child starts from a clean state, applies its own environment
+Forking is safe here: the zygote has one thread and has not touched CUDA (checked once its
+imports are done; it runs nothing else before a fork), so a child starts from a clean state, applies its own environment
 (CUDA_VISIBLE_DEVICES, its cores) and only then opens a device. The zygote ignores SIGTERM
 and SIGINT (a signal to a trial's process group is for the workers, which may save first)
 and ends when the other end of its socket closes: when its starter ends or dies. It then
@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from training.process import name_process
+from training.process import die_with_parent, name_process
 
 
 class ZygoteGone(RuntimeError):
@@ -59,6 +59,8 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     for module in preload:
         importlib.import_module(module)
+    # Checked once: between forks the zygote runs nothing but this loop.
+    problem = _fork_problem()
     wake_read, wake_write = os.pipe()  # SIGCHLD wakes the select below
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -82,7 +84,6 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
             for pid in children:
                 os.waitpid(pid, 0)
             os._exit(0)
-        problem = _fork_problem()
         if problem:
             control.send(json.dumps({"refused": problem}).encode())
             os._exit(1)
@@ -116,6 +117,7 @@ def _become(request: dict, fds: list[int], closing: list[int]) -> None:
     try:
         if request.get("new_session"):
             os.setsid()
+        die_with_parent()  # with the zygote, whatever the module's main does
         signal.set_wakeup_fd(-1)
         for name in ("SIGCHLD", "SIGTERM", "SIGINT"):
             signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
