@@ -627,6 +627,10 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
         (holder_pid,) = {lease.pid for lease in node_leases.leases()}
         os.kill(holder_pid, signal.SIGSTOP)
         stalled_at = time.monotonic()
+        # Its last renewal, read once it can renew no more: the reclaim deadline runs from there
+        # (the renewal before the stop may have come up to a heartbeat period late, under load).
+        last_renewed = max(lease.heartbeat_at for lease in node_leases.leases())
+        taken_wall = None
         taken_at = None
         overlaps, samples = [], 0
 
@@ -642,13 +646,14 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
             while time.monotonic() - stalled_at < 2 * timeout_s or taken_at is None:
                 assert time.monotonic() - stalled_at < 6 * timeout_s, "the devices were never freed"
                 if taken_at is None and node_leases.acquire("taker/t@1", devices, devices, pid=os.getpid()):
-                    taken_at = time.monotonic()
+                    taken_at, taken_wall = time.monotonic(), time.time()  # the store's clock is time.time
                 if taken_at is not None:
                     sample_while_held()
                 time.sleep(0.1)  # the sampling period (what is waited for is the loop's condition)
         finally:
             os.kill(holder_pid, signal.SIGCONT)
-        assert taken_at - stalled_at > timeout_s  # not before the renew deadline and the store's margin
+        # Not before the renew deadline and the store's margin, counted from the last renewal.
+        assert taken_wall - last_renewed > timeout_s + node_leases.reclaim_margin_s, (taken_wall - last_renewed)
         # The holder wakes up to find its leases gone: the other campaign keeps the devices.
         for _ in range(30):
             sample_while_held()
