@@ -66,8 +66,7 @@ def _loaded(params: Path, pool: str | None = None):
     return spec
 
 
-STARTUP_CORES = 2  # a launch's own start keeps two cores busy: Prefect's server, the flow's process
-PRESTART_ENV = "CAMPAIGN_PRESTART_WORKERS"  # "1" / "0": start the first warm workers ahead, or not, whatever the cores
+PRESTART_ENV = "CAMPAIGN_PRESTART_WORKERS"  # "0": do not start the first warm workers' zygote ahead (a bench compares)
 
 
 def _checked(spec) -> tuple[list, object, dict]:
@@ -95,18 +94,17 @@ def _checked(spec) -> tuple[list, object, dict]:
 
 def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
     """The zygote the first trials' warm workers are forked from imports torch and the
-    trainer (~2 s of CPU, once) while Prefect's server and the flow start, on a core those
-    leave idle. Only where there is one: a start is CPU-bound on a small host, where starting
-    workers early delayed the first trial and the whole command (2 cores, 8 trivial trials on
-    2 slots, when each worker imported for itself: first start 14.7 s against 9.5 s, the
-    command 24.7 s against 22.7 s; `bench/launch_overhead.py --trials 8 --steps 2 --prestart-both`)."""
+    trainer (~2 s of CPU, once) while Prefect's server and the flow start. Even where those
+    keep every core busy it pays: 2 cores, 8 trivial trials on 2 slots, the command took
+    7.15 s against 7.35 s started by the first trial (medians of 4, rounds alternating;
+    `bench/launch_overhead.py --trials 8 --steps 2 --prestart-both`), though the first trial's
+    record comes 0.8 s later (4.1 s against 3.3 s: its worker is ready sooner all the same).
+    Before the zygote each worker imported for itself and starting them early lost there."""
     from cluster.leases import LeaseError, LeaseStore, LeaseStoreError
     from flows.campaign import warm_first_wave
     from tasks.trial import prestart_warm_workers
 
-    forced = {"1": True, "0": False}.get(os.environ.get(PRESTART_ENV, ""))
-    spare_cores = len(os.sched_getaffinity(0)) - STARTUP_CORES
-    if forced is False or (forced is None and spare_cores < 1):
+    if os.environ.get(PRESTART_ENV) == "0":
         return  # no worker would start: the lease file and the trials' records are not read
     try:
         usage = LeaseStore().usage()
