@@ -45,6 +45,7 @@ from flows.live_view import CampaignLog
 from flows.pool.nodes import PoolError
 from flows.pool.remote import by_node, forget_recall, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
 from flows.scheduler import LiveScheduler, live_policy, usable_devices
+from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
@@ -52,7 +53,6 @@ from training.elastic import clear_commands
 from training.errors import CampaignError
 from training.files import write_json_atomic
 from training.metrics import format_metrics
-from training.metrics_hub import close_metrics_hub, end_metrics_hub, open_metrics_hub
 from training.progress import read_progress
 from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
@@ -669,6 +669,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     trials = expand_grid(spec) if search is None else [d.trial for d in search.unfinished()]
     requests = checked_requests(spec, trials or expand_grid(spec), inventory)  # a request no node can hold fails now
 
+    if spec.cluster.pool is None:  # its MLflow calls run there (a pool's trials run elsewhere, with sinks of their own)
+        open_metrics_hub(store=uri)
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
     before = read_campaign(spec.tracking.runs_dir, name) or CampaignRecord(name=name)  # a search's trials so far
@@ -705,7 +707,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
         labels = {t.id: t.label for t in known}
-        close_metrics_hub()  # the trials' metrics are all in MLflow now
+        drain_metrics_hub()  # the trials' metrics are all in MLflow now
         if curves := campaign_curves(uri, run.run_ids, labels, f"campaign {name}", run.root / "curves.png"):
             log_files(uri, parent_run_id, [curves], "curves")
     except Exception as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -188,11 +187,18 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
     warm = WarmUp()  # Prefect's server boots while the checks below run
     trials, inventory, requests = _checked(spec)
+    if spec.cluster.pool is None:
+        from tasks.tracking_hub import open_metrics_hub
+
+        # The process that makes the campaign's MLflow calls (tasks/tracking_hub.py; not a
+        # pool's campaign): started once the checks have passed, which on a small host it
+        # would only slow (CPU-bound: 0.6 s later to the first trial, measured).
+        open_metrics_hub()
     # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
-    # server finishes its start; the flow finds it made.
-    tracking = threading.Thread(target=_open_tracking_store, args=(tracking_uri(spec.tracking),), name="mlflow-store", daemon=True)
-    tracking.start()
-    warm.ready_after = tracking
+    # server finishes its start; the flow's first MLflow call waits for it.
+    from tasks.tracking import prepare_store
+
+    prepare_store(tracking_uri(spec.tracking))  # in the hub, when the campaign has one
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)
@@ -222,19 +228,6 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     pruned = f", {summary['pruned']} pruned" if summary.get("pruned") else ""
     score = next(((k, v) for k, v in (best or {}).items() if k != "trial"), None)
     console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
-
-
-def _open_tracking_store(uri: str) -> None:
-    """Build (and cache, in MLflow's registry) the tracking store of `uri`; a failure is
-    left for the flow's own first use to report."""
-    try:
-        from mlflow import MlflowClient
-        from tasks.mlflow_store import make_from_template
-
-        make_from_template(uri)  # a new SQLite store without MLflow's migrations (1.5 s)
-        MlflowClient(tracking_uri=uri)._tracking_client.store  # noqa: B018 (built on first access)
-    except Exception:
-        pass
 
 
 def _launch_live(spec, params: Path, pool: str | None, warm):

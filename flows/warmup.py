@@ -11,7 +11,7 @@ never loads the server app itself. The server ends with the launch: at its exit,
 kernel if the launch is killed outright.
 
 Nothing else is made ahead: the checks must leave nothing behind when they refuse the spec,
-so the MLflow store (a file) is created by the flow, after them.
+so the MLflow store (a file) is made once they have passed (`tasks.tracking.prepare_store`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -134,7 +133,6 @@ class WarmUp:
         processes a server with its own database)."""
         self.process: subprocess.Popen | None = None
         self.server_env = server_env or {}
-        self.ready_after: threading.Thread | None = None  # other preparation the flow needs done
         if os.environ.get("PREFECT_API_URL"):  # a server of the user's, the pool's or `campaign ui`'s
             return
         self._start()
@@ -169,14 +167,12 @@ class WarmUp:
         return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
     def ready(self) -> None:
-        """Wait until the server answers (and `ready_after` has ended). Prefect's flow engine,
+        """Wait until the server answers. Prefect's flow engine,
         which the flow would import at its start (~0.3 s, graphviz included), is imported
         first: while the server boots, this process has nothing else to do."""
         import prefect.flow_engine  # noqa: F401
 
         self._wait_for_server()
-        if self.ready_after is not None:
-            self.ready_after.join()
 
     def _wait_for_server(self) -> None:
         if self.process is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.hub_calls import in_hub
+
 CURVES = ("train_loss", "val_loss", "val_accuracy")
 
 
@@ -44,8 +46,10 @@ def draw_curves(histories: dict[str, dict[str, list[tuple[int, float]]]], title:
     return png
 
 
-def campaign_curves(uri: str, run_ids: dict[str, str], labels: dict[str, str], title: str, png: Path) -> Path | None:
-    """Read each trial's history from its MLflow run and draw them together."""
+@in_hub
+def campaign_curves(uri: str, run_ids: dict[str, str], labels: dict[str, str], title: str, png: Path | str) -> Path | None:
+    """Read each trial's history from its MLflow run and draw them together (in the
+    campaign's hub when it has one: a path as a string then)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -53,4 +57,4 @@ def campaign_curves(uri: str, run_ids: dict[str, str], labels: dict[str, str], t
         f"{labels.get(trial, trial)}": {m: [(p.step, p.value) for p in client.get_metric_history(run_id, m)] for m in CURVES}
         for trial, run_id in run_ids.items()
     }
-    return draw_curves(histories, title, png)
+    return draw_curves(histories, title, Path(png))

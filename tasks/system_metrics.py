@@ -17,6 +17,7 @@ one as it ends.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from cluster.inventory import nvml_session
 from cluster.types import Device
+from tasks.hub_calls import in_hub
 
 log = logging.getLogger(__name__)
 
@@ -170,18 +172,19 @@ class SystemSampler:
         return out
 
     def log(self, readings: dict[str, dict[str, float]], now: float) -> None:
-        from mlflow.entities import Metric, RunTag
-
         for run_id, values in readings.items():
             if not values:
                 continue
             step = self.samples.get(run_id, 0)
             self.samples[run_id] = step + 1
-            metrics = [Metric(k, v, int(now * 1000), step) for k, v in sorted(values.items())]
             with self._lock:
                 tag = self.tags.pop(run_id, None)
             if self._log_batch is None:
-                self._log_batch = _client_log_batch(self.uri)
+                log_readings(self.uri, run_id, values, int(now * 1000), step, tag)
+                continue
+            from mlflow.entities import Metric, RunTag
+
+            metrics = [Metric(k, v, int(now * 1000), step) for k, v in sorted(values.items())]
             self._log_batch(run_id, metrics=metrics, tags=[RunTag(DEVICES_TAG, tag)] if tag else [])
 
     def due_runs(self) -> list[str]:
@@ -211,6 +214,17 @@ class SystemSampler:
         self._nvml.close()
 
 
+@in_hub
+def log_readings(uri: str, run_id: str, values: dict[str, float], timestamp_ms: int, step: int, devices_tag: str | None) -> None:
+    """One sample of a run's readings (and its devices tag, when it changed), in one
+    `log_batch`: in the campaign's hub when it has one (tasks/hub_calls.py)."""
+    from mlflow.entities import Metric, RunTag
+
+    metrics = [Metric(k, v, timestamp_ms, step) for k, v in sorted(values.items())]
+    _client_log_batch(uri)(run_id, metrics=metrics, tags=[RunTag(DEVICES_TAG, devices_tag)] if devices_tag else [])
+
+
+@functools.lru_cache(maxsize=None)
 def _client_log_batch(uri: str) -> Callable:
     from mlflow.tracking import MlflowClient
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Any, Iterable
+from tasks.hub_calls import in_hub
 from training.layout import campaign_files
 
 
@@ -53,12 +54,12 @@ def _import_matplotlib():
     return plt
 
 
-def import_drawing_early() -> threading.Thread:
-    """Import matplotlib (~0.4 s here) on a thread while the trials train: a campaign draws
-    its pictures after its last trial ends, and the user waits for that."""
-    thread = threading.Thread(target=_import_matplotlib, name="import-matplotlib", daemon=True)
-    thread.start()
-    return thread
+@in_hub
+def import_drawing_early() -> None:
+    """Import matplotlib (~0.4 s here) on a thread while the trials train, where the pictures
+    will be drawn (the campaign's hub, when it has one): a campaign draws them after its last
+    trial ends, and the user waits for that."""
+    threading.Thread(target=_import_matplotlib, name="import-matplotlib", daemon=True).start()
 
 
 def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
@@ -109,8 +110,11 @@ def timeline_rows(bars: list[Bar]) -> list[dict[str, Any]]:
             for b in sorted(bars, key=lambda b: (b.start, b.device))]
 
 
-def write_timeline(campaign_dir: Path, title: str) -> tuple[Path, Path] | None:
-    """timeline.png and timeline.html in the campaign's folder, from its allocation log; None if nothing ran."""
+@in_hub
+def write_timeline(campaign_dir: Path | str, title: str) -> tuple[Path, Path] | None:
+    """timeline.png and timeline.html in the campaign's folder, from its allocation log; None
+    if nothing ran. Drawn in the campaign's hub when it has one (paths as strings then)."""
+    campaign_dir = Path(campaign_dir)
     bars = intervals(read_events(campaign_dir))
     if not bars:
         return None

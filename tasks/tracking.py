@@ -9,16 +9,17 @@ from __future__ import annotations
 import functools
 import logging
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from mlflow import MlflowClient
-from mlflow.entities import Param, RunTag
-from mlflow.exceptions import MlflowException
-
 from tasks.grid import Trial
+from tasks.hub_calls import in_hub
 from tasks.mlflow_store import make_from_template
+
+# MLflow is imported by the functions that use it: in a campaign with a hub they run there
+# (tasks/hub_calls.py), and `launch` never imports it.
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,48 @@ def retrying(fn: Callable[..., T]) -> Callable[..., T]:
     return call
 
 
-def _client(uri: str) -> MlflowClient:
+def _client(uri: str):
+    for build in list(_store_builds):  # a store built ahead (prepare_store) is used, not built twice
+        build.join()
+        _store_builds.remove(build)
+    return _built_client(uri)
+
+
+def _built_client(uri: str):
+    from mlflow import MlflowClient
+
     make_from_template(uri)  # a new SQLite store without MLflow's migrations
     return MlflowClient(tracking_uri=uri)
+
+
+def open_store(uri: str) -> None:
+    """Build (and cache, in MLflow's registry) the tracking store of `uri` ahead of its first
+    use; a failure is left for that use to report."""
+    try:
+        _built_client(uri)._tracking_client.store  # noqa: B018 (built on first access; a new SQLite store from the template, 1.5 s)
+    except Exception:
+        pass
+
+
+_store_builds: list[threading.Thread] = []
+
+
+@in_hub
+def prepare_store(uri: str) -> None:
+    """Start building the store of `uri` on a thread (where the campaign's calls run: its
+    hub, when it has one), and return: the next call waits for it."""
+    build = threading.Thread(target=open_store, args=(uri,), name="mlflow-store", daemon=True)
+    _store_builds.append(build)
+    build.start()
 
 
 # MLflow's UI opens an experiment on its GenAI pages unless told it holds training runs.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
-def experiment_id(client: MlflowClient, name: str) -> str:
+def experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
     found = client.get_experiment_by_name(name)
     if found is None:
         try:
@@ -85,7 +118,7 @@ def compare_url(mlflow_ui: str, experiment: str, run_ids: list[str]) -> str:
     return f"{mlflow_ui.rstrip('/')}/#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment]), safe='')}"
 
 
-def _find_run(client: MlflowClient, exp_id: str, filter_string: str):
+def _find_run(client, exp_id: str, filter_string: str):
     runs = client.search_runs([exp_id], filter_string=filter_string, max_results=1, order_by=["attributes.start_time DESC"])
     return runs[0] if runs else None
 
@@ -99,8 +132,11 @@ def flatten(prefix: str, obj: Any) -> dict[str, Any]:
     return {prefix: obj}
 
 
+@in_hub
 @retrying
 def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, list], n_trials: int) -> str:
+    from mlflow.entities import Param
+
     client = _client(uri)
     exp_id = experiment_id(client, experiment)
     run = _find_run(client, exp_id, f"tags.`{KIND_TAG}` = 'campaign' and tags.`{CAMPAIGN_TAG}` = '{campaign}'")
@@ -113,29 +149,40 @@ def open_campaign_run(uri: str, experiment: str, campaign: str, grid: dict[str, 
     return run.info.run_id
 
 
+@in_hub
 @retrying
 def run_experiment(uri: str, run_id: str) -> str:
     return _client(uri).get_run(run_id).info.experiment_id
 
 
-@retrying
 def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) -> str:
+    return _open_trial_run(uri, parent_run_id, campaign, trial.id, trial.label, trial.spec.model_dump(mode="json"))
+
+
+@in_hub
+@retrying
+def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, label: str, spec: dict[str, Any]) -> str:
+    from mlflow.entities import Param
+
     client = _client(uri)
     exp_id = client.get_run(parent_run_id).info.experiment_id
-    run = _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial.id}'")
+    run = _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'")
     if run is not None:  # an earlier launch's run: this one continues it
         client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
-    tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial.id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
-    run = client.create_run(exp_id, run_name=trial.label, tags=tags)
-    params = flatten("", trial.spec.model_dump(mode="json"))
+    tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial_id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
+    run = client.create_run(exp_id, run_name=label, tags=tags)
+    params = flatten("", spec)
     client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
     return run.info.run_id
 
 
+@in_hub
 @retrying
 def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None,
                     log_path: str | None = None) -> None:
+    from mlflow.entities import RunTag
+
     client = _client(uri)
     if log_path is not None and Path(log_path).is_file():  # the trainer's output, readable from the run's page
         client.log_artifact(run_id, log_path)
@@ -153,11 +200,14 @@ def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, device
     client.set_terminated(run_id, status="FINISHED" if error is None else "FAILED")
 
 
+@in_hub
 @retrying
 def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
     """The campaign's outcome on its parent run: counts and the best trial as tags
     (`summary.finished`, `summary.best.trial`...), the whole summary as `summary.json`. No
     one-point metrics: the compare view's first charts stay the trials' curves."""
+    from mlflow.entities import RunTag
+
     client = _client(uri)
     flat = flatten("", {k: v for k, v in summary.items() if k != "per_trial"})
     tags = [RunTag(f"summary.{k}", f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in sorted(flat.items())]
@@ -166,6 +216,7 @@ def close_campaign_run(uri: str, run_id: str, summary: dict[str, Any]) -> None:
     client.set_terminated(run_id, status="FINISHED" if summary["failed"] == 0 else "FAILED")
 
 
+@in_hub
 def mark_killed(uri: str, run_ids: list[str]) -> None:
     """Runs a stopped campaign leaves behind: KILLED, not RUNNING forever. Not a task: this
     runs while the flow is being torn down."""
@@ -181,6 +232,7 @@ def find_trial_run(uri: str, parent_run_id: str, trial_id: str):
     return _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'")
 
 
+@in_hub
 @retrying
 def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dict[str, Any]) -> bool:
     """A trial whose result is on disk but whose run is not FINISHED (its campaign was killed
@@ -193,7 +245,8 @@ def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dic
     return True
 
 
-def log_files(uri: str, run_id: str, paths: list[Path], artifact_path: str) -> None:
+@in_hub
+def log_files(uri: str, run_id: str, paths: list[Path | str], artifact_path: str) -> None:
     """Files (pictures of the campaign) as artifacts of a run."""
     client = _client(uri)
     for path in paths:

@@ -103,7 +103,7 @@ def test_a_campaigns_hub_takes_its_trainers_metrics_without_a_sink_process_each(
     sink process of their own; a trainer that dies without closing keeps what it sent whole;
     a resumed trainer's replayed steps are logged once; the hub's close sends everything."""
     from training.metrics import METRICS_SOCKET_ENV, _HubConnection
-    from training.metrics_hub import MetricsHub
+    from tasks.tracking_hub import MetricsHub
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
@@ -190,7 +190,7 @@ def test_a_campaign_killed_outright_leaves_its_hub_to_send_what_its_trainers_log
     campaign = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from training.metrics_hub import MetricsHub
+        from tasks.tracking_hub import MetricsHub
         hub = MetricsHub(flush_s=30)
         print(hub.path, hub.proc.pid, flush=True)
         time.sleep(600)

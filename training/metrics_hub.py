@@ -1,4 +1,4 @@
-"""A campaign's one metrics sink for the trials on its machine: a process that outlives a kill.
+"""A campaign's one metrics sink for the trials on its machine: the trainers' side of its hub.
 
 A trainer that finds `CAMPAIGN_METRICS_SOCKET` in its environment sends its metric lines
 (the same JSON lines `training.metrics` pipes to a sink process) to this Unix socket
@@ -8,14 +8,10 @@ it; for short trials that import was still running when the last trial ended, so
 campaign returned seconds after its work was done. The hub imports MLflow once, while the
 campaign's first trials start, and a trainer's end only closes its connection.
 
-The campaign binds the socket before any trial starts and hands it to the hub process
-(`python -m training.metrics_hub --listen-fd N`), so no trainer finds it missing while
-the hub imports MLflow: lines wait in the hub's buffer meanwhile. The hub is a process, not
-a thread of the campaign, for the same reason as the sink: a campaign killed outright
-must not take its trials' last metrics with it. Its stdin is a pipe from the campaign;
-when that closes (the campaign's end, or its death) the hub takes no new connection, reads
-every open one to its end (the trials' processes have exited, or the warden ends them),
-sends the rest and exits. The campaign waits for that before it reads MLflow.
+`Hub` reads the trainers' connections and sends their lines to MLflow. It runs in the
+campaign's hub process (tasks/tracking_hub.py), which also makes the campaign's own MLflow
+calls and pictures, and which outlives a campaign killed outright: its trials' last
+metrics still reach MLflow.
 
 A trainer that cannot reach a hub (no campaign on this machine: plain torchrun, a pool
 node) starts its own sink, as before.
@@ -23,98 +19,14 @@ node) starts its own sink, as before.
 
 from __future__ import annotations
 
-import argparse
-import atexit
 import json
-import os
 import select
 import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import warnings
 
-from training.metrics import METRICS_SOCKET_ENV, _ignore_signals, _package_root, _Runs
-
-
-class MetricsHub:
-    """The campaign's side: the socket (in a private 0700 folder: only this user's
-    processes connect), the hub process, and the wait for it at the end."""
-
-    def __init__(self, flush_s: float = 2.0):
-        self.folder = tempfile.mkdtemp(prefix="campaign-metrics-")  # short: a socket path has ~100 characters
-        self.path = os.path.join(self.folder, "sink")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-            server.bind(self.path)
-            server.listen(64)  # connections wait in the backlog until the hub takes them
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "training.metrics_hub", "--listen-fd", str(server.fileno()), "--path", self.path,
-                 "--flush-s", str(flush_s)],
-                stdin=subprocess.PIPE, pass_fds=(server.fileno(),), env={**os.environ, "PYTHONPATH": _package_root()})
-        self.ended = False
-
-    def env(self) -> dict[str, str]:
-        """What a trial's processes need in their environment to log here."""
-        return {METRICS_SOCKET_ENV: self.path}
-
-    def end_input(self) -> None:
-        """The trials' processes have exited: the hub reads every connection to its end,
-        sends what is left, and exits (`close` waits for that)."""
-        self.ended = True
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-
-    def close(self, timeout: float = 60.0) -> None:
-        """End the input and wait until the hub has sent everything; warn if it could not in time."""
-        self.end_input()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            warnings.warn(f"the metrics hub did not finish in {timeout:.0f} s; the trials' last metrics may be missing")
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-_hub: MetricsHub | None = None
-
-
-def open_metrics_hub() -> MetricsHub:
-    """The hub the trials on this machine send their metrics through (one MLflow import,
-    not one per trial), opened as the campaign's loop starts. Its path is in the environment
-    the trials' processes inherit."""
-    global _hub
-    if _hub is not None and _hub.ended:  # an earlier campaign of this process that did not wait for its own
-        close_metrics_hub()
-    if _hub is None:
-        _hub = MetricsHub()
-        os.environ.update(_hub.env())
-    return _hub
-
-
-def end_metrics_hub() -> None:
-    """The trials' processes have exited: no new trial logs here, and the hub starts sending
-    the rest while the campaign writes its summary (`close_metrics_hub` waits for it)."""
-    if _hub is not None:
-        for key in _hub.env():
-            os.environ.pop(key, None)
-        _hub.end_input()
-
-
-def close_metrics_hub() -> None:
-    """Wait until the hub has sent every trial's metrics: before MLflow is read."""
-    global _hub
-    end_metrics_hub()
-    hub, _hub = _hub, None
-    if hub is not None:
-        hub.close()
-
-
-atexit.register(close_metrics_hub)  # a launch that fails before its flow ends its hub too (once, whatever the hubs)
+from training.metrics import _Runs
 
 
 class Hub:
@@ -234,26 +146,3 @@ class Hub:
             reader.join()
         self.drained.set()
         self.wake.set()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="A campaign's metrics hub: JSON lines from its trainers over a Unix socket, to MLflow.")
-    parser.add_argument("--listen-fd", type=int, required=True)
-    parser.add_argument("--path", required=True)
-    parser.add_argument("--flush-s", type=float, default=2.0)
-    args = parser.parse_args(argv)
-    _ignore_signals()  # a signal to the campaign's process group is not for the hub: its stdin closing is
-    hub = Hub(socket.socket(fileno=args.listen_fd), args.path, args.flush_s, owned_folder=os.path.dirname(args.path))  # accepting before MLflow is imported
-    closer = threading.Thread(target=lambda: (sys.stdin.read(), hub.close()), name="stdin", daemon=True)
-    closer.start()
-    hub.send_until_drained(_Runs())
-    # Everything is in MLflow (each log_batch committed): the campaign waits on this exit
-    # before it reads the curves, and an interpreter's teardown with MLflow and SQLAlchemy
-    # loaded took another 0.5 s.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

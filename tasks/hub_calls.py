@@ -1,0 +1,64 @@
+"""Calls the campaign's tracking process makes for it: MLflow and the pictures, out of `launch`.
+
+MLflow's import and its SQLite store cost a process ~2 s of CPU, matplotlib ~0.5 s more; on
+a small host a campaign's start and end are CPU-bound, and its metrics hub (a process of its
+own, tasks/tracking_hub.py) pays the MLflow import anyway. So a function marked `@in_hub`
+runs there while this process has a hub open (`use_hub`): its arguments and result travel
+as JSON (paths as strings), its exception comes back as a `HubCallError` naming it. Without
+a hub (a pool's campaign, `campaign profile`, a test calling the function itself) it runs
+here, as before; if the hub is gone it runs here too, so a tracking call never fails for
+want of the hub.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Protocol, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_registry: dict[str, Callable[..., Any]] = {}
+
+
+class HubGone(Exception):
+    """The hub process cannot take calls any more (it died, or its pipes closed)."""
+
+
+class HubCallError(RuntimeError):
+    """The call ran in the hub and raised: its class and message."""
+
+
+class HubClient(Protocol):
+    def call(self, name: str, args: list, kwargs: dict) -> Any: ...
+
+
+_client: HubClient | None = None
+
+
+def in_hub(fn: F) -> F:
+    """Run `fn` in the hub when this process has one (see the module's docstring)."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    _registry[name] = fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        client = _client
+        if client is not None:
+            try:
+                return client.call(name, list(args), kwargs)
+            except HubGone:
+                pass  # run here instead
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+def use_hub(client: HubClient | None) -> None:
+    """Route `@in_hub` calls of this process to `client` (None: run them here again)."""
+    global _client
+    _client = client
+
+
+def registered(name: str) -> Callable[..., Any]:
+    """The function behind a call's name, for the hub to run (KeyError if none)."""
+    return _registry[name]

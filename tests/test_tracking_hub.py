@@ -1,0 +1,114 @@
+"""The campaign's MLflow calls and pictures run in its hub process, not in `campaign launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_script(code: str, cwd: Path) -> dict:
+    """`code` in a fresh interpreter (this one has MLflow imported); its last line, JSON."""
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + textwrap.dedent(code)],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_tracking_call_runs_in_the_hub_answers_as_it_would_here_and_runs_here_once_the_hub_is_gone(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = run_script(f"""
+        import json, sys
+        from tasks.hub_calls import HubCallError, use_hub
+        from tasks.tracking import mark_killed, open_campaign_run, run_experiment
+        from tasks.tracking_hub import MetricsHub
+
+        hub = MetricsHub(store={uri!r})
+        use_hub(hub)
+        run_id = open_campaign_run({uri!r}, "hubbed", "c", {{"training.lr": [0.1, 0.2]}}, 2)
+        experiment = run_experiment({uri!r}, run_id)
+        try:
+            mark_killed({uri!r}, ["no-such-run"])
+            error = None
+        except HubCallError as e:
+            error = str(e)
+        imported_while_hubbed = "mlflow" in sys.modules
+        hub.proc.kill()  # the hub dies: the calls run here
+        hub.proc.wait()
+        again = open_campaign_run({uri!r}, "hubbed", "c", {{"training.lr": [0.1, 0.2]}}, 2)
+        print(json.dumps({{"run": run_id, "experiment": experiment, "error": error, "imported_while_hubbed": imported_while_hubbed,
+                          "again": again, "imported_after": "mlflow" in sys.modules}}))
+    """, tmp_path)
+    assert not out["imported_while_hubbed"]  # every MLflow call ran in the hub
+    run = MlflowClient(tracking_uri=uri).get_run(out["run"])
+    assert run.info.experiment_id == out["experiment"] and run.data.params["grid.training.lr"] == "[0.1, 0.2]"
+    assert run.data.tags["campaign.kind"] == "campaign"
+    # The hub's exception comes back naming the call, with MLflow's own message.
+    assert out["error"].startswith("tasks.tracking.mark_killed failed in the campaign's hub: MlflowException") and "no-such-run" in out["error"]
+    assert out["again"] == out["run"] and out["imported_after"]  # found again, by this process itself
+
+
+def test_a_drain_kept_waiting_by_a_trainer_that_never_ends_ends_the_hub_and_says_so():
+    import socket
+
+    from tasks.tracking_hub import MetricsHub
+
+    hub = MetricsHub()
+    trainer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    trainer.connect(hub.path)  # connected, and never closed while the campaign waits
+    try:
+        with pytest.warns(UserWarning, match="did not answer drain in 1 s"):
+            hub.drain(timeout=1)
+        assert hub.gone and hub.proc.wait(timeout=30) == -9  # ended, not left behind
+    finally:
+        trainer.close()
+        hub.close()
+    assert not Path(hub.path).parent.exists()
+
+
+@pytest.mark.slow
+def test_campaign_launch_imports_neither_mlflow_nor_matplotlib_and_its_runs_pictures_and_system_metrics_are_all_there(tmp_path, digits_npz):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "hubbed"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 6, "batch_size": 16, "lr": 0.05, "eval_every": 3, "checkpoint_every": 3, "log_every": 1},
+        "grid": {"training.lr": [0.05, 0.1]}, "resources": {"devices": 1}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": uri, "experiment": "hubbed", "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "s.json"),
+                     "system_metrics_every_s": 1},
+    }))
+    launch = f"""
+        import atexit, json, runpy, sys
+        def said():
+            print(json.dumps({{"mlflow": "mlflow" in sys.modules, "matplotlib": "matplotlib" in sys.modules}}), flush=True)
+        atexit.register(said)
+        sys.argv = ["campaign", "launch", "params.yaml", "--no-live"]
+        runpy.run_module("flows.cli", run_name="__main__")
+    """
+    env = {**os.environ, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases.db")}
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + textwrap.dedent(launch)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"mlflow": False, "matplotlib": False}
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("hubbed").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("campaign.kind") == "campaign")
+    trials = [r for r in runs if r.data.tags.get("campaign.kind") == "trial"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["summary.finished"] == "2"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"curves", "summary.json", "timeline"}
+    assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
+    for run in trials:  # the trainers' metrics (through the hub's socket), the sampler's and the closing tags
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
+        assert any(k.startswith("system/") for k in run.data.metrics) and run.data.tags["system.devices"]
+        assert run.data.tags["final.step"] == "6" and run.data.tags["world_size"] == "1"
+    assert (tmp_path / "runs" / "hubbed" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "hubbed" / "timeline.png").stat().st_size > 0
