@@ -187,18 +187,19 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
     warm = WarmUp()  # Prefect's server boots while the checks below run
     trials, inventory, requests = _checked(spec)
+    # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
+    # server finishes its start; the flow's first MLflow call waits for it.
     if spec.cluster.pool is None:
         from tasks.tracking_hub import open_metrics_hub
 
-        # The process that makes the campaign's MLflow calls (tasks/tracking_hub.py; not a
-        # pool's campaign): started once the checks have passed, which on a small host it
-        # would only slow (CPU-bound: 0.6 s later to the first trial, measured).
-        open_metrics_hub()
-    # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
-    # server finishes its start; the flow's first MLflow call waits for it.
-    from tasks.tracking import prepare_store
+        # By the process that makes the campaign's MLflow calls (tasks/tracking_hub.py; not a
+        # pool's campaign), as it starts. Started before the checks, it only slowed them on a
+        # small host (CPU-bound: the first trial 0.6 s later, measured).
+        open_metrics_hub(store=tracking_uri(spec.tracking))
+    else:
+        from tasks.tracking import prepare_store
 
-    prepare_store(tracking_uri(spec.tracking))  # in the hub, when the campaign has one
+        prepare_store(tracking_uri(spec.tracking))  # on a thread
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)

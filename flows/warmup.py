@@ -11,7 +11,8 @@ never loads the server app itself. The server ends with the launch: at its exit,
 kernel if the launch is killed outright.
 
 Nothing else is made ahead: the checks must leave nothing behind when they refuse the spec,
-so the MLflow store (a file) is made once they have passed (`tasks.tracking.prepare_store`).
+so the MLflow store (a file) is made once they have passed (by the campaign's hub as it
+starts, tasks/tracking_hub.py).
 """
 
 from __future__ import annotations

@@ -77,10 +77,9 @@ def open_store(uri: str) -> None:
 _store_builds: list[threading.Thread] = []
 
 
-@in_hub
 def prepare_store(uri: str) -> None:
-    """Start building the store of `uri` on a thread (where the campaign's calls run: its
-    hub, when it has one), and return: the next call waits for it."""
+    """Start building the store of `uri` on a thread, and return: the next call waits for it.
+    (A campaign's hub builds it as it starts: `tasks.tracking_hub --store`.)"""
     build = threading.Thread(target=open_store, args=(uri,), name="mlflow-store", daemon=True)
     _store_builds.append(build)
     build.start()
