@@ -89,10 +89,14 @@ class MetricsHub:
                 raise HubGone(name)
             self._next += 1
             request = json.dumps({"id": self._next, "name": name, "args": args, "kwargs": kwargs}, default=str)
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 self.proc.stdin.write(request + "\n")
                 self.proc.stdin.flush()
-                line = self._answer(timeout)
+                # An answer to an earlier call that was interrupted (a signal's exception
+                # raised in its thread) comes first: it is not this call's.
+                while (line := self._answer(deadline)) and json.loads(line)["id"] != self._next:
+                    pass
             except (OSError, ValueError):  # a broken or closed pipe
                 line = b""
             if line is None:
@@ -106,9 +110,8 @@ class MetricsHub:
             raise HubCallError(f"{name} failed in the campaign's hub: {answer['error']}")
         return answer.get("value")
 
-    def _answer(self, timeout: float | None) -> bytes | None:
-        """The hub's next answer line; b"" if its pipe closed, None if none came in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _answer(self, deadline: float | None) -> bytes | None:
+        """The hub's next answer line; b"" if its pipe closed, None if none came by `deadline`."""
         while b"\n" not in self._pending:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and (left <= 0 or not select.select([self.answers], [], [], left)[0]):

@@ -57,6 +57,26 @@ def test_a_tracking_call_runs_in_the_hub_answers_as_it_would_here_and_runs_here_
     assert out["again"] == out["run"] and out["imported_after"]  # found again, by this process itself
 
 
+def test_an_answer_left_unread_by_an_interrupted_call_is_not_taken_for_the_next_calls(tmp_path):
+    import json
+
+    from tasks.tracking_hub import MetricsHub
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    hub = MetricsHub(store=uri)
+    try:
+        opened = hub.call("tasks.tracking.open_campaign_run", [uri, "e", "c", {}, 1], {})
+        # A call whose thread was interrupted after its request went: its answer stays in the pipe.
+        hub._next += 1
+        hub.proc.stdin.write(json.dumps({"id": hub._next, "name": "tasks.tracking.open_campaign_run",
+                                         "args": [uri, "e", "other", {}, 1], "kwargs": {}}) + "\n")
+        hub.proc.stdin.flush()
+        experiment = hub.call("tasks.tracking.run_experiment", [uri, opened], {})
+    finally:
+        hub.close()
+    assert experiment == MlflowClient(tracking_uri=uri).get_run(opened).info.experiment_id
+
+
 def test_a_drain_kept_waiting_by_a_trainer_that_never_ends_ends_the_hub_and_says_so():
     import socket
 
@@ -85,10 +105,10 @@ def test_campaign_launch_imports_neither_mlflow_nor_matplotlib_and_its_runs_pict
         "tracking": {"mlflow_uri": uri, "experiment": "hubbed", "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "s.json"),
                      "system_metrics_every_s": 1},
     }))
-    launch = f"""
+    launch = """
         import atexit, json, runpy, sys
         def said():
-            print(json.dumps({{"mlflow": "mlflow" in sys.modules, "matplotlib": "matplotlib" in sys.modules}}), flush=True)
+            print(json.dumps({"mlflow": "mlflow" in sys.modules, "matplotlib": "matplotlib" in sys.modules}), flush=True)
         atexit.register(said)
         sys.argv = ["campaign", "launch", "params.yaml", "--no-live"]
         runpy.run_module("flows.cli", run_name="__main__")
