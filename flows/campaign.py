@@ -673,6 +673,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         open_metrics_hub(store=uri)
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
+    ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
     before = read_campaign(spec.tracking.runs_dir, name) or CampaignRecord(name=name)  # a search's trials so far
     write_campaign(spec.tracking.runs_dir, dataclasses.replace(
         before, launches=before.launches + 1, params=str(Path(params_path).resolve()), mlflow_run_id=parent_run_id,
@@ -681,7 +682,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         prefect_api=os.environ.get("PREFECT_API_URL") if os.environ.get("PREFECT_API_URL") != os.environ.get("CAMPAIGN_PREFECT_TEMPORARY") else None,
         # Where people look: the live view prints these links (flows/live_view.py: campaign_links).
         flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
-        mlflow_ui=mlflow_ui(uri), mlflow_experiment_id=run_experiment(uri, parent_run_id),
+        mlflow_ui=ui, mlflow_experiment_id=experiment,
         trials=before.trials if search else tuple(trial_entry(t, requests[t.id]) for t in trials),
     ))
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
@@ -693,7 +694,6 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
-        ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
         if ui and run.run_ids:  # where to see the trials' curves side by side
             logger.info(f"MLflow compare {compare_url(ui, experiment, list(run.run_ids.values()))}")
         create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids, ui, experiment), key=summary_key(name),

@@ -118,17 +118,11 @@ class Search:
         """A running trial of the study, its values not drawn yet drawn now (one left by an
         interrupted `ask`)."""
         import optuna
-        from optuna.distributions import CategoricalDistribution, FloatDistribution
 
         trial = optuna.Trial(self.study, storage_id)
         if self.strategy != "grid" and POINT not in trial.user_attrs:
             for name, dist in self._distributions().items():
-                if isinstance(dist, CategoricalDistribution):
-                    trial.suggest_categorical(name, dist.choices)
-                elif isinstance(dist, FloatDistribution):
-                    trial.suggest_float(name, dist.low, dist.high, log=dist.log)
-                else:
-                    trial.suggest_int(name, dist.low, dist.high)
+                trial._suggest(name, dist)  # as `Study.ask` draws its fixed distributions
         return trial
 
     def all_drawn(self) -> list[Drawn]:

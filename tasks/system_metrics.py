@@ -107,7 +107,7 @@ class SystemSampler:
     """
 
     def __init__(self, uri: str, period_s: float, nvml: Any | None = None,
-                 cpu_percent: Callable[[], Sequence[float]] | None = None, log_batch: Callable | None = None,
+                 cpu_percent: Callable[[], Sequence[float]] | None = None,
                  processes_of: Callable[[str], Sequence[int]] | None = None, clock: Callable[[], float] = time.monotonic):
         """processes_of(trial_id): the pids its processes hang from (tasks.trial.trial_process_groups)."""
         import psutil
@@ -117,7 +117,6 @@ class SystemSampler:
         self.cpu_percent()  # the first call only starts psutil's interval
         self._nvml = ExitStack()  # NVML stays initialised for the sampler's life (None: no NVML, CPU slots)
         self.nvml = self._nvml.enter_context(nvml_session(nvml))
-        self._log_batch = log_batch
         self.processes_of = processes_of
         self.watched: dict[str, tuple[Device, ...]] = {}  # MLflow run id -> the trial's devices now
         self.trials: dict[str, str] = {}  # MLflow run id -> trial id
@@ -179,13 +178,7 @@ class SystemSampler:
             self.samples[run_id] = step + 1
             with self._lock:
                 tag = self.tags.pop(run_id, None)
-            if self._log_batch is None:
-                log_readings(self.uri, run_id, values, int(now * 1000), step, tag)
-                continue
-            from mlflow.entities import Metric, RunTag
-
-            metrics = [Metric(k, v, int(now * 1000), step) for k, v in sorted(values.items())]
-            self._log_batch(run_id, metrics=metrics, tags=[RunTag(DEVICES_TAG, tag)] if tag else [])
+            log_readings(self.uri, run_id, values, int(now * 1000), step, tag)
 
     def due_runs(self) -> list[str]:
         """The runs whose next sample is due now; each gets its next due time."""

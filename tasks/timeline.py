@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Any, Iterable
+
 from tasks.hub_calls import in_hub
 from training.layout import campaign_files
 

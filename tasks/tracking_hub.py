@@ -95,7 +95,7 @@ class MetricsHub:
                 self.proc.stdin.flush()
                 # An answer to an earlier call that was interrupted (a signal's exception
                 # raised in its thread) comes first: it is not this call's.
-                while (line := self._answer(deadline)) and json.loads(line)["id"] != self._next:
+                while (line := self._answer(deadline)) and (answer := json.loads(line))["id"] != self._next:
                     pass
             except (OSError, ValueError):  # a broken or closed pipe
                 line = b""
@@ -105,7 +105,6 @@ class MetricsHub:
             if not line:
                 self.gone = True
                 raise HubGone(name)
-            answer = json.loads(line)
         if "error" in answer:
             raise HubCallError(f"{name} failed in the campaign's hub: {answer['error']}")
         return answer.get("value")
