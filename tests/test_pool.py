@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 from datetime import datetime, timedelta, timezone
 import signal
 import subprocess
@@ -60,13 +61,21 @@ def test_the_pool_inventory_is_its_live_nodes_devices_and_survives_json():
 
 def test_a_node_finds_its_interface_and_refuses_an_address_it_does_not_have(monkeypatch):
     from flows.pool.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
-    from flows.pool.worker import interface_of, require_server, worker_env
+    from flows.pool.worker import interface_of, python_here, require_server, worker_env
 
     assert interface_of("127.0.0.1") == "lo"
     with pytest.raises(PoolError, match="--address"):
         interface_of("192.0.2.123")  # TEST-NET-1: no machine here has it
-    env = worker_env("gpu-a", "10.0.0.2", "eth1")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # whose `python`, if any, is not this one
+    env = worker_env("gpu-a", "10.0.0.2", "eth1", python_here())
     assert (env[NODE_ENV], env[ADDRESS_ENV], env[INTERFACE_ENV]) == ("gpu-a", "10.0.0.2", "eth1")
+    # The segment deployment's `python -m prefect.engine` runs this interpreter, in its environment.
+    python = shutil.which("python", path=env["PATH"])
+    try:
+        assert subprocess.run([python, "-c", "import prefect, sys; print(sys.prefix)"], env=env, capture_output=True,
+                              text=True).stdout.strip() == sys.prefix
+    finally:
+        shutil.rmtree(Path(python).parent)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with pytest.raises(PoolError, match="PREFECT_API_URL"):
         require_server()
@@ -403,11 +412,11 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
 def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]:
     """An MLflow server on the head's address, its store in `folder` (the nodes reach it over the network)."""
-    from flows.ui import free_port, healthy
+    from flows.ui import MLFLOW_SERVER_ENV, free_port, healthy
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
-                               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"], cwd=folder,
+                               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"], cwd=folder, env={**os.environ, **MLFLOW_SERVER_ENV},
                               stdout=open(folder / "mlflow-server.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{host}:{port}"
     wait_for(lambda: healthy(url + "/health") or (server.poll() is not None and pytest.fail((folder / "mlflow-server.log").read_text())),

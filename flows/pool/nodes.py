@@ -175,6 +175,7 @@ async def read_pool(client, pool: str, now: datetime | None = None) -> list[Pool
 
 SEGMENT_FLOW = "campaign-trial-segment"
 SEGMENT_DEPLOYMENT = "segment"
+SEGMENT_COMMAND = "python -m prefect.engine"
 
 
 async def ensure_queue(client, pool: str, node: str) -> None:
@@ -194,6 +195,11 @@ async def ensure_segment_deployment(client, pool: str, project: str) -> str:
     await client.create_deployment(
         flow_id=flow_id, name=f"{SEGMENT_DEPLOYMENT}-{pool}", work_pool_name=pool, entrypoint="flows/pool/segment.py:trial_segment",
         path=project, pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": project}}],
+        # A command of its own: Prefect's process worker then starts the engine itself, not a
+        # workspace supervisor that imports Prefect once more first (~3 CPU-s, and as much of
+        # each segment's start on a busy node). `python` is the node worker's interpreter
+        # (flows/pool/worker.py puts it first on the PATH).
+        job_variables={"command": SEGMENT_COMMAND},
         description="one trial segment on the node whose queue it is sent to (campaign launch --pool)",
     )
     return f"{SEGMENT_FLOW}/{SEGMENT_DEPLOYMENT}-{pool}"

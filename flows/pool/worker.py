@@ -15,9 +15,12 @@ its record, and its missing heartbeats take it out of the pool.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -74,8 +77,22 @@ def interface_of(address: str) -> str:
     raise PoolError(f"no interface of this machine has the address {address}: give this node's own address with --address")
 
 
-def worker_env(node: str, address: str, interface: str) -> dict[str, str]:
-    return {**os.environ, NODE_ENV: node, ADDRESS_ENV: address, INTERFACE_ENV: interface,
+def python_here() -> str:
+    """A new private folder whose `python` runs this interpreter: a script, since a link to a
+    virtual environment's interpreter from elsewhere would not find its environment."""
+    folder = tempfile.mkdtemp(prefix="campaign-worker-bin-")
+    script = os.path.join(folder, "python")
+    with open(script, "w") as out:
+        out.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    os.chmod(script, 0o700)
+    return folder
+
+
+def worker_env(node: str, address: str, interface: str, python_dir: str) -> dict[str, str]:
+    """`python_dir`: a folder whose `python` is this interpreter, put first on the PATH (the
+    segment deployment's command is `python -m prefect.engine`: flows/pool/nodes.py)."""
+    path = os.pathsep.join([python_dir, os.environ.get("PATH", os.defpath)])
+    return {**os.environ, "PATH": path, NODE_ENV: node, ADDRESS_ENV: address, INTERFACE_ENV: interface,
             "PREFECT_WORKER_HEARTBEAT_SECONDS": str(HEARTBEAT_S), "PREFECT_WORKER_QUERY_SECONDS": str(POLL_S),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
@@ -88,7 +105,8 @@ def run_worker(pool: str, node: str, address: str, cpu_slots: int | None, interf
     api = require_server()
     interface = interface or interface_of(address)
     inventory = register(pool, node, address, cpu_slots)
-    env = worker_env(node, address, interface)
+    python_dir = python_here()
+    env = worker_env(node, address, interface, python_dir)
     process = subprocess.Popen(worker_command(pool, node), env=env, start_new_session=True,
                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     say(f"node {node} ({address}) in pool {pool} on {api}: {len(inventory.devices)} {inventory.kind} device(s) "
@@ -107,6 +125,7 @@ def run_worker(pool: str, node: str, address: str, cpu_slots: int | None, interf
             signal.signal(s, handler)
         if process.poll() is None:
             stop_process_groups([process.pid], grace_s=20.0)
+        shutil.rmtree(python_dir, ignore_errors=True)
         try:
             withdraw(pool, node)
         except Exception as e:  # the server may be what went away
