@@ -90,7 +90,37 @@ def shared_prefect_server_for_slow_tests(request):
 
 
 @pytest.fixture(scope="session")
-def prefect_server_for_campaigns(tmp_path_factory):
+def prefect_database(tmp_path_factory, worker_id):
+    """A Prefect database with every migration applied, made once per test run (the xdist
+    workers share it): a server started on a new database migrates it first, ~4 s of CPU
+    and of wall time, and the suite starts some twenty servers. `prefect_database(folder)`
+    puts a copy where a server with PREFECT_HOME=folder finds it (or at a path ending in .db)."""
+    import fcntl
+    import shutil
+    import subprocess
+
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    template = root / "prefect-template.db"
+    with open(root / "prefect-template.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker makes it; the others wait for it
+        if not template.exists():
+            making = root / "prefect-template-making.db"
+            made = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], capture_output=True,
+                                  text=True, env={**os.environ, "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{making}"})
+            assert made.returncode == 0, made.stdout + made.stderr
+            making.rename(template)
+
+    def copy(where: Path) -> Path:
+        path = where if where.suffix == ".db" else where / "prefect.db"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, path)
+        return path
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def prefect_server_for_campaigns(tmp_path_factory, prefect_database):
     """One Prefect server per test process, for every `campaign launch` the tests start.
 
     A launch without PREFECT_API_URL boots a temporary server of its own (flows/warmup.py):
@@ -106,7 +136,7 @@ def prefect_server_for_campaigns(tmp_path_factory):
         return
     from flows.warmup import TEMPORARY_ENV, WarmUp
 
-    database = tmp_path_factory.mktemp("prefect-server") / "prefect.db"
+    database = prefect_database(tmp_path_factory.mktemp("prefect-server") / "prefect.db")
     warm = WarmUp(server_env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"})
     warm._wait_for_server()
     yield warm.api_url
@@ -116,13 +146,19 @@ def prefect_server_for_campaigns(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def prefect_backend():
+def prefect_backend(prefect_database):
     """Prefect's own test harness (a server on a temporary database) for the flows a test runs
     in its own process; one per test process, started by the first test that needs it (each
     start costs ~25 s of CPU). Tests read back only their own flow runs, by id."""
-    from prefect.testing.utilities import prefect_test_harness
+    import tempfile
+    from unittest import mock
 
-    with prefect_test_harness(server_startup_timeout=120):
+    import prefect.testing.utilities as harness
+
+    # Its database a copy of the migrated one: the harness names its file in a new folder.
+    folder = tempfile.mkdtemp(prefix="prefect-harness-")
+    prefect_database(Path(folder) / "prefect-test.db")
+    with mock.patch.object(harness, "mkdtemp", lambda: folder), harness.prefect_test_harness(server_startup_timeout=120):
         yield
 
 

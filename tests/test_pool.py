@@ -93,7 +93,7 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture
-def lab(tmp_path, monkeypatch):
+def lab(tmp_path, monkeypatch, prefect_database):
     """A bridge on this host (the head: Prefect server, campaign) and two namespaces, nodes a
     and b, each with its own address on it. Skipped, saying so, where namespaces cannot be made."""
     # Names of this lab only: the kernel tears down a deleted namespace's links after
@@ -128,6 +128,7 @@ def lab(tmp_path, monkeypatch):
         monkeypatch.setenv(SECRET_ENV, str(secret.path))
         monkeypatch.setenv(CLIENT_AUTH_ENV, secret.auth_string)
         # An http URI: Prefect only; a database of its own, so no pool of an earlier run is in it.
+        prefect_database(tmp_path / "prefect-head")
         servers = start_servers("http://no-mlflow-here", tmp_path / "server-logs", host=head, prefect_home=tmp_path / "prefect-head",
                                 auth_string=secret.auth_string)
         try:

@@ -96,7 +96,7 @@ def test_pool_init_writes_the_secret_and_a_worker_without_one_exits_2(folder):
 
 
 @pytest.mark.slow
-def test_the_pools_server_answers_only_clients_with_its_auth_string(folder):
+def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, prefect_database):
     """`campaign pool server` is Prefect's server with the pool's auth string: a request
     without it gets 401, one with it is served."""
     import base64
@@ -109,6 +109,7 @@ def test_the_pools_server_answers_only_clients_with_its_auth_string(folder):
     init_secret("lab", folder)
     secret = load_secret("lab", folder)
     port = free_port()
+    prefect_database(folder / "prefect-home")
     server = subprocess.Popen([sys.executable, "-m", "flows.cli", "pool", "server", "--pool", "lab", "--host", "127.0.0.1", "--port", str(port)],
                               cwd=folder, stdout=open(folder / "server.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "PREFECT_HOME": str(folder / "prefect-home")})

@@ -83,8 +83,9 @@ def see(page, url: str, *texts: str, shot: str) -> str:
     return page.inner_text("body")
 
 
-def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_npz, browser, monkeypatch):
+def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_npz, browser, monkeypatch, prefect_database):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # a fresh Prefect database: only this campaign
+    prefect_database(tmp_path / "prefect")
     without_shared_prefect_server(monkeypatch)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "campaign": {"name": "ui-test"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
