@@ -47,6 +47,25 @@ def campaign_cli(*args: str, cwd: Path | None = None):
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def trainer_rank(pid: int) -> int | None:
+    """The local rank of a trial's torchrun worker (`python -m training.train`, or forked from
+    its launch's zygote, whose command line and /proc environ it shows, and whose name says its
+    rank: training/launch.py); None for any other process (torchrun itself, the zygote). OSError
+    if the process is gone."""
+    from training.launch import worker_name
+
+    proc = Path(f"/proc/{pid}")
+    cmdline = (proc / "cmdline").read_bytes()
+    if b"training.zygote" in cmdline:
+        name = (proc / "comm").read_text().strip()
+        prefix = worker_name("")
+        return int(name[len(prefix):]) if name.startswith(prefix) else None
+    if b"training.train" not in cmdline or b"training.launch" in cmdline:
+        return None
+    environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+    return int(environ.get(b"LOCAL_RANK", b"0"))
+
+
 def running_state(pid: int) -> str | None:
     """The process's state letter while it may still run code of its own; None once it is
     gone, a zombie, or has a SIGKILL pending (sent, or a fatal signal's group exit: it may

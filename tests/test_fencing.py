@@ -27,7 +27,7 @@ from flows.campaign import HOLD_ENV
 from training.files import read_json
 from training.layout import campaign_files, trial_files
 
-from conftest import running_state, wait_for
+from conftest import running_state, trainer_rank, wait_for
 
 pytestmark = pytest.mark.slow  # two real campaigns, torchrun trials
 
@@ -74,15 +74,16 @@ class WorkerSampler(threading.Thread):
             if not proc.name.isdigit():
                 continue
             try:
+                rank = trainer_rank(int(proc.name))
+                if rank is None:
+                    continue  # torchrun's own process and the zygote hold no device; its workers do
                 cmdline = (proc / "cmdline").read_bytes()
-                if b"training.train" not in cmdline or b"training.launch" in cmdline:
-                    continue  # torchrun's own process holds no device; its workers do
                 name = next((n for n, root in self.runs.items() if root in cmdline), None)
                 if name is None or running_state(int(proc.name)) is None:
                     continue  # not this test's, gone, or being killed (it runs no more code of its own)
                 env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
                 cores = env[b"CAMPAIGN_CPU_CORES"].split(b",")
-                found[int(proc.name)] = (name, cores[int(env.get(b"LOCAL_RANK", b"0"))].decode())
+                found[int(proc.name)] = (name, cores[rank].decode())
             except (OSError, KeyError, IndexError, ValueError):
                 continue  # gone while read, or not (yet) a worker of a trial
         return found

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import running_state, wait_for
+from conftest import running_state, trainer_rank, wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -582,16 +582,15 @@ def run_elastic_pool_campaign(tmp_path, digits_npz, api, nodes, folder, apart, h
 
 
 def trial_workers_of(node: str, with_state: bool = False) -> list:
-    """The processes of a node that train (torchrun's workers; torchrun itself holds no
-    device), not counting those gone, zombies or being killed (conftest.running_state); with
-    their state letters when `with_state`, for a failure's message."""
+    """The processes of a node that train (torchrun's workers; torchrun itself and its zygote
+    hold no device), not counting those gone, zombies or being killed (conftest.running_state);
+    with their state letters when `with_state`, for a failure's message."""
     found = []
     for pid in processes_of(node):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if trainer_rank(pid) is None:
+                continue
         except OSError:
-            continue
-        if b"training.train" not in cmdline or b"training.launch" in cmdline:
             continue
         if (state := running_state(pid)) is not None:
             found.append((pid, state) if with_state else pid)

@@ -77,3 +77,67 @@ def test_a_zygote_with_a_second_thread_refuses_to_fork_and_says_why(tmp_path):
         os.close(devnull)
         zygote.close()
     assert not (tmp_path / "out.json").exists()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _described(pid: int) -> tuple[str, bytes]:
+    return Path(f"/proc/{pid}/comm").read_text().strip(), Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["finishes", "killed"])
+def test_torchruns_workers_are_forked_from_one_zygote_that_ends_with_the_launch(tmp_path, digits_npz, ending):
+    """`training.launch` forks torchrun's workers from one zygote (training/launch.py): a
+    held two-rank trial runs as the launch, its zygote, and two children of the zygote named
+    by their rank; no worker imports torch on its own. Released, the trial ends with its
+    result and leaves no process; with its launch killed outright, neither zygote nor worker
+    outlives it."""
+    import signal
+    import subprocess
+
+    from conftest import running_state, trainer_rank, wait_for
+    from training.config import TrialConfig
+    from training.launch import worker_name
+    from training.layout import trial_files
+    from training.progress import read_progress
+
+    trial_dir = tmp_path / "trial"
+    cfg = TrialConfig(trial_id="forked", seed=3, model={"name": "mlp", "width": 8}, data={"path": str(digits_npz)}, steps=40, logical_ranks=2,
+                      batch_size=16, lr=0.05, eval_every=40, checkpoint_every=20, trial_dir=str(trial_dir), hold_at_step=10)
+    trial_files(trial_dir).hold.parent.mkdir(parents=True)
+    trial_files(trial_dir).hold.touch()
+    (trial_dir / "trial.json").write_text(cfg.to_json())
+    launch = subprocess.Popen([sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "-m", "training.train",
+                               "--config", str(trial_dir / "trial.json")], cwd=REPO, stdout=open(tmp_path / "launch.log", "wb"),
+                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", "CAMPAIGN_CPU_CORES": "0,0"})
+
+    def held() -> bool:
+        assert launch.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+        progress = read_progress(trial_dir)
+        return progress is not None and progress.state == "held"
+
+    wait_for(held, 120, "the trial held")
+    (zygote,) = [pid for pid in _children(launch.pid) if b"training.zygote" in _described(pid)[1]]
+    workers = sorted(_children(zygote), key=lambda pid: _described(pid)[0])
+    assert [_described(pid)[0] for pid in workers] == [worker_name(0), worker_name(1)]
+    assert [trainer_rank(pid) for pid in [zygote, *workers]] == [None, 0, 1]
+    assert not [pid for pid in _children(launch.pid) if b"training.train\0--config" in _described(pid)[1]]  # none started anew
+
+    if ending == "finishes":
+        trial_files(trial_dir).hold.unlink()
+        assert launch.wait(timeout=120) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+        assert (trial_dir / "result.json").exists()
+    else:
+        launch.send_signal(signal.SIGKILL)
+        launch.wait()
+    wait_for(lambda: all(running_state(pid) is None for pid in [zygote, *workers]), 30, "the zygote and its workers gone")

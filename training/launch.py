@@ -1,17 +1,68 @@
 """torchrun with its rendezvous stores listening on 127.0.0.1 only (on one machine), or on
-the node's own address ($CAMPAIGN_BIND_ADDR, for a trial that spans nodes).
+the node's own address ($CAMPAIGN_BIND_ADDR, for a trial that spans nodes), and its
+workers forked from a zygote.
 
     python -m training.launch --standalone --nproc-per-node=2 -m training.train --config ...
 
 takes torchrun's arguments unchanged (see training/loopback.py for why).
 """
 
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from pathlib import Path
+
 from training.loopback import patch_torch_stores
 from training.process import skip_final_collection
+from training.zygote import Zygote, ZygoteGone
+
+TRAINER = "training.train"
+
+
+def worker_name(local_rank: int | str) -> str:
+    """A forked worker's process name (`ps -o comm`): its command line is its zygote's, and its
+    /proc environ the zygote's too, so the name carries its rank."""
+    return f"trainer-{local_rank}"
+
+
+def fork_workers_from_a_zygote() -> None:
+    """torchrun starts each worker as `python -u -m training.train ...`: a new interpreter that
+    imports torch and the trainer first (~1.3 s of CPU each here, paid as the trial starts and
+    at every restart). Here they are forked from one zygote (training/zygote.py) that imported
+    them once, started with this agent's environment (torchrun's OMP_NUM_THREADS included) as
+    the workers' would have been. Any other command, a worker whose output torchrun redirects,
+    or a zygote that cannot fork (the CUDA driver loaded in it): started as torchrun starts it."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    popen = handler._popen
+    zygotes: list[Zygote] = []
+
+    def _popen(self, args: tuple, env: dict[str, str]):
+        if tuple(args[:4]) == (sys.executable, "-u", "-m", TRAINER) and self._stdout is None and self._stderr is None:
+            try:
+                if not zygotes:
+                    # Its children lead sessions of their own, as torchrun's workers do (it
+                    # signals their groups); unbuffered output, as `-u` gives them. The zygote
+                    # ends when this agent does, and its children with it.
+                    zygotes.append(Zygote([TRAINER], Path.cwd(), {**os.environ, "PYTHONUNBUFFERED": "1"}, new_session=True,
+                                          output=None, serves=" ".join(args[3:])))
+                    # Reaped here at the end (its children's CPU counted to this tree, not to init's).
+                    atexit.register(zygotes[0].close)
+                return zygotes[0].fork(TRAINER, list(args[4:]), env, Path.cwd(), name=worker_name(env.get("LOCAL_RANK", 0)))
+            except ZygoteGone:
+                pass
+        return popen(self, args, env)
+
+    handler._popen = _popen
+
 
 if __name__ == "__main__":
     skip_final_collection()  # a trial's end is seen when torchrun has exited
     patch_torch_stores()
+    fork_workers_from_a_zygote()
     from torch.distributed.run import main
 
     main()
