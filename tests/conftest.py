@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,20 @@ os.environ["CAMPAIGN_CHECKPOINT_KEY"] = str(Path(os.environ.get("TMPDIR", "/tmp"
 os.environ["CAMPAIGN_CHECK_CACHE"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-checks-{os.getpid()}")
 # The campaign's other caches (the empty MLflow store it copies) made once per test process.
 os.environ["CAMPAIGN_CACHE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-cache-{os.getpid()}")
+
+
+def _remove_this_processs_files() -> None:
+    """The lease store, key and caches above are this test process's: gone with it (a run
+    left four in the temporary folder per worker)."""
+    import glob
+    import shutil
+
+    for name in ("CAMPAIGN_LEASE_DB", "CAMPAIGN_CHECKPOINT_KEY", "CAMPAIGN_CHECK_CACHE", "CAMPAIGN_CACHE_DIR"):
+        for path in glob.glob(glob.escape(os.environ[name]) + "*"):  # the store's lock and journal files too
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+
+
+atexit.register(_remove_this_processs_files)
 # Subprocesses (torchrun, dvc) must find the venv's console scripts and this checkout.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
