@@ -101,7 +101,7 @@ def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 
 # MLflow's server starts a job runner beside itself (four huey consumers polling their queue:
-# ~25 CPU-s in a two-minute campaign here) for features a campaign never asks of it.
+# ~26 CPU-s in a two-minute pool test here) for features a campaign never asks of it.
 MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 

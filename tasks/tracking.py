@@ -53,7 +53,7 @@ def retrying(fn: Callable[..., T]) -> Callable[..., T]:
 
 def _client(uri: str):
     for build in list(_store_builds):  # a store built ahead (prepare_store) is used, not built twice
-        build.join()  # at once once it has ended
+        build.join()  # returns at once if it has ended
     return _built_client(uri)
 
 

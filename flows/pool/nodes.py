@@ -196,8 +196,8 @@ async def ensure_segment_deployment(client, pool: str, project: str) -> str:
         flow_id=flow_id, name=f"{SEGMENT_DEPLOYMENT}-{pool}", work_pool_name=pool, entrypoint="flows/pool/segment.py:trial_segment",
         path=project, pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": project}}],
         # A command of its own: Prefect's process worker then starts the engine itself, not a
-        # workspace supervisor that imports Prefect once more first (~3 CPU-s, and as much of
-        # each segment's start on a busy node). `python` is the node worker's interpreter
+        # workspace supervisor that imports Prefect first and then execs the engine (six
+        # segments: 12.0 CPU-s against 18.0). `python` is the node worker's interpreter
         # (flows/pool/worker.py puts it first on the PATH).
         job_variables={"command": SEGMENT_COMMAND},
         description="one trial segment on the node whose queue it is sent to (campaign launch --pool)",
