@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -151,15 +153,24 @@ def test_cli_refuses_a_bad_target_before_anything_runs(tmp_path, user_root, digi
 
 
 @pytest.mark.slow
-def test_user_workload_runs_through_campaign_launch(tmp_path, user_root, digits_npz):
-    """The user's package sits in the campaign's directory, as a researcher's would."""
+def test_user_workload_runs_through_campaign_launch(tmp_path, user_root, digits_npz, monkeypatch):
+    """The user's package sits in the campaign's directory, as a researcher's would. Its
+    trials (torchrun's, with loader workers from a fork server) leave no temporary folder:
+    torchrun's log folder and the fork server's went on every trial start."""
     from conftest import campaign_cli
     from mlflow import MlflowClient
 
     write_package(tmp_path)
     campaign_params(tmp_path, digits_npz)
-    result = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    temporary = Path(tempfile.mkdtemp(prefix="t"))  # short: sockets are made under it
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    try:
+        result = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+        left = sorted(p.name for p in temporary.iterdir() if p.name.startswith(("torchelastic_", "pymp-")))
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not left, f"left in TMPDIR: {left}"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["finished"] == 2 and summary["failed"] == 0
     for metrics in summary["per_trial"].values():

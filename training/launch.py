@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from training.loopback import patch_torch_stores
@@ -60,8 +62,21 @@ def fork_workers_from_a_zygote() -> None:
     handler._popen = _popen
 
 
+def log_dir_removed_at_exit(argv: list[str]) -> None:
+    """torchrun keeps its workers' error files in a log folder, by default a new
+    /tmp/torchelastic_* it never removes: one per launch, so a campaign left a folder per
+    trial start (a `make test` left about 250). Unless the command names one, the folder is
+    made here and removed when the launch exits; a worker's failure is printed before then."""
+    if any(a == "--log-dir" or a.startswith(("--log-dir=", "--log_dir")) for a in argv[1:]):
+        return
+    folder = tempfile.mkdtemp(prefix="torchelastic_")
+    argv[1:1] = ["--log-dir", folder]
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
 if __name__ == "__main__":
     skip_final_collection()  # a trial's end is seen when torchrun has exited
+    log_dir_removed_at_exit(sys.argv)
     patch_torch_stores()
     fork_workers_from_a_zygote()
     from torch.distributed.run import main

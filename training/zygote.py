@@ -28,6 +28,7 @@ with it too (its parent-death signal).
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
@@ -142,6 +143,10 @@ def _become(request: dict, fds: list[int], closing: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
+        # What the interpreter would do at exit, as `python -m module` would have: the hooks
+        # the module registered run (multiprocessing's removes the /tmp/pymp-* folder of a
+        # loader's fork server); the zygote registers none of its own.
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

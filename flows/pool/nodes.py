@@ -13,8 +13,10 @@ inventory are pure.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable
@@ -93,21 +95,79 @@ def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
 
 def call(coro_fn):
     """Run `coro_fn(client)` with a Prefect client, from sync code (the CLI, the campaign's
-    loop); a server that does not answer is a PoolError that says so."""
+    loop, a segment's file copies); a server that does not answer is a PoolError that says so.
+
+    The client is kept, with its connection and CSRF token, on an event loop of its own in a
+    daemon thread, for as long as this process talks to the same server: a trial on the
+    pool polls it several times a second, and a new client per call cost a connection and a
+    token fetch before every write (each POST was two requests)."""
     import asyncio
 
     import httpx
-    from prefect.client.orchestration import get_client
-
-    async def go():
-        async with get_client() as client:
-            return await coro_fn(client)
 
     try:
-        return asyncio.run(go())
+        client = _client_thread()
+        return asyncio.run_coroutine_threadsafe(coro_fn(client.client), client.loop).result()
     except (OSError, httpx.TransportError) as e:
         raise PoolError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} does not answer ({e.__class__.__name__}: {e}): "
                         "a pool needs it running, reachable from this host and every node") from None
+
+
+class _ClientThread:
+    """One Prefect client, entered on an event loop that runs in a daemon thread."""
+
+    def __init__(self, key: tuple[int, str | None, str | None]) -> None:
+        import asyncio
+
+        self.key = key
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="prefect-client", daemon=True)
+        self._thread.start()
+        # Made on its loop, in the thread's own (empty) context: called inside a flow run,
+        # get_client() would otherwise hand back the run's client, bound to the run's loop.
+        self.client = asyncio.run_coroutine_threadsafe(_entered_client(), self.loop).result()
+
+    def close(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.run_coroutine_threadsafe(self.client.__aexit__(None, None, None), self.loop).result(timeout=10)
+        except Exception:  # best effort: the server may be gone already
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+_client: _ClientThread | None = None
+_client_lock = threading.Lock()
+
+
+def _client_thread() -> _ClientThread:
+    """This process's client for the server its environment names now: a forked child, or a
+    process whose PREFECT_API_URL changed since (a test's next server), gets a new one."""
+    global _client
+    key = (os.getpid(), os.environ.get("PREFECT_API_URL"), os.environ.get("PREFECT_API_AUTH_STRING"))
+    with _client_lock:
+        if _client is None or _client.key != key:
+            if _client is None:
+                atexit.register(_close_client)
+            elif _client.key[0] == key[0]:
+                _client.close()
+            _client = _ClientThread(key)
+        return _client
+
+
+async def _entered_client():
+    from prefect.client.orchestration import get_client
+
+    client = get_client()
+    await client.__aenter__()
+    return client
+
+
+def _close_client() -> None:
+    if _client is not None and _client.key[0] == os.getpid():
+        _client.close()
 
 
 async def ensure_pool(client, pool: str) -> None:
