@@ -366,6 +366,7 @@ class ElasticPolicy:
     rank_q: float = 5.0
     rank_tie: float = 1.5
     arrival_window_s: float = 0.0  # 0: growth past the request is not limited by arrivals
+    critical_boost: float = 1.0  # weight factor of a job that finishes last whatever is done (1: none)
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -373,6 +374,7 @@ class ElasticPolicy:
         reclaim_s = self._reclaim_s(cluster, jobs, now)
         plans = [self._plan(cluster, job, now) for job in jobs]
         self._weigh_by_rank(plans)
+        self._boost_critical(cluster, plans)
         self._yield_to_shorter(plans, now)
         self._admit_starving(cluster, plans)
         for plan in plans:
@@ -444,6 +446,23 @@ class ElasticPolicy:
             for plan in longest_first[start:end]:
                 plan.weight = sum(weights) / len(weights)
             start = end
+
+    def _boost_critical(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
+        """A job whose work left takes longer at its fastest size (within its max) than all
+        the other jobs' work left on the rest of the cluster finishes last whatever is done:
+        an hour it runs slower now is an hour on its completion, and the cluster drains
+        around it later with devices it cannot use. Its weight is `critical_boost` times its
+        rank's."""
+        if self.critical_boost == 1.0 or not plans or any(p.remaining is None for p in plans):
+            return
+        total = cluster.total
+        work = sum(p.remaining for p in plans)  # type: ignore[misc]
+        for plan in plans:
+            job = plan.job
+            step_s, size = min((job.model.step_time(n, cluster.min_nodes(n)), n)
+                               for n in _candidate_sizes(cluster, job.min_devices, min(job.max_devices, total), 0))
+            if job.remaining_steps * step_s >= (work - plan.remaining) / max(total - size, 1):  # type: ignore[operator]
+                plan.weight *= self.critical_boost
 
     def _yield_to_shorter(self, plans: list[_JobPlan], now: float) -> None:
         """Protected jobs far longer than the shortest waiting job keep only their minimum.

@@ -331,6 +331,24 @@ def test_known_lengths_weigh_jobs_by_rank_so_a_long_job_keeps_a_share_whatever_i
     assert ElasticPolicy().decide(cluster, mixed, 0.0) == ElasticPolicy(rank_q=0.0).decide(cluster, mixed, 0.0)
 
 
+def test_a_critical_boost_weighs_more_the_job_that_finishes_last_whatever_is_done():
+    """Opt-in (`critical_boost`): a job whose work left at its fastest size outlasts all the
+    other jobs' work on the rest of the cluster weighs that many times its rank's weight; one
+    that does not is weighed as before."""
+    cluster = Cluster.uniform(2, 4)
+
+    def jobs(long_steps: float) -> list[Job]:
+        return [Job("short", 0.0, 2, 1, 8, GOOD_SCALING, remaining_steps=100.0),
+                Job("mid", 0.0, 2, 1, 8, GOOD_SCALING, remaining_steps=1000.0),
+                Job("long", 0.0, 2, 1, 8, GOOD_SCALING, remaining_steps=long_steps)]
+
+    boosted = ElasticPolicy(critical_boost=4.0)
+    plain = ElasticPolicy().decide(cluster, jobs(3000.0), 0.0)
+    assert "long" not in plain and boosted.decide(cluster, jobs(3000.0), 0.0) == plain  # not critical: as before
+    assert "long" not in ElasticPolicy().decide(cluster, jobs(1e4), 0.0)
+    assert devices_of(boosted.decide(cluster, jobs(1e4), 0.0)["long"]) == 4
+
+
 def test_rank_weights_do_not_stop_a_job_for_a_newcomer_barely_shorter_than_itself():
     """Two jobs within `rank_tie` of each other share their ranks' weight: once the running
     job's protection has expired, a newcomer 5 % shorter does not take its device; one a
