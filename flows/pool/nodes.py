@@ -166,8 +166,11 @@ async def _entered_client():
 
 
 def _close_client() -> None:
-    if _client is not None and _client.key[0] == os.getpid():
-        _client.close()
+    global _client
+    with _client_lock:
+        if _client is not None and _client.key[0] == os.getpid():
+            _client.close()
+            _client = None  # a call after this one (another exit hook's) makes a new client
 
 
 async def ensure_pool(client, pool: str) -> None:
