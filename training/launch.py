@@ -65,8 +65,8 @@ def fork_workers_from_a_zygote() -> None:
 def log_dir_removed_at_exit(argv: list[str]) -> None:
     """torchrun keeps its workers' error files in a log folder, by default a new
     /tmp/torchelastic_* it never removes: one per launch, so a campaign left a folder per
-    trial start (a `make test` left about 250). Unless the command names one, the folder is
-    made here and removed when the launch exits; a worker's failure is printed before then."""
+    trial start. Unless the command names one, the folder is made here and removed when the
+    launch exits (not when it is killed outright); a worker's failure is printed before then."""
     if any(a == "--log-dir" or a.startswith(("--log-dir=", "--log_dir")) for a in argv[1:]):
         return
     folder = tempfile.mkdtemp(prefix="torchelastic_")

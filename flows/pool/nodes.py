@@ -125,7 +125,11 @@ class _ClientThread:
         self._thread.start()
         # Made on its loop, in the thread's own (empty) context: called inside a flow run,
         # get_client() would otherwise hand back the run's client, bound to the run's loop.
-        self.client = asyncio.run_coroutine_threadsafe(_entered_client(), self.loop).result()
+        try:
+            self.client = asyncio.run_coroutine_threadsafe(_entered_client(), self.loop).result()
+        except BaseException:
+            self._stop()  # no client (no API URL, say): no thread left behind either
+            raise
 
     def close(self) -> None:
         import asyncio
@@ -134,6 +138,9 @@ class _ClientThread:
             asyncio.run_coroutine_threadsafe(self.client.__aexit__(None, None, None), self.loop).result(timeout=10)
         except Exception:  # best effort: the server may be gone already
             pass
+        self._stop()
+
+    def _stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
