@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -217,11 +216,11 @@ def timed(loop, steps: int, device: torch.device, syncs: list[int] | None = None
 
 
 def init_group(device: torch.device) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    """A process group of one on an in-memory store, as a warm worker's (training/worker.py):
+    no port to pick (a free port picked first and bound later was taken by another process
+    in between once, under a loaded `make test`: EADDRINUSE)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one process: the loopback is enough
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def main() -> None:
