@@ -7,6 +7,10 @@
 Writes `report.md` and `report.json` into `--out`. Steps, each a subprocess whose figures
 are parsed from what it prints or writes:
 
+0. zygotes: a process forked from each of the campaign's zygotes (warm workers, our elastic
+   agent's workers, torchrun's workers) initialises CUDA and runs on the GPU, and how soon
+   against a new interpreter (bench/zygote_probe.py; a zygote refuses to fork once the CUDA
+   driver is loaded in it);
 1. throughput: our trainer against a plain loop (bench/gpu_throughput.py), SmallCNN in
    fp32, ResNet-20 and char-GPT in bf16, median of 5 alternating rounds, with the host-device
    syncs counted in our timed steps under `torch.cuda.set_sync_debug_mode("warn")` (goals:
@@ -66,6 +70,17 @@ def run(command: list[str], timeout: float, env: dict | None = None, cwd: Path =
         return done.returncode, done.stdout + done.stderr, time.time() - start
     except subprocess.TimeoutExpired as e:
         return 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}", time.time() - start
+
+
+def zygotes(dry: bool, work: Path) -> dict:
+    """Processes forked from each of the campaign's zygotes use the GPU (bench/zygote_probe.py)."""
+    out = work / "zygotes.json"
+    code, text, _ = run([sys.executable, "bench/zygote_probe.py", "--json", str(out)], timeout=600)
+    found = json.loads(out.read_text()) if out.exists() else {}
+    figures = {name: {k: way.get(k) for k in ("forked_by_zygote", "cuda", "seconds", "refused") if k in way}
+               for name, way in found.get("ways", {}).items()}
+    return {"ok": code == 0, "figures": figures, "goal": "every zygote forks, and its child runs on the GPU",
+            "reached": bool(found.get("ok")) and not dry, "log": [text[-1500:]]}
 
 
 def throughput(dry: bool, work: Path) -> dict:
@@ -329,7 +344,7 @@ def precision_accuracy(dry: bool, work: Path, kinds: list[str]) -> tuple[dict[st
     return accuracy, within and all(len(accuracy.get(k, [])) == 2 for k in kinds), text
 
 
-STEPS = {"throughput": throughput, "packing": packing, "exact": exact, "profile": profile, "precision": precision}
+STEPS = {"zygotes": zygotes, "throughput": throughput, "packing": packing, "exact": exact, "profile": profile, "precision": precision}
 
 
 def markdown(report: dict) -> str:

@@ -17,7 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def check_throughput(steps: dict) -> None:
+def check_zygotes_and_throughput(steps: dict) -> None:
+    ways = steps["zygotes"]["figures"]
+    assert sum(way["forked_by_zygote"] for way in ways.values()) == 3 and len(ways) == 4  # three zygotes, and a new interpreter
     assert steps["throughput"]["figures"]["small_cnn (fp32)"]["ratio"] > 0
 
 
@@ -46,7 +48,7 @@ def check_precision(steps: dict) -> None:
     assert {k: len(v) for k, v in accuracy.items()} == {"fp32": 2, "bf16": 2}
 
 
-GROUPS = {"throughput": check_throughput, "packing,profile": check_packing_and_profile, "exact": check_exact,
+GROUPS = {"zygotes,throughput": check_zygotes_and_throughput, "packing,profile": check_packing_and_profile, "exact": check_exact,
           "precision": check_precision}
 
 

@@ -65,7 +65,7 @@ def test_a_child_runs_the_modules_main_in_its_own_environment_and_its_code_is_re
     assert zygote.proc.returncode == 0
 
 
-def test_a_zygote_with_a_second_thread_refuses_to_fork_and_says_why(tmp_path):
+def test_a_zygote_with_a_second_thread_refuses_to_fork_and_says_why(tmp_path, capfd):
     zygote = start(tmp_path, ["zygote_thread"])
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
@@ -77,6 +77,10 @@ def test_a_zygote_with_a_second_thread_refuses_to_fork_and_says_why(tmp_path):
         os.close(devnull)
         zygote.close()
     assert not (tmp_path / "out.json").exists()
+    # Its starter says so once, where a user reads it (a campaign's console, a trial's log):
+    # else every process is silently seconds slower to start.
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "cannot fork" in line]
+    assert len(warnings) == 1 and "more than one thread" in warnings[0]
 
 
 def _children(pid: int) -> list[int]:

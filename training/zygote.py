@@ -202,8 +202,9 @@ class Zygote:
     def __init__(self, preload: Sequence[str], cwd: Path, env: dict[str, str], python: str = sys.executable,
                  new_session: bool = False, output: int | None = subprocess.DEVNULL, serves: str = "") -> None:
         self.new_session = new_session
+        self.serves = serves or str(cwd)
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        command = [python, "-m", "training.zygote", "--fd", str(theirs.fileno()), "--for", serves or str(cwd)]
+        command = [python, "-m", "training.zygote", "--fd", str(theirs.fileno()), "--for", self.serves]
         for module in preload:
             command += ["--preload", module]
         # No parent-death signal: it fires when the *thread* that started a process ends, and
@@ -257,6 +258,9 @@ class Zygote:
                     self.changed.notify_all()
             else:  # refused, or gone: its children die with it (SIGKILL), none will be reported
                 self.gone = answer.get("refused") or f"the zygote exited (code {self.proc.wait()})"
+                if "refused" in answer:  # said once: every process is now a new interpreter, seconds slower each
+                    print(f"warning: the zygote for {self.serves} cannot fork ({answer['refused']}): its processes are started "
+                          "on their own, each importing torch itself", file=sys.stderr, flush=True)
                 with self.changed:
                     for pid in self.children - set(self.exits):
                         self.exits[pid] = -signal.SIGKILL
