@@ -89,30 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child)
 
-    from tasks.trial import _launch_env
     from training.elastic import WORKER_ENV
+    from training.launch import launch_env
 
-    import torch
-
-    # Asked through NVML, as the zygotes ask: this process must not matter, but it is not the point.
-    gpu = torch.cuda.is_available()
     base = {**os.environ, "PYTHONPATH": str(ROOT)}
     ways = {
         # as tasks/trial.py starts the campaign's zygote of warm workers
-        "warm worker (zygote of training.worker)": lambda out: forked("training.worker", {**base, **_launch_env()}, out),
+        "warm worker (zygote of training.worker)": lambda out: forked("training.worker", {**base, **launch_env()}, out),
         # as training/elastic.py (our elastic agent, one node) starts its zygote of workers
-        "elastic worker (zygote of training.elastic_worker)": lambda out: forked("training.elastic_worker", {**base, **_launch_env(), **WORKER_ENV}, out),
+        "elastic worker (zygote of training.elastic_worker)": lambda out: forked("training.elastic_worker", {**base, **launch_env(), **WORKER_ENV}, out),
         # as training/launch.py starts a torchrun agent's zygote of trainers: in the agent's
         # environment, the campaign's launch environment (tasks/trial.py: plan_launch)
-        "torchrun worker (zygote of training.train)": lambda out: forked("training.train", {**base, **_launch_env()}, out),
-        "new interpreter (python -m)": lambda out: new_process({**base, **_launch_env()}, out),
+        "torchrun worker (zygote of training.train)": lambda out: forked("training.train", {**base, **launch_env()}, out),
+        "new interpreter (python -m)": lambda out: new_process({**base, **launch_env()}, out),
     }
-    report: dict = {"gpu": gpu, "ways": {}}
+    report: dict = {"ways": {}}
     with tempfile.TemporaryDirectory(prefix="zygote-probe-") as tmp:
         for i, (name, way) in enumerate(ways.items()):
             found = way(Path(tmp) / f"{i}.json")
             report["ways"][name] = found
             print(f"{name}: {json.dumps(found)}", flush=True)
+    # A GPU is one a new interpreter sees (this process imports no torch: it starts the others).
+    report["gpu"] = gpu = bool(report["ways"]["new interpreter (python -m)"].get("cuda"))
     zygotes = [v for k, v in report["ways"].items() if "zygote" in k]
     report["ok"] = all(v["ok"] and v.get("forked_by_zygote") and (v.get("cuda") or not gpu) for v in zygotes)
     if args.json:

@@ -32,6 +32,7 @@ from training.files import write_atomic
 from training.loopback import BIND_ENV
 from training.process import die_with_parent, stop_process_groups
 from training.zygote import Zygote, ZygoteGone
+from training.launch import launch_env
 from training.layout import trial_files
 
 LOG_TAIL_CHARS = 3000
@@ -134,8 +135,8 @@ def plan_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, pytho
         workers = tuple({"id": d.id, "env": visible_devices_env([d])} for d in devices)
         control = control or control_dir(config)
         command = [python, "-m", "training.elastic", "--config", str(trial_files(trial_dir).config), "--control", str(control)]
-        return LaunchPlan(command, _launch_env(), cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, workers, control=control)
-    env = {**visible_devices_env(devices), **_launch_env()}
+        return LaunchPlan(command, launch_env(), cwd, trial_files(trial_dir).config, trial_files(trial_dir).log, workers, control=control)
+    env = {**visible_devices_env(devices), **launch_env()}
     command = [
         python, "-m", "training.launch",  # torchrun, its stores on loopback only
         "--standalone",  # a single-node rendezvous on a free port: trials never collide
@@ -183,7 +184,7 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
     the rendezvous store.
     """
     trial_dir = Path(config.trial_dir)
-    env = {**visible_devices_env(devices), **_launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
+    env = {**visible_devices_env(devices), **launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
            BIND_ENV: role.address}
     # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
     rendezvous_conf = f"is_host={int(role.host)}"
@@ -206,17 +207,7 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
 
 def _warm_command(device: Device, python: str) -> tuple[list[str], dict[str, str]]:
     """A warm worker's command and the env that binds it to `device`."""
-    return [python, "-m", "training.worker"], {**visible_devices_env([device]), **_launch_env()}
-
-
-def _launch_env() -> dict[str, str]:
-    return {
-        # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        "MASTER_ADDR": "127.0.0.1",
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    return [python, "-m", "training.worker"], {**visible_devices_env([device]), **launch_env()}
 
 
 def _torchrun_dies_with_campaign() -> None:
@@ -235,7 +226,7 @@ def _zygote_for(python: str, cwd: Path) -> Zygote:
     with _zygotes_lock:
         key = (python, str(cwd))
         if key not in _zygotes:
-            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **_launch_env()}, python, new_session=True)
+            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **launch_env()}, python, new_session=True)
         return _zygotes[key]
 
 

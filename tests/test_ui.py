@@ -67,7 +67,17 @@ def browser():
 
     with sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium.new_page(viewport={"width": 1400, "height": 1000})
+        page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+        # What the page did, for the message of a text that never showed: its console errors,
+        # its failed requests, and the requests still unanswered.
+        page.seen = {"console": [], "failed": [], "pending": {}}
+        page.on("console", lambda m: m.type in ("error", "warning") and page.seen["console"].append(f"{m.type}: {m.text[:300]}"))
+        page.on("request", lambda r: page.seen["pending"].__setitem__(id(r), (time.time(), r.method, r.url)))
+        page.on("requestfinished", lambda r: page.seen["pending"].pop(id(r), None))
+        page.on("requestfailed", lambda r: (page.seen["pending"].pop(id(r), None),
+                                            page.seen["failed"].append(f"{r.method} {r.url}: {r.failure}")))
+        page.on("response", lambda r: r.status >= 400 and page.seen["failed"].append(f"{r.request.method} {r.url}: HTTP {r.status}"))
+        yield page
         chromium.close()
 
 
@@ -76,7 +86,14 @@ def see(page, url: str, *texts: str, shot: str) -> str:
     page.goto(url)
     try:
         for text in texts:
-            page.get_by_text(text).first.wait_for(timeout=60_000)
+            try:
+                page.get_by_text(text).first.wait_for(timeout=60_000)
+            except Exception as e:
+                now = time.time()
+                pending = [f"{method} {url} ({now - since:.0f} s)" for since, method, url in page.seen["pending"].values()]
+                raise AssertionError(f"{text!r} not shown at {url} ({type(e).__name__}); the page: {page.inner_text('body')[:800]!r}; "
+                                     f"console: {page.seen['console'][-10:]}; failed: {page.seen['failed'][-10:]}; "
+                                     f"unanswered: {pending[-10:]}") from e
     finally:
         SHOTS.mkdir(exist_ok=True)
         page.screenshot(path=str(SHOTS / shot), full_page=True)
@@ -137,7 +154,12 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         write_campaign(tmp_path / "runs", CampaignRecord(name="busy", state="ended", owner=process_identity(campaign_process.pid),
                                                          prefect_api=urls["Prefect"] + "/api"))
         os.killpg(ui.pid, signal.SIGTERM)
-        time.sleep(3)
+        told = ""
+        while line := ui.stdout.readline():  # "" if it exited instead
+            told += line
+            if "still report" in line:
+                break
+        assert "campaign(s) busy still report to this Prefect server" in told, told
         assert ui.poll() is None and urllib.request.urlopen(urls["Prefect"] + "/api/health", timeout=5).status == 200
     finally:
         if "campaign_process" in locals():  # signalled already: it stops once that process has exited
@@ -146,7 +168,6 @@ def test_campaign_ui_shows_the_campaign_in_prefect_and_mlflow(tmp_path, digits_n
         else:
             os.killpg(ui.pid, signal.SIGTERM)
         out, err = ui.communicate(timeout=60)
-    assert "campaign(s) busy still report to this Prefect server" in out, out
     assert ui.returncode == 0 and "stopped the Prefect server and the MLflow UI" in out, err
     assert not (tmp_path / ".campaign" / "ui.json").exists()
     for url in urls.values():  # both servers are gone with it

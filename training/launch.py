@@ -23,6 +23,19 @@ from training.zygote import Zygote, ZygoteGone
 TRAINER = "training.train"
 
 
+def launch_env() -> dict[str, str]:
+    """What every trial process a campaign starts runs with, over the campaign's own
+    environment (torchrun's, the elastic agent's, a warm worker's, and their zygotes')."""
+    return {
+        # gloo picks the first non-loopback interface unless told otherwise, and hangs on it here.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+        # One thread: the zygotes fork only a process with one thread (and a trial's ranks share the cores).
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def worker_name(local_rank: int | str) -> str:
     """A forked worker's process name (`ps -o comm`): its command line is its zygote's, and its
     /proc environ the zygote's too, so the name carries its rank."""
