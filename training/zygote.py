@@ -40,10 +40,15 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 from training.process import die_with_parent, name_process
+
+
+class ZygoteCannotFork(RuntimeWarning):
+    """Said once by a zygote's starter when the zygote refuses to fork."""
 
 
 class ZygoteGone(RuntimeError):
@@ -259,8 +264,9 @@ class Zygote:
             else:  # refused, or gone: its children die with it (SIGKILL), none will be reported
                 self.gone = answer.get("refused") or f"the zygote exited (code {self.proc.wait()})"
                 if "refused" in answer:  # said once: every process is now a new interpreter, seconds slower each
-                    print(f"warning: the zygote for {self.serves} cannot fork ({answer['refused']}): its processes are started "
-                          "on their own, each importing torch itself", file=sys.stderr, flush=True)
+                    # A warning, not a print: under `campaign launch`'s live table it goes to campaign.log.
+                    warnings.warn(f"the zygote for {self.serves} cannot fork ({answer['refused']}): its processes are started "
+                                  "on their own, each importing torch itself", ZygoteCannotFork, stacklevel=1)
                 with self.changed:
                     for pid in self.children - set(self.exits):
                         self.exits[pid] = -signal.SIGKILL
