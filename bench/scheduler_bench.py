@@ -116,6 +116,8 @@ def main() -> None:
                  f"each goodput job alone on the cluster: avg JCT {bound / 3600:.2f} h")
         pollux = results[POLLUX][0].summary()
         console.print(_workload_table(title, results, pollux))
+        if args.by_length:
+            console.print(_length_table(results[GOODPUT][0], results[POLLUX][0]))
         ours, goodput, unknown = results[OURS][0].summary(), results[GOODPUT][0].summary(), results[UNKNOWN][0].summary()
         goals.append((f"{jobs} jobs, seed {seed}", goodput, ours, pollux, bound, unknown))
     console.print(_goal_table(goals))
@@ -174,6 +176,34 @@ def _workload_table(title: str, results: dict[str, tuple[SimResult, float]], pol
             f"{s['decision_mean_ms']:.2f}/{s['decision_p99_ms']:.1f}",
             f"{wall:.1f}",
         )
+    return table
+
+
+def _length_table(ours: SimResult, pollux: SimResult) -> Table:
+    """Where ours (goodput) gains and loses against Pollux: the jobs in tenths by their JCT
+    under Pollux, each tenth's summed JCT, wait to start, device-hours and restarts, and its
+    share of the difference in the workload's total JCT."""
+    mine = {j.id: j for j in ours.jobs}
+    theirs = sorted(pollux.jobs, key=lambda j: j.completion_time)
+    total = sum(j.completion_time for j in theirs)
+    table = Table(title="By length: the jobs in tenths by their JCT under Pollux, ours (goodput) / Pollux; "
+                        "share: the tenth's part of the difference in total JCT (negative: ours shorter)")
+    for column in ("tenth", "JCT h", "share", "waiting h", "device-h", "avg devices", "restarts"):
+        table.add_column(column, justify="right")
+    n = len(theirs)
+    for tenth in range(10):
+        part = theirs[tenth * n // 10:(tenth + 1) * n // 10]
+        pairs = [(mine[j.id], j) for j in part]
+
+        def both(value) -> tuple[float, float]:
+            return sum(value(o) for o, _ in pairs), sum(value(p) for _, p in pairs)
+
+        jct, wait = both(lambda j: j.completion_time), both(lambda j: j.start - j.arrival)
+        device_s, run_s, restarts = both(lambda j: j.device_seconds), both(lambda j: j.finish - j.start), both(lambda j: j.restarts)
+        table.add_row(f"{tenth + 1}", f"{jct[0] / 3600:.1f} / {jct[1] / 3600:.1f}", f"{(jct[0] - jct[1]) / total:+.3f}",
+                      f"{wait[0] / 3600:.1f} / {wait[1] / 3600:.1f}", f"{device_s[0] / 3600:.0f} / {device_s[1] / 3600:.0f}",
+                      f"{device_s[0] / max(run_s[0], 1):.1f} / {device_s[1] / max(run_s[1], 1):.1f}",
+                      f"{restarts[0]:.0f} / {restarts[1]:.0f}")
     return table
 
 
@@ -238,6 +268,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--pause", type=float, default=20.0, help="seconds lost per start, resize or restart")
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between periodic decisions")
     parser.add_argument("--sweep", action="store_true", help="also our policy with each knob moved alone (goodput mode), beside the same Pollux run")
+    parser.add_argument("--by-length", action="store_true", help="also, per workload, ours (goodput) against Pollux by tenths of job length")
     parser.add_argument("--growth", type=int, default=4, help="an elastic job may take up to this many times its request")
     parser.add_argument("--big-nodes", type=int, default=1024)
     parser.add_argument("--big-jobs", type=int, default=2000)
