@@ -58,6 +58,7 @@ def forked(preload: str, env: dict[str, str], out: Path) -> dict:
     zygote = Zygote([preload], ROOT, env, new_session=True, output=None)
     try:
         for _ in range(2):
+            out.unlink(missing_ok=True)  # what is read is the timed child's
             started = time.perf_counter()
             try:
                 process = zygote.fork(MODULE, ["--child", str(out)], env, ROOT)
