@@ -72,9 +72,9 @@ def browser():
         # its failed requests, and the requests still unanswered.
         page.seen = {"console": [], "failed": [], "pending": {}}
         page.on("console", lambda m: m.type in ("error", "warning") and page.seen["console"].append(f"{m.type}: {m.text[:300]}"))
-        page.on("request", lambda r: page.seen["pending"].__setitem__(id(r), (time.time(), r.method, r.url)))
-        page.on("requestfinished", lambda r: page.seen["pending"].pop(id(r), None))
-        page.on("requestfailed", lambda r: (page.seen["pending"].pop(id(r), None),
+        page.on("request", lambda r: page.seen["pending"].__setitem__(r, (time.time(), r.method, r.url)))
+        page.on("requestfinished", lambda r: page.seen["pending"].pop(r, None))
+        page.on("requestfailed", lambda r: (page.seen["pending"].pop(r, None),
                                             page.seen["failed"].append(f"{r.method} {r.url}: {r.failure}")))
         page.on("response", lambda r: r.status >= 400 and page.seen["failed"].append(f"{r.request.method} {r.url}: HTTP {r.status}"))
         yield page
