@@ -28,17 +28,24 @@ def trial_config(trial_dir: Path, digits: Path, **overrides) -> TrialConfig:
     return TrialConfig(**{**base, **overrides})
 
 
-def start(cfg: TrialConfig, devices: int) -> subprocess.Popen:
+def cpu_slots(n: int) -> list[dict]:
+    return [cpu_slot(i) for i in range(n)]
+
+
+def start(cfg: TrialConfig, devices: int, slots=cpu_slots, prefix: tuple[str, ...] = (), env: dict | None = None,
+          agent_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """The trial's agent on `slots(devices)`; `prefix`, `env`, `agent_args`: how it is started
+    (a node's namespace, its address, `--node`)."""
     trial_dir = Path(cfg.trial_dir)
     (trial_dir / "control").mkdir(parents=True, exist_ok=True)
     (trial_dir / "trial.json").write_text(cfg.to_json())
     existing = sorted((trial_dir / "control").glob("command-*.json"))
     for old in existing:  # a relaunch starts a new command sequence, as the launcher does
         old.unlink()
-    write_command(trial_dir / "control", 0, [cpu_slot(i) for i in range(devices)])
+    write_command(trial_dir / "control", 0, slots(devices))
     log = open(trial_dir / "agent.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"),
-                             "--control", str(trial_dir / "control")], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([*prefix, sys.executable, "-m", "training.elastic", "--config", str(trial_dir / "trial.json"),
+                             "--control", str(trial_dir / "control"), *agent_args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def step_of(cfg: TrialConfig) -> int:
@@ -56,8 +63,8 @@ def wait_for_step(cfg: TrialConfig, step: int, proc: subprocess.Popen, timeout: 
         time.sleep(0.005)
 
 
-def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize") -> None:
-    write_command(Path(cfg.trial_dir) / "control", seq, [cpu_slot(i) for i in range(devices)], mode=mode)
+def resize(cfg: TrialConfig, seq: int, devices: int, mode: str = "resize", slots=cpu_slots) -> None:
+    write_command(Path(cfg.trial_dir) / "control", seq, slots(devices), mode=mode)
 
 
 def hold(cfg: TrialConfig) -> Path:
@@ -89,7 +96,8 @@ def release_when_asked_to_stop(cfg: TrialConfig, proc: subprocess.Popen, before:
     trial_files(cfg.trial_dir).hold.unlink()
 
 
-def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize") -> subprocess.Popen:
+def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), mode: str = "resize", slots=cpu_slots,
+        **how) -> subprocess.Popen:
     """Start a trial and resize it to `devices` when it reaches `step`, for each (step, devices);
     each resize takes effect before the next is asked for.
 
@@ -98,11 +106,11 @@ def run(cfg: TrialConfig, start_devices: int, plan: list[tuple[int, int]] = (), 
     joiners' start-up, seconds, then costs no steps, and a short trial still resizes long
     before its end, however slow the host."""
     held = hold(cfg) if cfg.hold_at_step is not None else None
-    proc = start(cfg, start_devices)
+    proc = start(cfg, start_devices, slots, **how)
     for seq, (step, devices) in enumerate(plan, 1):
         wait_for_step(cfg, step, proc)
         before = stop_requests(cfg)
-        resize(cfg, seq, devices, mode)
+        resize(cfg, seq, devices, mode, slots)
         if step == cfg.hold_at_step:
             release_when_asked_to_stop(cfg, proc, before)
         deadline = time.time() + 120

@@ -211,3 +211,74 @@ def test_an_elastic_trial_across_nodes_goes_on_without_a_lost_node_and_takes_it_
     reference, spanned = final_weights(one), final_weights(span)
     for name in reference:
         assert torch.equal(reference[name], spanned[name]), name
+
+
+def node_slot(ns: str, core: int) -> dict:
+    return {"id": f"{ns}/cpu{core}", "node": ns, "env": {"CAMPAIGN_CPU_CORES": str(core % os.cpu_count()), "CUDA_VISIBLE_DEVICES": ""}}
+
+
+def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path, digits_npz, two_nodes):
+    """Our agent across nodes: the agent on node a, a host on node b (training.elastic_host).
+    1 device on a -> one on a and one on b -> back to a's: each resize in memory (b's joiner
+    gets the state from rank 0 on a; no checkpoint written for either), the stop signals
+    through the agent's store; the samples of every step and the final weights are a fixed
+    one-device run's, bit for bit (two logical ranks). The agent's store listens on a's
+    address only. Then node b is lost outright at 2: the agent ends its trial (the
+    launcher's retry resumes it from the last checkpoint), saying which worker died."""
+    import signal
+
+    from elastic_helpers import final_weights as weights_of, finish, resizes, run, start, trace, trial_config, wait_for_step
+
+    (ns_a, link_a, addr_a), (ns_b, link_b, addr_b) = two_nodes
+    store = f"{addr_a}:29541"
+    base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    on_a = dict(prefix=("ip", "netns", "exec", ns_a), env={**base, "CAMPAIGN_BIND_ADDR": addr_a, "GLOO_SOCKET_IFNAME": link_a},
+                agent_args=("--node", ns_a, "--store-port", store.rsplit(":", 1)[1]))
+
+    def slots(n: int) -> list[dict]:
+        return [node_slot(ns_a, 0), node_slot(ns_b, 1)][:n]
+
+    def host(log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            return subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "training.elastic_host", "--store", store,
+                                     "--node", ns_b], env={**base, "CAMPAIGN_BIND_ADDR": addr_b, "GLOO_SOCKET_IFNAME": link_b},
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    fixed = trial_config(tmp_path / "fixed", digits_npz, steps=400)
+    finish(run(fixed, 1), fixed)
+    spanned = trial_config(tmp_path / "spanned", digits_npz, steps=400, hold_at_step=100)
+    Path(spanned.trial_dir).mkdir(parents=True)
+    node_b = host(tmp_path / "host.log")
+    try:
+        agent = run(spanned, 1, [(100, 2), (300, 1)], slots=slots, **on_a)
+        assert listening(ns_a) <= {addr_a, "127.0.0.1"}, listening(ns_a)  # its store: a's address, not every interface
+        finish(agent, spanned)
+    finally:
+        node_b.kill()
+    log = (Path(spanned.trial_dir) / "agent.log").read_text()
+    events = resizes(spanned)
+    assert [(e["from"], e["to"], e["mode"]) for e in events] == [
+        ([f"{ns_a}/cpu0"], [f"{ns_a}/cpu0", f"{ns_b}/cpu1"], "resize"), ([f"{ns_a}/cpu0", f"{ns_b}/cpu1"], [f"{ns_a}/cpu0"], "resize")]
+    assert "generation 1 on 2 device(s)" in log and log.count("state from memory") == 2, log[-3000:]
+    assert "checkpoint saved" not in log  # neither resize went through the disk
+    ta, tb = trace(fixed), trace(spanned)
+    assert sorted(ta) == sorted(tb) == list(range(400)) and all(ta[s][0] == tb[s][0] for s in ta)
+    reference, result = weights_of(fixed), weights_of(spanned)
+    for name in reference:
+        assert torch.equal(reference[name], result[name]), name
+
+    # Node b lost at 2 devices: its host and worker killed outright.
+    lost = trial_config(tmp_path / "lost", digits_npz, steps=100_000, checkpoint_every=50)
+    Path(lost.trial_dir).mkdir(parents=True)
+    node_b = host(tmp_path / "host-lost.log")
+    agent = start(lost, 2, slots, **on_a)
+    try:
+        wait_for_step(lost, 60, agent, timeout=180)
+        os.killpg(node_b.pid, signal.SIGKILL)
+        assert agent.wait(timeout=120) != 0
+    finally:
+        for proc in (agent, node_b):
+            if proc.poll() is None:
+                proc.kill()
+    log = (Path(lost.trial_dir) / "agent.log").read_text()
+    assert "ending the trial's other processes" in log, log[-3000:]

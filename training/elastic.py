@@ -21,6 +21,14 @@ list preempts: checkpoint, stop everything, exit with PREEMPTED.
 
 If any worker dies, the agent ends the others and exits non-zero: the launcher's retry
 resumes from the last complete checkpoint (a half-written one is never loaded).
+
+Across nodes (`--node`, and a device's `"node"` in a command): a device on another node is
+served by that node's host (training.elastic_host), connected to this agent's store, which
+then listens on this node's address ($CAMPAIGN_BIND_ADDR, port `--store-port`). Its workers
+are seen here as RemoteProcess; the fast path above is the same, with the stop signals in
+the store instead of files. Rank 0 stays on the agent's node (it writes the trial's
+progress, result and metrics where the campaign reads them): a command with no device here
+is refused (`refused-<seq>.json`, as a pool node's relay refuses), and the trial goes on as it was.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from pathlib import Path
 
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
-from training.loopback import loopback_store
+from training.elastic_host import LOST_S, host_key, stop_key
+from training.loopback import bind_address, loopback_store
 from training.process import die_with_parent, skip_final_collection
 from training.agent_state import agent_state_now
 from training.layout import agent_state_in
@@ -69,9 +78,66 @@ class WorkerDied(RuntimeError):
 class Worker:
     wid: str
     device_id: str
-    proc: subprocess.Popen | ForkedProcess
+    proc: "subprocess.Popen | ForkedProcess | RemoteProcess"
     assignments: int = 0
     leaving: bool = False
+
+
+class RemoteProcess:
+    """A worker that another node's host started (training.elastic_host), seen through the
+    agent's store as much like a Popen as the agent needs: its exit code is the one its host
+    reports, or SIGKILL's once the host's beat has stopped for LOST_S (the node is lost)."""
+
+    CHECK_S = 0.05  # the agent polls every few ms while a resize is under way: a round trip each would add up
+
+    def __init__(self, store, node: str, wid: str, beats: "NodeBeats"):
+        self.store, self.node, self.wid, self.beats = store, node, wid, beats
+        self.pid = None
+        self.code: int | None = None
+        self.checked = 0.0
+
+    def poll(self) -> int | None:
+        if self.code is None and time.time() - self.checked >= self.CHECK_S:
+            self.checked = time.time()
+            key = host_key(self.node, "exit", self.wid)
+            if self.store.check([key]):
+                self.code = int(self.store.get(key))
+            elif self.beats.lost(self.node):
+                self.code = -signal.SIGKILL
+        return self.code
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(self.CHECK_S)
+        return self.code
+
+    def kill(self) -> None:
+        if self.code is None:
+            self.store.set(host_key(self.node, "kill", self.wid), "")
+
+
+class NodeBeats:
+    """When each remote node's host last beat (training.elastic_host adds to its beat key)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.seen: dict[str, tuple[int, float]] = {}  # node -> (beat count, when it last changed)
+
+    def lost(self, node: str) -> bool:
+        count = self.store.add(host_key(node, "beat"), 0)
+        last, since = self.seen.get(node, (-1, time.time()))
+        if count != last:
+            self.seen[node] = (count, time.time())
+            return False
+        return time.time() - since > LOST_S
+
+    def wait_for_host(self, node: str, address: str, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while self.store.add(host_key(node, "beat"), 0) == 0:
+            if time.time() > deadline:
+                raise TimeoutError(f"no host for node {node!r} on this agent's store after {timeout_s:.0f} s: start "
+                                   f"`python -m training.elastic_host --store {address} --node {node}` there")
+            time.sleep(POLL_S)
 
 
 def command_path(control: Path, seq: int) -> Path:
@@ -95,11 +161,16 @@ def write_command(control: Path, seq: int, devices: list[dict], mode: str = "res
     write_json_atomic(command_path(control, seq), {"seq": seq, "devices": devices, "mode": mode, "requested_at": time.time()})
 
 
+HOST_WAIT_S = 120.0  # a device on another node: how long its host may take to connect
+
+
 class Agent:
-    def __init__(self, config: Path, control: Path, python: str = sys.executable):
-        self.config, self.control, self.python = config, control, python
+    def __init__(self, config: Path, control: Path, python: str = sys.executable, node: str | None = None, store_port: int = 0):
+        self.config, self.control, self.python, self.node = config, control, python, node
         self.zygote: Zygote | None = None  # started with the first worker (forked_worker)
-        self.store = loopback_store(0, wait_for_workers=False, timeout=timedelta(days=7))
+        self.store = loopback_store(store_port, wait_for_workers=False, timeout=timedelta(days=7), address=bind_address())
+        self.beats = NodeBeats(self.store)
+        self.spawned: dict[str, int] = {}  # node -> how many workers its host was asked for
         self.workers: dict[str, Worker] = {}
         self.members: list[str] = []
         self.gen = -1
@@ -119,11 +190,23 @@ class Agent:
         return self._restart_only
 
     # --- workers -------------------------------------------------------------------
+    def remote(self, device: dict) -> bool:
+        return device.get("node") not in (None, self.node)
+
+    def local(self, wid: str) -> bool:
+        return not isinstance(self.workers[wid].proc, RemoteProcess)
+
+    def store_address(self) -> str:
+        return f"{self.store.host}:{self.store.port}"
+
     def spawn(self, device: dict) -> str:
         wid = f"w{self._next_wid}"
         self._next_wid += 1
-        env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_PORT": str(self.store.port),
-               **WORKER_ENV}
+        if self.remote(device):
+            self.workers[wid] = Worker(wid, device["id"], self.spawn_remote(device, wid))
+            return wid
+        env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_ADDR": self.store.host,
+               "CAMPAIGN_STORE_PORT": str(self.store.port), **WORKER_ENV}
         args = ["--config", str(self.config)]
         try:
             proc = self.forked_worker(args, env, worker_name(wid))
@@ -131,6 +214,18 @@ class Agent:
             proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
         self.workers[wid] = Worker(wid, device["id"], proc)
         return wid
+
+    def spawn_remote(self, device: dict, wid: str) -> RemoteProcess:
+        """Ask the device's node's host for the worker. Only the device's own environment goes
+        with it: the rest (its interfaces, paths) is the host's node's."""
+        node = device["node"]
+        self.beats.wait_for_host(node, self.store_address(), HOST_WAIT_S)
+        k = self.spawned.get(node, 0)
+        self.spawned[node] = k + 1
+        request = {"wid": wid, "env": device.get("env", {}), "config": str(self.config.resolve()),
+                   "config_text": self.config.read_text()}
+        self.store.set(host_key(node, "spawn", str(k)), json.dumps(request))
+        return RemoteProcess(self.store, node, wid, self.beats)
 
     def forked_worker(self, args: list[str], env: dict[str, str], name: str) -> ForkedProcess:
         """The workers are forked from one process that imports torch and the trainer once
@@ -177,6 +272,12 @@ class Agent:
 
     def kill_all(self, wait: bool = True) -> None:
         for worker in list(self.workers.values()):
+            if isinstance(worker.proc, RemoteProcess):
+                try:
+                    worker.proc.kill()
+                except RuntimeError:  # the store's client failed: the host ends its workers when this agent's store goes
+                    pass
+                continue
             try:
                 os.kill(worker.proc.pid, signal.SIGKILL)  # not Popen.kill: it polls, under a lock (see main)
             except ProcessLookupError:
@@ -190,7 +291,7 @@ class Agent:
         self.gen += 1
         self.members = members
         payload = {"gen": self.gen, "members": members, "source": source, "joiners": joiners, "request": request,
-                   "stop_path": str(self.stop_path(self.gen))}
+                   "stop_path": str(self.stop_path(self.gen)), "spans_nodes": not all(self.local(w) for w in members)}
         for wid in members:
             self.assign(wid, payload)
 
@@ -199,6 +300,7 @@ class Agent:
         step, every rank stops two control steps later): its stop record, or None when it finished
         training before it could stop."""
         write_json_atomic(self.stop_path(self.gen), {"save": save}, durable=False)
+        self.store.set(stop_key(self.stop_path(self.gen)), json.dumps({"save": save}))  # for a generation across nodes
         if not self.wait_for([f"stopped/{self.gen}"], timeout_s=timeout_s):
             return None
         return json.loads(self.store.get(f"stopped/{self.gen}"))
@@ -220,7 +322,9 @@ class Agent:
 
     # --- commands ------------------------------------------------------------------
     def start(self, command: dict) -> None:
-        wids = [self.spawn(d) for d in command["devices"]]
+        if (reason := self.unplaceable(command["devices"])) is not None:
+            raise ValueError(f"command 0: {reason}")
+        wids = [self.spawn(d) for d in sorted(command["devices"], key=self.remote)]  # rank 0 on this node
         self.wait_for([f"ready/{w}" for w in wids])
         self.start_generation(wids, "disk", [], None)  # resume from the latest valid checkpoint, if any
 
@@ -234,6 +338,10 @@ class Agent:
             self.dismiss(list(self.members))
             self.members = []
             return PREEMPTED
+        if (reason := self.unplaceable(new)) is not None:
+            write_json_atomic(refused_path(self.control, command["seq"]), {"seq": command["seq"], "time": time.time(), "reason": reason})
+            return None
+        new = sorted(new, key=self.remote)  # rank 0 on this node
         request = {"seq": command["seq"], "mode": command["mode"], "requested_at": command["requested_at"], "from": before, "to": [d["id"] for d in new]}
         if self.restart_only:  # a function trial: every process new, started while the old ones train
             request["mode"] = "restart"
@@ -260,7 +368,7 @@ class Agent:
             self.start_generation(wids, "disk", wids, request)
             return None
         by_device = {self.workers[w].device_id: w for w in self.members}
-        stayers = [w for w in self.members if self.workers[w].device_id in request["to"]]
+        stayers = sorted((w for w in self.members if self.workers[w].device_id in request["to"]), key=lambda w: not self.local(w))
         joiners = [self.spawn(d) for d in new if d["id"] not in by_device]
         ready = self.wait_for([f"ready/{w}" for w in joiners])  # the trial trains on meanwhile
         request["ready_at"] = time.time()
@@ -271,6 +379,13 @@ class Agent:
         request.update(stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])
         self.dismiss([w for w in self.members if w not in stayers])
         self.start_generation(stayers + joiners, "memory" if stayers else "disk", joiners, request)
+        return None
+
+    def unplaceable(self, devices: list[dict]) -> str | None:
+        """Why this agent cannot run on `devices`, or None: a trial across nodes keeps a device on the agent's."""
+        if devices and all(self.remote(d) for d in devices):
+            return (f"no device on the agent's node {self.node!r} (rank 0 stays there): "
+                    f"{', '.join(d['id'] for d in devices)} all on other nodes")
         return None
 
     def next_command(self) -> dict | None:
@@ -337,10 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run an elastic trial: one worker per device, resized on command.")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--control", required=True, type=Path, help="directory of command-<seq>.json files")
+    parser.add_argument("--node", help="this node's name: devices of other nodes are started by their hosts (training.elastic_host)")
+    parser.add_argument("--store-port", type=int, default=0, help="the port of the trial's store (0: any free one; "
+                        "a trial across nodes names it to its hosts)")
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGTERM)
     skip_final_collection()  # a trial's end is seen when its agent has exited
-    agent = Agent(args.config, args.control)
+    agent = Agent(args.config, args.control, node=args.node, store_port=args.store_port)
     # On SIGTERM: kill the workers and go, without waiting for them. The handler runs between
     # two bytecodes of the main thread, which may be inside Popen.poll holding Popen's wait
     # lock: Popen.wait here would wait on that lock forever (seen: an agent left running,

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
+from training.elastic_host import stop_key
 from training.fence import stops_when_fenced, watch_lease
 from training.files import read_json, write_json_atomic
 from training.metrics import result_line
@@ -74,15 +75,20 @@ class StopFlag:
       check at c. The event is one interval old, so the wait is free: the device finished
       that work long ago, and nothing drains the GPU's queue.
 
-    The agent and its workers share one node, so a file is the cheapest signal there is (a
-    failed open, a few µs). What it replaces, rank 0's answer broadcast and waited for,
-    cost every control step a round trip between the ranks: ~0.3 ms on this 2-core host
-    (bench/control_cost.py), ~0.9 % of a 3.4 ms step, and on a GPU a host-device sync.
+    On one node a file is the cheapest signal there is (a failed open, a few µs). What it
+    replaces, rank 0's answer broadcast and waited for, cost every control step a round trip
+    between the ranks: ~0.3 ms on this 2-core host (bench/control_cost.py), ~0.9 % of a 3.4 ms
+    step, and on a GPU a host-device sync. A generation across nodes (`store`) reads the same
+    two signals as keys of the agent's store: one round trip to the agent's node per control
+    step and rank, and still no collective, so the ranks never wait on one another for it.
     """
 
-    def __init__(self, path: Path, rank: int, control_every: int, device: torch.device):
+    def __init__(self, path: Path, rank: int, control_every: int, device: torch.device, store: dist.Store | None = None):
         self.path, self.rank, self.lead = Path(path), rank, 2 * control_every
         self.at_path = self.path.with_name(self.path.name + ".at")
+        # A generation across nodes: the same two signals as keys of the agent's store (stop_key),
+        # one round trip per control step, since the other nodes do not see the agent's files.
+        self.store = store
         self.on_gpu = device.type == "cuda"
         self.fence: torch.cuda.Event | None = None  # a rank other than 0 on a GPU: recorded at its previous check
         self.stop_at: int | None = None
@@ -90,21 +96,38 @@ class StopFlag:
     def __call__(self, step: int) -> bool:
         if self.stop_at is None:
             if self.rank == 0:
-                if self.path.exists():
+                if self.requested():
                     self.stop_at = step + self.lead
-                    write_json_atomic(self.at_path, self.stop_at, durable=False)
+                    if self.store is not None:
+                        self.store.set(stop_key(self.at_path), str(self.stop_at))
+                    else:
+                        write_json_atomic(self.at_path, self.stop_at, durable=False)
             else:
                 if self.fence is not None:
                     self.fence.synchronize()
-                self.stop_at = read_json(self.at_path)
+                self.stop_at = self._named_step()
                 if self.on_gpu:
                     self.fence = torch.cuda.Event()
                     self.fence.record()
         return self.stop_at is not None and step >= self.stop_at
 
+    def _named_step(self) -> int | None:
+        if self.store is None:
+            return read_json(self.at_path)
+        key = stop_key(self.at_path)
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
     def requested(self) -> bool:
         """The agent has asked this generation to stop (a held trainer goes on to its stop step)."""
+        if self.store is not None:
+            return self.store.check([stop_key(self.path)])
         return self.path.exists()
+
+    def request(self) -> dict:
+        """What the agent asked (`{"save": bool}`), once it has asked."""
+        if self.store is not None:
+            return json.loads(self.store.get(stop_key(self.path)))
+        return read_json(self.path)
 
 
 def pause_breakdown(marks: dict[str, float]) -> dict[str, float]:
@@ -167,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrialConfig.from_file(args.config)
     watch_lease(cfg.lease)  # a stalled campaign's lease ends this worker (training.fence)
     wid = os.environ["CAMPAIGN_WORKER_ID"]
-    store = dist.TCPStore("127.0.0.1", int(os.environ["CAMPAIGN_STORE_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
+    # The agent's store: on its node's address when the trial may span nodes (training.elastic_host).
+    store = dist.TCPStore(os.environ.get("CAMPAIGN_STORE_ADDR", "127.0.0.1"), int(os.environ["CAMPAIGN_STORE_PORT"]),
+                          is_master=False, timeout=STORE_TIMEOUT)
     if cfg.function is not None:  # the user's own loop: resized by restart (the agent sends no state through memory)
         from training.function import FunctionTrial
 
@@ -194,8 +219,8 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
     timings = {"assigned": time.time()}
     gen, members = assignment["gen"], assignment["members"]
     rank = _join_generation(assignment, wid, store, backend)
-    stop_path = Path(assignment["stop_path"])
-    trial.attach(rank, len(members), 0, stop_requested=stop_path.exists)
+    stop = StopFlag(Path(assignment["stop_path"]), rank, cfg.control_every, torch.device("cpu"), _stop_store(assignment, store))
+    trial.attach(rank, len(members), 0, stop_requested=stop.requested)
     timings["attached"] = timings["state"] = time.time()
     if rank == 0:
         print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
@@ -222,6 +247,11 @@ def _assignment(store: dist.TCPStore, wid: str, k: int) -> dict:
     key = f"assign/{wid}/{k}"
     store.wait([key])
     return json.loads(store.get(key))
+
+
+def _stop_store(assignment: dict, store: dist.Store) -> dist.Store | None:
+    """Where the generation's stop signals are: the agent's store when it spans nodes, else its files."""
+    return store if assignment.get("spans_nodes") else None
 
 
 def _join_generation(assignment: dict, wid: str, store: dist.TCPStore, backend: str) -> int:
@@ -251,9 +281,8 @@ def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, b
         if rank == 0:  # the trial's log says what happened to it (train.log, like a torchrun trial's)
             print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
                   f"step {trainer.step}, state from {assignment['source']}", flush=True)
-        stop_path = Path(assignment["stop_path"])
         report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
-        should_stop = StopFlag(stop_path, rank, cfg.control_every, trainer.device)
+        should_stop = StopFlag(Path(assignment["stop_path"]), rank, cfg.control_every, trainer.device, _stop_store(assignment, store))
         result = trainer.train(should_stop, after_first_step=report)
         if result is not None:  # finished: the result is written, nothing more to do
             if rank == 0:
@@ -261,7 +290,7 @@ def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, b
             trainer.detach()
             dist.destroy_process_group()
             return
-        stop = read_json(stop_path)
+        stop = should_stop.request()
         if stop["save"]:
             trainer.save_checkpoint(blocking=True)
         trainer.detach()

@@ -48,9 +48,9 @@ def _torch_store():
     return _TCPStore
 
 
-def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300), **kwargs) -> "dist.TCPStore":
-    """A TCPStore server on 127.0.0.1 (port 0: a free one; read it back from `.port`)."""
-    return _torch_store()("127.0.0.1", port, is_master=True, timeout=timeout, master_listen_fd=loopback_listener(port, "127.0.0.1"), **kwargs)
+def loopback_store(port: int = 0, timeout: timedelta = timedelta(seconds=300), address: str = "127.0.0.1", **kwargs) -> "dist.TCPStore":
+    """A TCPStore server on 127.0.0.1, or on `address` alone (port 0: a free one; read it back from `.port`)."""
+    return _torch_store()(address, port, is_master=True, timeout=timeout, master_listen_fd=loopback_listener(port, address), **kwargs)
 
 
 def _store(*args, **kwargs) -> "dist.TCPStore":

@@ -1,0 +1,149 @@
+"""A node's share of an elastic trial that spans nodes: it starts the agent's workers here.
+
+    python -m training.elastic_host --store ADDR:PORT --node NAME
+
+An elastic trial's agent (training.elastic) runs on one node and holds the trial's store. On
+every other node the trial may grow onto, a host connects to that store and does there what
+the agent does on its own node: it forks the workers the agent asks for (from a zygote of
+training.elastic_worker, as the agent does), tells the agent when one exits and with what
+code, and kills one when told. Its workers join the agent's store and each generation's
+process group over the network and from there train as the agent's own do: a joiner gets
+the trial's state from rank 0 in memory while the others keep theirs, so growing onto a node
+or shrinking off it pauses training as briefly as a resize on one node, where a torchrun
+trial across nodes restarts every process from a checkpoint (bench/cross_node_resize.py).
+
+Protocol: keys in the agent's store, each under `host/<node>/` (host_key):
+    beat          added to every BEAT_S by the host; a node whose beat stops for LOST_S is lost
+    spawn/<k>     {"wid", "env", "config", "config_text"}: the k-th worker to start (k from 0)
+    kill/<wid>    set by the agent: kill that worker
+    exit/<wid>    set by the host: that worker's exit code
+The store has no authentication (as torchrun's): it listens on the agent node's address,
+only while the trial runs. The host ends when the agent's store goes (the agent exited), and
+kills what is left of its workers first; its workers die with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+BEAT_S = 0.5
+LOST_S = 10.0  # no beat for this long: the node is taken as lost (its workers as killed)
+POLL_S = 0.01
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as training.elastic's
+
+
+def host_key(node: str, *parts: str) -> str:
+    return "/".join(("host", node, *parts))
+
+
+def stop_key(path: Path) -> str:
+    """The store key that stands for one of the agent's stop files (`stop-<gen>`, `stop-<gen>.at`),
+    for a generation across nodes, whose other nodes do not see the agent's files."""
+    return f"control/{Path(path).name}"
+
+
+class Host:
+    def __init__(self, store, node: str, python: str = sys.executable):
+        self.store, self.node, self.python = store, node, python
+        self.zygote = None  # started with the first worker, as the agent's
+        self.workers: dict[str, object] = {}  # wid -> Popen or ForkedProcess
+        self.reported: set[str] = set()
+        self.next_spawn = 0
+        self.last_beat = 0.0
+
+    def spawn(self, request: dict) -> None:
+        from training.elastic import worker_name
+        from training.zygote import Zygote, ZygoteGone
+
+        config = Path(request["config"])
+        if not config.exists():  # nothing shared with the agent's node: the trial's config travels with the request
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text(request["config_text"])
+        address, port = self.store_address()
+        env = {**os.environ, **request["env"], "CAMPAIGN_WORKER_ID": request["wid"], "CAMPAIGN_STORE_ADDR": address,
+               "CAMPAIGN_STORE_PORT": str(port), **WORKER_ENV}
+        args = ["--config", str(config)]
+        try:
+            if self.zygote is None:
+                self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, self.python,
+                                     output=None, serves=f"elastic host {self.node}")
+            proc = self.zygote.fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(request["wid"]))
+        except ZygoteGone:
+            proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
+        self.workers[request["wid"]] = proc
+
+    def store_address(self) -> tuple[str, int]:
+        return self.store.host, self.store.port
+
+    def step(self) -> None:
+        """One pass: start what was asked, kill what was told, report what exited, beat."""
+        while self.store.check([host_key(self.node, "spawn", str(self.next_spawn))]):
+            self.spawn(json.loads(self.store.get(host_key(self.node, "spawn", str(self.next_spawn)))))
+            self.next_spawn += 1
+        for wid, proc in self.workers.items():
+            if wid in self.reported:
+                continue
+            code = proc.poll()
+            if code is None and self.store.check([host_key(self.node, "kill", wid)]):
+                proc.kill()
+            elif code is not None:
+                self.store.set(host_key(self.node, "exit", wid), str(code))
+                self.reported.add(wid)
+        if time.time() - self.last_beat >= BEAT_S:
+            self.store.add(host_key(self.node, "beat"), 1)
+            self.last_beat = time.time()
+
+    def run(self) -> int:
+        try:
+            while True:
+                self.step()
+                time.sleep(POLL_S)
+        except RuntimeError as e:  # the store is gone: the agent exited (torch's DistNetworkError, DistStoreError)
+            print(f"elastic host {self.node}: the agent's store is gone ({type(e).__name__}); ending", flush=True)
+            return 0
+        finally:
+            self.close()
+
+    def kill_all(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+
+    def close(self) -> None:
+        self.kill_all()
+        for proc in self.workers.values():
+            proc.wait()
+        if self.zygote is not None:
+            self.zygote.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Start an elastic trial's workers on this node for its agent on another.")
+    parser.add_argument("--store", required=True, help="the agent's store, ADDR:PORT (its --store-port on its node's address)")
+    parser.add_argument("--node", required=True, help="this node's name, as the agent's commands name its devices' node")
+    parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the agent's store to answer")
+    args = parser.parse_args(argv)
+    from training.process import die_with_parent, skip_final_collection
+
+    die_with_parent(signal.SIGTERM)
+    skip_final_collection()
+    import torch.distributed as dist
+
+    address, _, port = args.store.rpartition(":")
+    store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=args.wait))
+    host = Host(store, args.node)
+    signal.signal(signal.SIGTERM, lambda *_: (host.kill_all(), os._exit(1)))  # its zygote ends with it
+    print(f"elastic host {args.node}: serving the agent at {args.store}", flush=True)
+    return host.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
