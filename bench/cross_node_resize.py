@@ -7,6 +7,10 @@
   both nodes start a 2-node torchrun, resuming from the newest checkpoint pulled from a DVC
   directory remote (the trial's local checkpoints moved aside first: a placement on nodes
   that do not share the trial's folder).
+- our agent across nodes, in memory (training/elastic.py with `--node`, training/elastic_host.py):
+  node a runs the trial's agent, its store on a's address; at the decision node b starts a
+  host, the agent asks it for a worker there, which loads everything while the trial trains
+  on, then joins at a control step and gets the state from rank 0 in memory.
 - stop file and relaunch (what a pool campaign does when a resize moves an elastic trial,
   flows/live.py `Running.relaunch`): node a's torchrun is asked to stop through its stop file
   (`TrialConfig.stop_path`, training/train.py `StopFile`), every rank stops at the next
@@ -24,7 +28,9 @@ root and iproute2.
 
     .venv/bin/python bench/cross_node_resize.py --rounds 3      # as root
 
-Prints a table; passes nothing.
+Prints a table; passes nothing. For our agent, the pause its trainer records (resizes.jsonl:
+from the last step at 1 device to the first at 2, to the ms) is printed beside the pause
+seen in the progress file, which is the same for every way and as coarse as its writes.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from rich.table import Table  # noqa: E402
 from cluster.types import Device  # noqa: E402
 from tasks.trial import NodeRole, plan_node_launch  # noqa: E402
 from training.config import TrialConfig  # noqa: E402
+from training.elastic import write_command  # noqa: E402
 from training.data import prepare_digits  # noqa: E402
 from training.progress import read_progress  # noqa: E402
 
@@ -109,6 +116,47 @@ class Trial:
             self.procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *plan.command], cwd=REPO, env=env, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True))
 
+    def launch_agent(self, port: int) -> None:
+        """Our agent on node a, on 1 device (command 0), its store on a's address at `port`."""
+        ns, link, address = self.nodes[0]
+        control = Path(self.cfg.trial_dir) / "control"
+        control.mkdir()
+        config = Path(self.cfg.trial_dir) / "trial.json"
+        config.write_text(self.cfg.to_json())
+        write_command(control, 0, [self.agent_slot(0)])
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAMPAIGN_BIND_ADDR": address, "GLOO_SOCKET_IFNAME": link}
+        with open(self.folder / "node0.log", "ab") as log:
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "training.elastic", "--config", str(config),
+                                                "--control", str(control), "--node", ns, "--store-port", str(port)],
+                                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def agent_slot(self, i: int) -> dict:
+        ns = self.nodes[i][0]
+        return {"id": f"{ns}/cpu{i}", "node": ns, "env": {"CAMPAIGN_CPU_CORES": str(i % os.cpu_count()), "CUDA_VISIBLE_DEVICES": ""}}
+
+    def grow_agent(self, port: int) -> None:
+        """Node b's host, and the agent's command to grow onto b's device."""
+        ns, link, address = self.nodes[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAMPAIGN_BIND_ADDR": address, "GLOO_SOCKET_IFNAME": link}
+        with open(self.folder / "node1.log", "ab") as log:
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "training.elastic_host",
+                                                "--store", f"{self.nodes[0][2]}:{port}", "--node", ns],
+                                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        write_command(Path(self.cfg.trial_dir) / "control", 1, [self.agent_slot(0), self.agent_slot(1)])
+
+    def agent_resize(self) -> dict:
+        """The agent's resize as its trainer recorded it (resizes.jsonl), and the steps it lost."""
+        import json
+
+        path = Path(self.cfg.trial_dir) / "resizes.jsonl"
+        while not path.exists() or not path.read_text().strip():
+            time.sleep(0.01)
+        event = json.loads(path.read_text().splitlines()[0])
+        log = (self.folder / "node0.log").read_text(errors="replace")
+        stopped = int(log.split("stopped at step ")[1].split()[0])
+        started = int(log.split("generation 1 on 2 device(s)")[1].split("step ")[1].split(",")[0])
+        return {"recorded_pause_s": event["pause_s"], "steps_lost": stopped - started, "from": event["pause_breakdown_s"]}
+
     def look(self) -> tuple[int, int]:
         """The progress file now: (step, world size), recorded with the time it was seen."""
         progress = read_progress(self.cfg.trial_dir)
@@ -141,6 +189,8 @@ class Trial:
         self.procs = [p for p in self.procs if p.poll() is None]
 
     def resumed_from(self) -> int:
+        if (Path(self.cfg.trial_dir) / "control").exists():  # our agent: no resume, a resize
+            return -1
         text = "".join((self.folder / f"node{i}.log").read_text(errors="replace") for i in range(2)
                        if (self.folder / f"node{i}.log").exists())
         return max(int(line.split("resumed at step ")[1].split()[0]) for line in text.splitlines() if "world size 2, resumed at step" in line)
@@ -149,11 +199,16 @@ class Trial:
 def one_round(way: str, folder: Path, digits: Path, nodes: list, port: int, grow_at: int, every: int) -> dict[str, float]:
     trial = Trial(folder, digits, nodes, elastic=way == "elastic", port=port, steps=100 * grow_at, every=every, stop=way == "stop file")
     try:
-        trial.launch(0, 2 if way == "elastic" else 1)
+        if way == "agent":
+            trial.launch_agent(port)
+        else:
+            trial.launch(0, 2 if way == "elastic" else 1)
         trial.wait(lambda step, world: step >= grow_at and world == 1)
         decided = time.time()
         at_decision = trial.look()[0]
-        if way == "elastic":
+        if way == "agent":
+            trial.grow_agent(port)
+        elif way == "elastic":
             trial.launch(1, 2)
         elif way == "stop file":
             Path(trial.cfg.stop_path).touch()
@@ -173,10 +228,12 @@ def one_round(way: str, folder: Path, digits: Path, nodes: list, port: int, grow
         trial.wait(lambda step, world: world == 2 and step > 0 and any(w == 1 for _, _, w in trial.seen))
         first_two = next(t for t, _, w in trial.seen if w == 2 and t >= decided)
         last_one = max(t for t, _, w in trial.seen if w == 1)
-        resumed = trial.resumed_from()
+        figures = {"latency_s": first_two - decided, "pause_s": first_two - last_one, "step_at_decision": at_decision}
+        if way == "agent":
+            recorded = trial.agent_resize()
+            return figures | {"steps_lost": recorded["steps_lost"], "recorded_pause_s": recorded["recorded_pause_s"]}
         last_step_at_one = max(s for _, s, w in trial.seen if w == 1)
-        return {"latency_s": first_two - decided, "pause_s": first_two - last_one, "steps_lost": max(0, last_step_at_one - resumed),
-                "step_at_decision": at_decision}
+        return figures | {"steps_lost": max(0, last_step_at_one - trial.resumed_from())}
     finally:
         trial.stop()
 
@@ -186,6 +243,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--grow-at", type=int, default=300, help="the step at world size 1 where node b is added")
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--ways", default="agent,elastic,relaunch,stop file", help="which ways, comma-separated")
     args = parser.parse_args()
     console = Console(width=160)
     console.print(f"[bold]command:[/bold] {' '.join(sys.argv)}")
@@ -195,13 +253,13 @@ def main() -> None:
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"cannot make network namespaces here ({getattr(e, 'stderr', e)}): run as root with iproute2")
     work = Path(tempfile.mkdtemp(prefix="cross-node-resize-"))
-    ways = ("elastic", "relaunch", "stop file")
+    ways = tuple(way.strip() for way in args.ways.split(","))
     results: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     try:
         digits = prepare_digits(work / "digits.npz")
         port = 29600
         for r in range(args.rounds):
-            for way in ways[r % 3:] + ways[:r % 3]:  # each way first in turn
+            for way in ways[r % len(ways):] + ways[:r % len(ways)]:  # each way first in turn
                 port += 1
                 figures = one_round(way, work / f"{way.replace(' ', '-')}-{r}", digits, nodes.nodes, port, args.grow_at, args.checkpoint_every)
                 results[way].append(figures)
@@ -211,12 +269,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     table = Table(title=f"1 node -> 2 nodes at step ~{args.grow_at}, checkpoint every {args.checkpoint_every} steps "
                         f"(medians of {args.rounds} rounds)")
-    for column in ("way", "latency s", "pause s", "steps lost"):
+    for column in ("way", "latency s", "pause s", "steps lost", "recorded pause s"):
         table.add_column(column, justify="right" if column != "way" else "left")
-    for way, label in (("elastic", "elastic (--nnodes=1:2, node b joins)"), ("relaunch", "stop + relaunch from the DVC remote"),
-                       ("stop file", "stop at a checkpoint + relaunch (a pool's move)")):
+    labels = (("agent", "our agent across nodes (in memory)"), ("elastic", "torchrun elastic (--nnodes=1:2, node b joins)"),
+                       ("relaunch", "stop + relaunch from the DVC remote"), ("stop file", "stop at a checkpoint + relaunch (a pool's move)"))
+    for way, label in ((way, label) for way, label in labels if way in ways):
         rows = results[way]
-        table.add_row(label, *(f"{statistics.median(r[key] for r in rows):.2f}" for key in ("latency_s", "pause_s", "steps_lost")))
+        table.add_row(label, *(f"{statistics.median(r[key] for r in rows):.2f}" if key in rows[0] else "-"
+                               for key in ("latency_s", "pause_s", "steps_lost", "recorded_pause_s")))
     console.print(table)
 
 

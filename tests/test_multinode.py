@@ -223,11 +223,12 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
     gets the state from rank 0 on a; no checkpoint written for either), the stop signals
     through the agent's store; the samples of every step and the final weights are a fixed
     one-device run's, bit for bit (two logical ranks). The agent's store listens on a's
-    address only. Then node b is lost outright at 2: the agent ends its trial (the
-    launcher's retry resumes it from the last checkpoint), saying which worker died."""
+    address only. Then node b is lost outright at 2 devices, and comes back (below)."""
     import signal
 
-    from elastic_helpers import final_weights as weights_of, finish, resizes, run, start, trace, trial_config, wait_for_step
+    from elastic_helpers import (final_weights as weights_of, finish, hold, release_when_asked_to_stop, resize, resizes, run, start,
+                                 step_of, stop_requests, trace, trial_config, wait_for_step)
+
 
     (ns_a, link_a, addr_a), (ns_b, link_b, addr_b) = two_nodes
     store = f"{addr_a}:29541"
@@ -249,12 +250,33 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
     spanned = trial_config(tmp_path / "spanned", digits_npz, steps=400, hold_at_step=100)
     Path(spanned.trial_dir).mkdir(parents=True)
     node_b = host(tmp_path / "host.log")
+
+    def resize_when_held(agent: subprocess.Popen, seq: int, devices: int) -> None:
+        """Held at a control step (the hold file), the trial is resized, and let go once its
+        agent asks it to stop: neither a joiner's start nor the host's load costs it steps,
+        nor can it end before the resize."""
+        before = stop_requests(spanned)
+        resize(spanned, seq, devices, slots=slots)
+        release_when_asked_to_stop(spanned, agent, before)
+        deadline = time.time() + 120
+        while len(resizes(spanned)) < seq:
+            assert agent.poll() is None and time.time() < deadline, (Path(spanned.trial_dir) / "agent.log").read_text()[-3000:]
+            time.sleep(0.01)
+
+    held = hold(spanned)
+    agent = start(spanned, 1, slots, **on_a)
     try:
-        agent = run(spanned, 1, [(100, 2), (300, 1)], slots=slots, **on_a)
+        wait_for_step(spanned, 100, agent, timeout=180)
+        resize_when_held(agent, 1, 2)  # held at step 100
         assert listening(ns_a) <= {addr_a, "127.0.0.1"}, listening(ns_a)  # its store: a's address, not every interface
+        hold(spanned)  # held again at its next control step
+        resize_when_held(agent, 2, 1)
         finish(agent, spanned)
     finally:
-        node_b.kill()
+        held.unlink(missing_ok=True)
+        for proc in (agent, node_b):
+            if proc.poll() is None:
+                proc.kill()
     log = (Path(spanned.trial_dir) / "agent.log").read_text()
     events = resizes(spanned)
     assert [(e["from"], e["to"], e["mode"]) for e in events] == [
@@ -267,18 +289,40 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
     for name in reference:
         assert torch.equal(reference[name], result[name]), name
 
-    # Node b lost at 2 devices: its host and worker killed outright.
-    lost = trial_config(tmp_path / "lost", digits_npz, steps=100_000, checkpoint_every=50)
-    Path(lost.trial_dir).mkdir(parents=True)
+    # Node b lost at 2 devices, its host and worker killed outright: the agent goes on alone from
+    # the last checkpoint (at most one interval trained again), and grows back onto b in memory
+    # once a new host beats there; the result is still the fixed run's, bit for bit.
+    lost = trial_config(tmp_path / "lost", digits_npz, steps=400, checkpoint_every=50, hold_at_step=300)
+    held = hold(lost)
     node_b = host(tmp_path / "host-lost.log")
     agent = start(lost, 2, slots, **on_a)
     try:
-        wait_for_step(lost, 60, agent, timeout=180)
+        wait_for_step(lost, 150, agent, timeout=180)
         os.killpg(node_b.pid, signal.SIGKILL)
-        assert agent.wait(timeout=120) != 0
+        killed_at = step_of(lost)
+        deadline = time.time() + 120
+        while not resizes(lost):
+            assert agent.poll() is None and time.time() < deadline, (Path(lost.trial_dir) / "agent.log").read_text()[-3000:]
+            time.sleep(0.1)
+        wait_for_step(lost, 300, agent)  # held there until b is back
+        node_b = host(tmp_path / "host-back.log")
+        before = stop_requests(lost)
+        resize(lost, 1, 2, slots=slots)
+        release_when_asked_to_stop(lost, agent, before)
+        finish(agent, lost)
     finally:
+        held.unlink(missing_ok=True)
         for proc in (agent, node_b):
             if proc.poll() is None:
                 proc.kill()
     log = (Path(lost.trial_dir) / "agent.log").read_text()
-    assert "ending the trial's other processes" in log, log[-3000:]
+    gone, back = resizes(lost)
+    assert (gone["mode"], gone["to"], back["mode"], back["to"]) == ("node lost", [f"{ns_a}/cpu0"], "resize", [f"{ns_a}/cpu0", f"{ns_b}/cpu1"]), log[-3000:]
+    resumed = int(log.split("generation 1 on 1 device(s)")[1].split("step ")[1].split(",")[0])
+    assert killed_at - resumed <= lost.checkpoint_every + lost.log_every, (killed_at, resumed)
+    assert f"{ns_b} lost: the trial goes on from its last checkpoint" in log, log[-3000:]
+    tl = trace(lost)
+    assert sorted(tl) == list(range(400)) and all(ta[s][0] == tl[s][0] for s in ta)
+    result = weights_of(lost)
+    for name in reference:
+        assert torch.equal(reference[name], result[name]), name

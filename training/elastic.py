@@ -46,8 +46,9 @@ from pathlib import Path
 
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
-from training.elastic_host import LOST_S, host_key, stop_key
+from training.elastic_host import LOST_S, host_key, incarnation_key, stop_key
 from training.loopback import bind_address, loopback_store
+from training.progress import read_progress
 from training.process import die_with_parent, skip_final_collection
 from training.agent_state import agent_state_now
 from training.layout import agent_state_in
@@ -77,10 +78,14 @@ class WorkerDied(RuntimeError):
 @dataclass
 class Worker:
     wid: str
-    device_id: str
+    device: dict  # as the command gave it: {"id", "env"[, "node"]}
     proc: "subprocess.Popen | ForkedProcess | RemoteProcess"
     assignments: int = 0
     leaving: bool = False
+
+    @property
+    def device_id(self) -> str:
+        return self.device["id"]
 
 
 class RemoteProcess:
@@ -90,8 +95,8 @@ class RemoteProcess:
 
     CHECK_S = 0.05  # the agent polls every few ms while a resize is under way: a round trip each would add up
 
-    def __init__(self, store, node: str, wid: str, beats: "NodeBeats"):
-        self.store, self.node, self.wid, self.beats = store, node, wid, beats
+    def __init__(self, store, node: str, incarnation: int, wid: str, beats: "NodeBeats"):
+        self.store, self.node, self.incarnation, self.wid, self.beats = store, node, incarnation, wid, beats
         self.pid = None
         self.code: int | None = None
         self.checked = 0.0
@@ -99,10 +104,10 @@ class RemoteProcess:
     def poll(self) -> int | None:
         if self.code is None and time.time() - self.checked >= self.CHECK_S:
             self.checked = time.time()
-            key = host_key(self.node, "exit", self.wid)
+            key = host_key(self.node, self.incarnation, "exit", self.wid)
             if self.store.check([key]):
                 self.code = int(self.store.get(key))
-            elif self.beats.lost(self.node):
+            elif self.beats.lost(self.node, self.incarnation):
                 self.code = -signal.SIGKILL
         return self.code
 
@@ -113,7 +118,7 @@ class RemoteProcess:
 
     def kill(self) -> None:
         if self.code is None:
-            self.store.set(host_key(self.node, "kill", self.wid), "")
+            self.store.set(host_key(self.node, self.incarnation, "kill", self.wid), "")
 
 
 class NodeBeats:
@@ -121,19 +126,24 @@ class NodeBeats:
 
     def __init__(self, store):
         self.store = store
-        self.seen: dict[str, tuple[int, float]] = {}  # node -> (beat count, when it last changed)
+        self.seen: dict[tuple[str, int], tuple[int, float]] = {}  # (node, incarnation) -> (beats, when they last changed)
 
-    def lost(self, node: str) -> bool:
-        count = self.store.add(host_key(node, "beat"), 0)
-        last, since = self.seen.get(node, (-1, time.time()))
+    def lost(self, node: str, incarnation: int) -> bool:
+        count = self.store.add(host_key(node, incarnation, "beat"), 0)
+        last, since = self.seen.get((node, incarnation), (-1, time.time()))
         if count != last:
-            self.seen[node] = (count, time.time())
+            self.seen[(node, incarnation)] = (count, time.time())
             return False
         return time.time() - since > LOST_S
 
-    def wait_for_host(self, node: str, address: str, timeout_s: float) -> None:
+    def host(self, node: str, address: str, timeout_s: float) -> int:
+        """The incarnation of the node's host that beats now; TimeoutError, saying how to start
+        one, if none comes within `timeout_s` (none yet, or the last one lost)."""
         deadline = time.time() + timeout_s
-        while self.store.add(host_key(node, "beat"), 0) == 0:
+        while True:
+            incarnation = self.store.add(incarnation_key(node), 0)
+            if incarnation > 0 and not self.lost(node, incarnation):
+                return incarnation
             if time.time() > deadline:
                 raise TimeoutError(f"no host for node {node!r} on this agent's store after {timeout_s:.0f} s: start "
                                    f"`python -m training.elastic_host --store {address} --node {node}` there")
@@ -170,7 +180,7 @@ class Agent:
         self.zygote: Zygote | None = None  # started with the first worker (forked_worker)
         self.store = loopback_store(store_port, wait_for_workers=False, timeout=timedelta(days=7), address=bind_address())
         self.beats = NodeBeats(self.store)
-        self.spawned: dict[str, int] = {}  # node -> how many workers its host was asked for
+        self.spawned: dict[tuple[str, int], int] = {}  # (node, incarnation) -> how many workers its host was asked for
         self.workers: dict[str, Worker] = {}
         self.members: list[str] = []
         self.gen = -1
@@ -203,7 +213,7 @@ class Agent:
         wid = f"w{self._next_wid}"
         self._next_wid += 1
         if self.remote(device):
-            self.workers[wid] = Worker(wid, device["id"], self.spawn_remote(device, wid))
+            self.workers[wid] = Worker(wid, device, self.spawn_remote(device, wid))
             return wid
         env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_ADDR": self.store.host,
                "CAMPAIGN_STORE_PORT": str(self.store.port), **WORKER_ENV}
@@ -212,20 +222,20 @@ class Agent:
             proc = self.forked_worker(args, env, worker_name(wid))
         except ZygoteGone:  # started on its own, as before the zygote
             proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
-        self.workers[wid] = Worker(wid, device["id"], proc)
+        self.workers[wid] = Worker(wid, device, proc)
         return wid
 
     def spawn_remote(self, device: dict, wid: str) -> RemoteProcess:
         """Ask the device's node's host for the worker. Only the device's own environment goes
         with it: the rest (its interfaces, paths) is the host's node's."""
         node = device["node"]
-        self.beats.wait_for_host(node, self.store_address(), HOST_WAIT_S)
-        k = self.spawned.get(node, 0)
-        self.spawned[node] = k + 1
+        incarnation = self.beats.host(node, self.store_address(), HOST_WAIT_S)
+        k = self.spawned.get((node, incarnation), 0)
+        self.spawned[(node, incarnation)] = k + 1
         request = {"wid": wid, "env": device.get("env", {}), "config": str(self.config.resolve()),
                    "config_text": self.config.read_text()}
-        self.store.set(host_key(node, "spawn", str(k)), json.dumps(request))
-        return RemoteProcess(self.store, node, wid, self.beats)
+        self.store.set(host_key(node, incarnation, "spawn", str(k)), json.dumps(request))
+        return RemoteProcess(self.store, node, incarnation, wid, self.beats)
 
     def forked_worker(self, args: list[str], env: dict[str, str], name: str) -> ForkedProcess:
         """The workers are forked from one process that imports torch and the trainer once
@@ -401,7 +411,13 @@ class Agent:
         while True:
             if self.terminating:
                 return self.stop_for_campaign()
-            self.check_workers()
+            try:
+                self.check_workers()
+            except WorkerDied as died:
+                if not self.go_on_without_lost_nodes(died):
+                    raise
+                self.write_state("running")
+                continue
             if self.members_finished():
                 self.write_state("finished")
                 return FINISHED
@@ -415,6 +431,40 @@ class Agent:
                     return outcome
                 self.write_state("running")
             time.sleep(IDLE_POLL_S)
+
+    def go_on_without_lost_nodes(self, died: WorkerDied) -> bool:
+        """A worker died while the trial spans nodes. If a node is lost (its host stopped
+        beating: the machine, its network or the host gone), every process of the generation
+        is ended and the trial goes on from its last complete checkpoint on the devices left,
+        this node's among them: at most one checkpoint interval is trained again, and the
+        node's devices come back with a later command, once a host there beats again. False
+        when no node is lost: the death is the trial's own failure."""
+        nodes = {(w.proc.node, w.proc.incarnation) for w in map(self.workers.get, self.members) if isinstance(w.proc, RemoteProcess)}
+        if not nodes:
+            return False
+        seen_at, before = time.time(), self.devices()
+        self.kill_all(wait=False)  # the others are stuck in, or fail at, a collective with the dead one
+        lost: set[tuple[str, int]] = set()
+        while not lost and time.time() < seen_at + LOST_S + 2.0:
+            lost = {node for node in nodes if self.beats.lost(*node)}
+            time.sleep(IDLE_POLL_S)
+        if not lost:
+            return False
+        left = [w.device for w in map(self.workers.get, self.members)
+                if not isinstance(w.proc, RemoteProcess) or (w.proc.node, w.proc.incarnation) not in lost]
+        print(f"elastic agent: {died}; node(s) {', '.join(sorted(n for n, _ in lost))} lost: the trial goes on from its last "
+              f"checkpoint on {', '.join(d['id'] for d in left)}", file=sys.stderr, flush=True)
+        self.kill_all(wait=True)
+        self.workers.clear()
+        self.members = []
+        wids = [self.spawn(d) for d in left]
+        self.wait_for([f"ready/{w}" for w in wids])
+        progress = read_progress(TrialConfig.from_file(self.config).trial_dir)
+        request = {"seq": self.seq, "mode": "node lost", "requested_at": seen_at, "from": before, "to": [d["id"] for d in left],
+                   "ready_at": time.time(), "stopped_at": seen_at,
+                   "last_step_at": min(seen_at, progress.updated) if progress is not None else seen_at}  # its last progress write
+        self.start_generation(wids, "disk", wids, request)
+        return True
 
     def stop_for_campaign(self) -> int:
         """The campaign is stopping (SIGTERM to the trial's process group): a function trial's

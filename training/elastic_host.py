@@ -12,7 +12,9 @@ the trial's state from rank 0 in memory while the others keep theirs, so growing
 or shrinking off it pauses training as briefly as a resize on one node, where a torchrun
 trial across nodes restarts every process from a checkpoint (bench/cross_node_resize.py).
 
-Protocol: keys in the agent's store, each under `host/<node>/` (host_key):
+Protocol: keys in the agent's store. A host that starts takes the node's next incarnation
+(`host/<node>/incarnation`, added to), so that a node that comes back after it was lost
+starts afresh; the rest are under `host/<node>/<incarnation>/` (host_key):
     beat          added to every BEAT_S by the host; a node whose beat stops for LOST_S is lost
     spawn/<k>     {"wid", "env", "config", "config_text"}: the k-th worker to start (k from 0)
     kill/<wid>    set by the agent: kill that worker
@@ -35,13 +37,17 @@ from datetime import timedelta
 from pathlib import Path
 
 BEAT_S = 0.5
-LOST_S = 10.0  # no beat for this long: the node is taken as lost (its workers as killed)
+LOST_S = 5.0  # no beat for this long: the node is taken as lost (its workers as killed)
 POLL_S = 0.01
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as training.elastic's
 
 
-def host_key(node: str, *parts: str) -> str:
-    return "/".join(("host", node, *parts))
+def incarnation_key(node: str) -> str:
+    return f"host/{node}/incarnation"
+
+
+def host_key(node: str, incarnation: int, *parts: str) -> str:
+    return "/".join(("host", node, str(incarnation), *parts))
 
 
 def stop_key(path: Path) -> str:
@@ -58,6 +64,10 @@ class Host:
         self.reported: set[str] = set()
         self.next_spawn = 0
         self.last_beat = 0.0
+        self.incarnation = store.add(incarnation_key(node), 1)
+
+    def key(self, *parts: str) -> str:
+        return host_key(self.node, self.incarnation, *parts)
 
     def spawn(self, request: dict) -> None:
         from training.elastic import worker_name
@@ -85,20 +95,20 @@ class Host:
 
     def step(self) -> None:
         """One pass: start what was asked, kill what was told, report what exited, beat."""
-        while self.store.check([host_key(self.node, "spawn", str(self.next_spawn))]):
-            self.spawn(json.loads(self.store.get(host_key(self.node, "spawn", str(self.next_spawn)))))
+        while self.store.check([self.key("spawn", str(self.next_spawn))]):
+            self.spawn(json.loads(self.store.get(self.key("spawn", str(self.next_spawn)))))
             self.next_spawn += 1
         for wid, proc in self.workers.items():
             if wid in self.reported:
                 continue
             code = proc.poll()
-            if code is None and self.store.check([host_key(self.node, "kill", wid)]):
+            if code is None and self.store.check([self.key("kill", wid)]):
                 proc.kill()
             elif code is not None:
-                self.store.set(host_key(self.node, "exit", wid), str(code))
+                self.store.set(self.key("exit", wid), str(code))
                 self.reported.add(wid)
         if time.time() - self.last_beat >= BEAT_S:
-            self.store.add(host_key(self.node, "beat"), 1)
+            self.store.add(self.key("beat"), 1)
             self.last_beat = time.time()
 
     def run(self) -> int:
