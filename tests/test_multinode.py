@@ -229,7 +229,6 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
     from elastic_helpers import (final_weights as weights_of, finish, hold, release_when_asked_to_stop, resize, resizes, run, start,
                                  step_of, stop_requests, trace, trial_config, wait_for_step)
 
-
     (ns_a, link_a, addr_a), (ns_b, link_b, addr_b) = two_nodes
     store = f"{addr_a}:29541"
     base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -251,32 +250,38 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
     Path(spanned.trial_dir).mkdir(parents=True)
     node_b = host(tmp_path / "host.log")
 
-    def resize_when_held(agent: subprocess.Popen, seq: int, devices: int) -> None:
+    def resize_when_held(cfg: TrialConfig, agent: subprocess.Popen, seq: int, devices: int) -> None:
         """Held at a control step (the hold file), the trial is resized, and let go once its
         agent asks it to stop: neither a joiner's start nor the host's load costs it steps,
         nor can it end before the resize."""
-        before = stop_requests(spanned)
-        resize(spanned, seq, devices, slots=slots)
-        release_when_asked_to_stop(spanned, agent, before)
+        before = stop_requests(cfg)
+        resize(cfg, seq, devices, slots=slots)
+        release_when_asked_to_stop(cfg, agent, before)
+        wait_for_resizes(cfg, agent, seq)
+
+    def wait_for_resizes(cfg: TrialConfig, agent: subprocess.Popen, count: int) -> None:
         deadline = time.time() + 120
-        while len(resizes(spanned)) < seq:
-            assert agent.poll() is None and time.time() < deadline, (Path(spanned.trial_dir) / "agent.log").read_text()[-3000:]
+        while len(resizes(cfg)) < count:
+            assert agent.poll() is None and time.time() < deadline, (Path(cfg.trial_dir) / "agent.log").read_text()[-3000:]
             time.sleep(0.01)
+
+    def end(held: Path, *procs: subprocess.Popen) -> None:
+        held.unlink(missing_ok=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
 
     held = hold(spanned)
     agent = start(spanned, 1, slots, **on_a)
     try:
         wait_for_step(spanned, 100, agent, timeout=180)
-        resize_when_held(agent, 1, 2)  # held at step 100
+        resize_when_held(spanned, agent, 1, 2)  # held at step 100
         assert listening(ns_a) <= {addr_a, "127.0.0.1"}, listening(ns_a)  # its store: a's address, not every interface
         hold(spanned)  # held again at its next control step
-        resize_when_held(agent, 2, 1)
+        resize_when_held(spanned, agent, 2, 1)
         finish(agent, spanned)
     finally:
-        held.unlink(missing_ok=True)
-        for proc in (agent, node_b):
-            if proc.poll() is None:
-                proc.kill()
+        end(held, agent, node_b)
     log = (Path(spanned.trial_dir) / "agent.log").read_text()
     events = resizes(spanned)
     assert [(e["from"], e["to"], e["mode"]) for e in events] == [
@@ -300,21 +305,13 @@ def test_an_elastic_trial_grows_onto_another_node_and_off_it_in_memory(tmp_path,
         wait_for_step(lost, 150, agent, timeout=180)
         os.killpg(node_b.pid, signal.SIGKILL)
         killed_at = step_of(lost)
-        deadline = time.time() + 120
-        while not resizes(lost):
-            assert agent.poll() is None and time.time() < deadline, (Path(lost.trial_dir) / "agent.log").read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_resizes(lost, agent, 1)  # the node's loss
         wait_for_step(lost, 300, agent)  # held there until b is back
         node_b = host(tmp_path / "host-back.log")
-        before = stop_requests(lost)
-        resize(lost, 1, 2, slots=slots)
-        release_when_asked_to_stop(lost, agent, before)
+        resize_when_held(lost, agent, 1, 2)
         finish(agent, lost)
     finally:
-        held.unlink(missing_ok=True)
-        for proc in (agent, node_b):
-            if proc.poll() is None:
-                proc.kill()
+        end(held, agent, node_b)
     log = (Path(lost.trial_dir) / "agent.log").read_text()
     gone, back = resizes(lost)
     assert (gone["mode"], gone["to"], back["mode"], back["to"]) == ("node lost", [f"{ns_a}/cpu0"], "resize", [f"{ns_a}/cpu0", f"{ns_b}/cpu1"]), log[-3000:]
