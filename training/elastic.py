@@ -46,7 +46,7 @@ from pathlib import Path
 
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
-from training.elastic_host import LOST_S, host_key, incarnation_key, stop_key
+from training.elastic_host import LOST_S, host_key, incarnation_key, sign_request, stop_key
 from training.loopback import bind_address, loopback_store
 from training.progress import read_progress
 from training.process import die_with_parent, skip_final_collection
@@ -99,6 +99,7 @@ class RemoteProcess:
         self.store, self.node, self.incarnation, self.wid, self.beats = store, node, incarnation, wid, beats
         self.pid = None
         self.code: int | None = None
+        self.why = ""  # the host's reason, for a worker it refused to start
         self.checked = 0.0
 
     def poll(self) -> int | None:
@@ -107,6 +108,8 @@ class RemoteProcess:
             key = host_key(self.node, self.incarnation, "exit", self.wid)
             if self.store.check([key]):
                 self.code = int(self.store.get(key))
+                why = host_key(self.node, self.incarnation, "why", self.wid)
+                self.why = self.store.get(why).decode() if self.store.check([why]) else ""
             elif self.beats.lost(self.node, self.incarnation):
                 self.code = -signal.SIGKILL
         return self.code
@@ -234,7 +237,8 @@ class Agent:
         self.spawned[(node, incarnation)] = k + 1
         request = {"wid": wid, "env": device.get("env", {}), "config": str(self.config.resolve()),
                    "config_text": self.config.read_text()}
-        self.store.set(host_key(node, incarnation, "spawn", str(k)), json.dumps(request))
+        key = host_key(node, incarnation, "spawn", str(k))
+        self.store.set(key, json.dumps(sign_request(key, request)))  # a host runs only what this agent signed
         return RemoteProcess(self.store, node, incarnation, wid, self.beats)
 
     def forked_worker(self, args: list[str], env: dict[str, str], name: str) -> ForkedProcess:
@@ -263,7 +267,8 @@ class Agent:
                 continue
             if code == 0 and wid in self.members:
                 continue  # finished training: the agent sees all members end
-            raise WorkerDied(f"worker {wid} on {worker.device_id} exited with code {code}")
+            why = f" ({worker.proc.why})" if getattr(worker.proc, "why", "") else ""
+            raise WorkerDied(f"worker {wid} on {worker.device_id} exited with code {code}{why}")
 
     def members_finished(self) -> bool:
         return bool(self.members) and all(self.workers[w].proc.poll() == 0 for w in self.members)

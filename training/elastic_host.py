@@ -16,17 +16,25 @@ Protocol: keys in the agent's store. A host that starts takes the node's next in
 (`host/<node>/incarnation`, added to), so that a node that comes back after it was lost
 starts afresh; the rest are under `host/<node>/<incarnation>/` (host_key):
     beat          added to every BEAT_S by the host; a node whose beat stops for LOST_S is lost
-    spawn/<k>     {"wid", "env", "config", "config_text"}: the k-th worker to start (k from 0)
+    spawn/<k>     {"wid", "env", "config", "config_text", "hmac"}: the k-th worker to start (k from 0)
     kill/<wid>    set by the agent: kill that worker
-    exit/<wid>    set by the host: that worker's exit code
+    exit/<wid>    set by the host: that worker's exit code (and why/<wid>, for one it refused)
 The store has no authentication (as torchrun's): it listens on the agent node's address,
-only while the trial runs. The host ends when the agent's store goes (the agent exited), and
-kills what is left of its workers first; its workers die with it.
+only while the trial runs, and anyone who reaches it could disturb the trial. What it could
+not do is run code here: a worker runs the config it is sent, and a config names code to
+import (`model.target`), so each spawn request carries an HMAC-SHA256 by the checkpoint key
+(training/manifest.py `signing_key`, which the nodes of a trial across nodes share to verify
+each other's checkpoints) over the request and the key it was written under, and a host
+refuses one that does not verify: nothing starts, the worker's exit is 2 and `why/<wid>`
+says why. The host ends when the agent's store goes (the agent exited), and kills what is
+left of its workers first; its workers die with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -48,6 +56,30 @@ def incarnation_key(node: str) -> str:
 
 def host_key(node: str, incarnation: int, *parts: str) -> str:
     return "/".join(("host", node, str(incarnation), *parts))
+
+
+def sign_request(store_key: str, request: dict) -> dict:
+    """The spawn request with its signature, bound to the store key it is written under."""
+    return {**request, "hmac": _signature(store_key, request)}
+
+
+def request_problem(store_key: str, signed: dict) -> str | None:
+    """Why a spawn request must not run (None: it is the agent's, unchanged)."""
+    if not isinstance(signed, dict) or not isinstance(signed.get("hmac"), str):
+        return "unsigned"
+    body = {k: v for k, v in signed.items() if k != "hmac"}
+    if set(body) != {"wid", "env", "config", "config_text"}:
+        return f"unexpected fields {sorted(body)}"
+    if not hmac.compare_digest(signed["hmac"], _signature(store_key, body)):
+        return "its signature does not verify with this node's checkpoint key ($CAMPAIGN_CHECKPOINT_KEY: the agent's node's key)"
+    return None
+
+
+def _signature(store_key: str, request: dict) -> str:
+    from training.manifest import signing_key
+
+    canonical = json.dumps({"key": store_key, "request": request}, sort_keys=True).encode()
+    return hmac.new(signing_key(), canonical, hashlib.sha256).hexdigest()
 
 
 def stop_key(path: Path) -> str:
@@ -90,14 +122,30 @@ class Host:
             proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
         self.workers[request["wid"]] = proc
 
+    def refuse(self, key: str, request, problem: str) -> None:
+        """Nothing of the request runs; the agent sees its worker exit with 2, and why."""
+        wid = request.get("wid") if isinstance(request, dict) and isinstance(request.get("wid"), str) else None
+        print(f"elastic host {self.node}: refused {key}: {problem}", flush=True)
+        if wid is not None and wid not in self.workers:
+            self.store.set(self.key("why", wid), f"node {self.node} refused to start it: {problem}")
+            self.store.set(self.key("exit", wid), "2")
+            self.reported.add(wid)
+
     def store_address(self) -> tuple[str, int]:
         return self.store.host, self.store.port
 
     def step(self) -> None:
         """One pass: start what was asked, kill what was told, report what exited, beat."""
-        while self.store.check([self.key("spawn", str(self.next_spawn))]):
-            self.spawn(json.loads(self.store.get(self.key("spawn", str(self.next_spawn)))))
+        while self.store.check([key := self.key("spawn", str(self.next_spawn))]):
             self.next_spawn += 1
+            try:
+                request = json.loads(self.store.get(key))
+            except ValueError:
+                request = None
+            if (problem := request_problem(key, request)) is not None:
+                self.refuse(key, request, problem)
+                continue
+            self.spawn(request)
         for wid, proc in self.workers.items():
             if wid in self.reported:
                 continue
