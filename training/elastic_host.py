@@ -103,7 +103,7 @@ class Host:
 
     def spawn(self, request: dict) -> None:
         from training.elastic import worker_name
-        from training.zygote import Zygote, ZygoteGone
+        from training.zygote import ZygoteGone
 
         config = Path(request["config"])
         if not config.exists():  # nothing shared with the agent's node: the trial's config travels with the request
@@ -114,13 +114,20 @@ class Host:
                "CAMPAIGN_STORE_PORT": str(port), **WORKER_ENV}
         args = ["--config", str(config)]
         try:
-            if self.zygote is None:
-                self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, self.python,
-                                     output=None, serves=f"elastic host {self.node}")
-            proc = self.zygote.fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(request["wid"]))
+            proc = self.start_zygote().fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(request["wid"]))
         except ZygoteGone:
             proc = subprocess.Popen([self.python, "-m", "training.elastic_worker", *args], env=env)
         self.workers[request["wid"]] = proc
+
+    def start_zygote(self):
+        """The zygote the workers are forked from, started with the host: its import of torch
+        and the trainer is done before the agent asks for a worker, not while the trial waits."""
+        from training.zygote import Zygote
+
+        if self.zygote is None:
+            self.zygote = Zygote(["training.elastic_worker"], Path.cwd(), {**os.environ, **WORKER_ENV}, self.python,
+                                 output=None, serves=f"elastic host {self.node}")
+        return self.zygote
 
     def refuse(self, key: str, request, problem: str) -> None:
         """Nothing of the request runs; the agent sees its worker exit with 2, and why."""
@@ -160,6 +167,7 @@ class Host:
             self.last_beat = time.time()
 
     def run(self) -> int:
+        self.start_zygote()
         try:
             while True:
                 self.step()
