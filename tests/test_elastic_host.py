@@ -51,3 +51,21 @@ def test_a_host_starts_nothing_it_was_not_sent_by_the_agent_and_says_so(store, h
         assert store.get(host.key("exit", "w1")) == b"2"
         assert store.get(host.key("why", "w1")).decode().startswith("node b refused to start it")
     assert store.add(host.key("beat"), 0) == 1  # it beats on, serving the agent
+
+
+def test_an_agent_keeps_rank_0_on_its_node_and_says_how_to_start_a_missing_host(tmp_path):
+    """A command with no device on the agent's node is refused as a pool node's relay refuses
+    (the trial goes on as it was); a device on a node with no host fails with the command that
+    starts one."""
+    from training.elastic import Agent, NodeBeats, refused_path
+    from training.files import read_json
+
+    control = tmp_path / "control"
+    control.mkdir()
+    agent = Agent(tmp_path / "trial.json", control, node="a")
+    command = {"seq": 1, "devices": [{"id": "b/cpu0", "node": "b", "env": {}}], "mode": "resize", "requested_at": 0.0}
+    assert agent.apply(command) is None and agent.workers == {}
+    refusal = read_json(refused_path(control, 1))
+    assert "no device on the agent's node 'a'" in refusal["reason"] and "b/cpu0" in refusal["reason"]
+    with pytest.raises(TimeoutError, match=r"no host for node 'b'.*python -m training.elastic_host --store 127\.0\.0\.1:\d+ --node b"):
+        NodeBeats(agent.store).host("b", agent.store_address(), timeout_s=0.2)
