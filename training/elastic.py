@@ -75,6 +75,10 @@ class WorkerDied(RuntimeError):
     pass
 
 
+class CannotPlace(RuntimeError):
+    """The first command names no device on the agent's node (rank 0 stays there)."""
+
+
 @dataclass
 class Worker:
     wid: str
@@ -338,7 +342,7 @@ class Agent:
     # --- commands ------------------------------------------------------------------
     def start(self, command: dict) -> None:
         if (reason := self.unplaceable(command["devices"])) is not None:
-            raise ValueError(f"command 0: {reason}")
+            raise CannotPlace(f"command 0: {reason}")
         wids = [self.spawn(d) for d in sorted(command["devices"], key=self.remote)]  # rank 0 on this node
         self.wait_for([f"ready/{w}" for w in wids])
         self.start_generation(wids, "disk", [], None)  # resume from the latest valid checkpoint, if any
@@ -459,7 +463,8 @@ class Agent:
                 if not isinstance(w.proc, RemoteProcess) or (w.proc.node, w.proc.incarnation) not in lost]
         print(f"elastic agent: {died}; node(s) {', '.join(sorted(n for n, _ in lost))} lost: the trial goes on from its last "
               f"checkpoint on {', '.join(d['id'] for d in left)}", file=sys.stderr, flush=True)
-        self.kill_all(wait=True)
+        for worker in self.workers.values():  # killed above; a second kill could reach a reaped pid's next owner
+            worker.proc.wait()
         self.workers.clear()
         self.members = []
         wids = [self.spawn(d) for d in left]
@@ -526,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: (agent.kill_all(wait=False), os._exit(FAILED)))
     try:
         return agent.run()
-    except (WorkerDied, TimeoutError) as e:
+    except (WorkerDied, TimeoutError, CannotPlace) as e:
         print(f"elastic agent: {e}; ending the trial's other processes", file=sys.stderr, flush=True)
         agent.kill_all()
         agent.write_state("failed")

@@ -91,7 +91,7 @@ def stop_key(path: Path) -> str:
 class Host:
     def __init__(self, store, node: str, python: str = sys.executable):
         self.store, self.node, self.python = store, node, python
-        self.zygote = None  # started with the first worker, as the agent's
+        self.zygote = None  # started by run(), before the agent asks for anything
         self.workers: dict[str, object] = {}  # wid -> Popen or ForkedProcess
         self.reported: set[str] = set()
         self.next_spawn = 0
@@ -106,8 +106,8 @@ class Host:
         from training.zygote import ZygoteGone
 
         config = Path(request["config"])
-        if not config.exists():  # nothing shared with the agent's node: the trial's config travels with the request
-            config.parent.mkdir(parents=True, exist_ok=True)
+        if not config.exists() or config.read_text() != request["config_text"]:  # nothing shared with the agent's node:
+            config.parent.mkdir(parents=True, exist_ok=True)  # the trial's config travels with the request (signed)
             config.write_text(request["config_text"])
         address, port = self.store_address()
         env = {**os.environ, **request["env"], "CAMPAIGN_WORKER_ID": request["wid"], "CAMPAIGN_STORE_ADDR": address,
