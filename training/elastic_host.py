@@ -15,7 +15,7 @@ trial across nodes restarts every process from a checkpoint (bench/cross_node_re
 Protocol: keys in the agent's store. A host that starts takes the node's next incarnation
 (`host/<node>/incarnation`, added to), so that a node that comes back after it was lost
 starts afresh; the rest are under `host/<node>/<incarnation>/` (host_key):
-    beat          added to every BEAT_S by the host; a node whose beat stops for LOST_S is lost
+    beat          added to every BEAT_S by the host (a thread); a node whose beat stops for LOST_S is lost
     spawn/<k>     {"wid", "env", "config", "config_text", "hmac"}: the k-th worker to start (k from 0)
     kill/<wid>    set by the agent: kill that worker
     exit/<wid>    set by the host: that worker's exit code (and why/<wid>, for one it refused)
@@ -40,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -95,7 +96,6 @@ class Host:
         self.workers: dict[str, object] = {}  # wid -> Popen or ForkedProcess
         self.reported: set[str] = set()
         self.next_spawn = 0
-        self.last_beat = 0.0
         self.incarnation = store.add(incarnation_key(node), 1)
 
     def key(self, *parts: str) -> str:
@@ -142,7 +142,7 @@ class Host:
         return self.store.host, self.store.port
 
     def step(self) -> None:
-        """One pass: start what was asked, kill what was told, report what exited, beat."""
+        """One pass: start what was asked, kill what was told, report what exited."""
         while self.store.check([key := self.key("spawn", str(self.next_spawn))]):
             self.next_spawn += 1
             try:
@@ -162,11 +162,21 @@ class Host:
             elif code is not None:
                 self.store.set(self.key("exit", wid), str(code))
                 self.reported.add(wid)
-        if time.time() - self.last_beat >= BEAT_S:
-            self.store.add(self.key("beat"), 1)
-            self.last_beat = time.time()
 
-    def run(self) -> int:
+    def beat(self, store, stop: threading.Event) -> None:
+        """Beat through a connection of its own, on a thread: the loop above waits seconds in a
+        fork while the zygote is still importing, and a node must not look lost meanwhile."""
+        while True:
+            try:
+                store.add(self.key("beat"), 1)
+            except RuntimeError:  # the store is gone: the loop above sees it too
+                return
+            if stop.wait(BEAT_S):
+                return
+
+    def run(self, beat_store) -> int:
+        stop = threading.Event()
+        threading.Thread(target=self.beat, args=(beat_store, stop), name="beat", daemon=True).start()
         self.start_zygote()
         try:
             while True:
@@ -176,6 +186,7 @@ class Host:
             print(f"elastic host {self.node}: the agent's store is gone ({type(e).__name__}); ending", flush=True)
             return 0
         finally:
+            stop.set()
             self.close()
 
     def kill_all(self) -> None:
@@ -204,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     address, _, port = args.store.rpartition(":")
-    store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=args.wait))
+    store, beat_store = (dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=args.wait)) for _ in range(2))
     host = Host(store, args.node)
     signal.signal(signal.SIGTERM, lambda *_: (host.kill_all(), os._exit(1)))  # its zygote ends with it
     print(f"elastic host {args.node}: serving the agent at {args.store}", flush=True)
-    return host.run()
+    return host.run(beat_store)
 
 
 if __name__ == "__main__":
