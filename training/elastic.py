@@ -66,6 +66,13 @@ IDLE_POLL_S = 0.1
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # read as a worker's interpreter and torch start
 
 
+def worker_env(device_env: dict[str, str], wid: str, store_host: str, store_port: int) -> dict[str, str]:
+    """What a worker starts with, on the agent's node or a host's (training.elastic_host): its
+    node's environment, its device's, and where the agent's store is."""
+    return {**os.environ, **device_env, "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_ADDR": store_host,
+            "CAMPAIGN_STORE_PORT": str(store_port), **WORKER_ENV}
+
+
 def worker_name(wid: str) -> str:
     """An elastic worker's process name (`ps -o comm`): its command line is its zygote's."""
     return f"elastic {wid}"
@@ -222,8 +229,7 @@ class Agent:
         if self.remote(device):
             self.workers[wid] = Worker(wid, device, self.spawn_remote(device, wid))
             return wid
-        env = {**os.environ, **device.get("env", {}), "CAMPAIGN_WORKER_ID": wid, "CAMPAIGN_STORE_ADDR": self.store.host,
-               "CAMPAIGN_STORE_PORT": str(self.store.port), **WORKER_ENV}
+        env = worker_env(device.get("env", {}), wid, self.store.host, self.store.port)
         args = ["--config", str(self.config)]
         try:
             proc = self.forked_worker(args, env, worker_name(wid))

@@ -48,7 +48,6 @@ from pathlib import Path
 BEAT_S = 0.5
 LOST_S = 5.0  # no beat for this long: the node is taken as lost (its workers as killed)
 POLL_S = 0.01
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as training.elastic's
 
 
 def incarnation_key(node: str) -> str:
@@ -102,16 +101,14 @@ class Host:
         return host_key(self.node, self.incarnation, *parts)
 
     def spawn(self, request: dict) -> None:
-        from training.elastic import worker_name
+        from training.elastic import worker_env, worker_name  # not at the top: training.elastic imports this module
         from training.zygote import ZygoteGone
 
         config = Path(request["config"])
         if not config.exists() or config.read_text() != request["config_text"]:  # nothing shared with the agent's node:
             config.parent.mkdir(parents=True, exist_ok=True)  # the trial's config travels with the request (signed)
             config.write_text(request["config_text"])
-        address, port = self.store_address()
-        env = {**os.environ, **request["env"], "CAMPAIGN_WORKER_ID": request["wid"], "CAMPAIGN_STORE_ADDR": address,
-               "CAMPAIGN_STORE_PORT": str(port), **WORKER_ENV}
+        env = worker_env(request["env"], request["wid"], self.store.host, self.store.port)
         args = ["--config", str(config)]
         try:
             proc = self.start_zygote().fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(request["wid"]))
@@ -122,6 +119,7 @@ class Host:
     def start_zygote(self):
         """The zygote the workers are forked from, started with the host: its import of torch
         and the trainer is done before the agent asks for a worker, not while the trial waits."""
+        from training.elastic import WORKER_ENV
         from training.zygote import Zygote
 
         if self.zygote is None:
@@ -137,9 +135,6 @@ class Host:
             self.store.set(self.key("why", wid), f"node {self.node} refused to start it: {problem}")
             self.store.set(self.key("exit", wid), "2")
             self.reported.add(wid)
-
-    def store_address(self) -> tuple[str, int]:
-        return self.store.host, self.store.port
 
     def step(self) -> None:
         """One pass: start what was asked, kill what was told, report what exited."""
