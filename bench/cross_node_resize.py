@@ -57,7 +57,7 @@ from rich.table import Table  # noqa: E402
 from cluster.types import Device  # noqa: E402
 from tasks.trial import NodeRole, plan_node_launch  # noqa: E402
 from training.config import TrialConfig  # noqa: E402
-from training.elastic import write_command  # noqa: E402
+from training.agent_commands import write_command  # noqa: E402
 from training.data import prepare_digits  # noqa: E402
 from training.progress import read_progress  # noqa: E402
 

@@ -63,7 +63,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from elastic_helpers import cpu_slot, finish, final_weights, resize, resizes, run, start, trace, trial_config, wait_for_step  # noqa: E402
 from training.config import TrialConfig  # noqa: E402
 from training.data import prepare_digits  # noqa: E402
-from training.elastic import FINISHED, PREEMPTED, write_command  # noqa: E402
+from training.elastic import FINISHED, PREEMPTED
+from training.agent_commands import write_command  # noqa: E402
 
 # gloo on loopback, one thread per process: what tasks/trial.py gives a trial on CPU slots.
 LAUNCH_ENV = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",

@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cluster.sizing import GPU_CONTEXT_BYTES  # noqa: E402
-from training.layout import campaign_files, trial_files  # noqa: E402
+from tasks.records import read_allocations  # noqa: E402
+from training.layout import trial_files  # noqa: E402
 from training.result import read_result  # noqa: E402
 NOT_YET: list[str] = []  # every claim of issue 29 has its step
 
@@ -108,15 +109,15 @@ def campaign_span(root: Path) -> float:
 
 def timeline(root: Path) -> dict[str, tuple[float, float]]:
     """Each trial's first start and last end, in seconds from the campaign's first start."""
-    events = [json.loads(line) for line in campaign_files(root).allocations.read_text().splitlines() if line.strip()]
-    first = min(e["time"] for e in events if e["reason"] == "start")
+    events = read_allocations(root)
+    first = min(e.time for e in events if e.reason == "start")
     starts: dict[str, float] = {}
     ends: dict[str, float] = {}
     for e in events:
-        if e["reason"] == "start":
-            starts[e["trial"]] = min(starts.get(e["trial"], math.inf), e["time"] - first)
-        elif e["reason"] == "end":
-            ends[e["trial"]] = max(ends.get(e["trial"], -math.inf), e["time"] - first)
+        if e.reason == "start":
+            starts[e.trial] = min(starts.get(e.trial, math.inf), e.time - first)
+        elif e.reason == "end":
+            ends[e.trial] = max(ends.get(e.trial, -math.inf), e.time - first)
     return {trial: (round(start, 2), round(ends.get(trial, math.nan), 2)) for trial, start in sorted(starts.items(), key=lambda kv: kv[1])}
 
 
@@ -238,10 +239,9 @@ def memory_estimates(root: Path) -> dict[str, dict]:
     import torch
 
     given = {}
-    for line in campaign_files(root).allocations.read_text().splitlines():
-        event = json.loads(line) if line.strip() else {}
-        if event.get("reason") == "start" and "memory_bytes" in event:
-            given[event["trial"]] = event["memory_bytes"]
+    for event in read_allocations(root):
+        if event.reason == "start" and event.memory_bytes is not None:
+            given[event.trial] = event.memory_bytes
     out = {}
     for trial, estimate in sorted(given.items()):
         peak = (read_result(root / trial) or {}).get("peak_device_memory_bytes")

@@ -18,7 +18,6 @@ Goal (issue 27): idle <= 1 s median, <= 2 s worst. Prints; passes nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,27 +29,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tasks.records import read_allocations  # noqa: E402
 from training.layout import campaign_files  # noqa: E402
 
 
 def handovers(campaign_dir: Path) -> list[tuple[str, float, float]]:
     """(trial, detected s, handed over s) for every end followed by a start on one of its devices."""
     files = campaign_files(campaign_dir)
-    events = [json.loads(line) for line in files.allocations.read_text().splitlines() if line.strip()]
-    held: dict[str, list[str]] = {}
+    events = read_allocations(campaign_dir)
+    held: dict[str, tuple[str, ...]] = {}
     out = []
     for i, event in enumerate(events):
-        if event["reason"] == "start":
-            held[event["trial"]] = event["devices"]
-        if event["reason"] != "end":
+        if event.reason == "start":
+            held[event.trial] = event.devices
+        if event.reason != "end":
             continue
-        devices = held.get(event["trial"], [])
-        result = files.trial(event["trial"]).result
+        devices = held.get(event.trial, ())
+        result = files.trial(event.trial).result
         if not devices or not result.exists():
             continue
-        nxt = next((e for e in events[i + 1:] if e["reason"] == "start" and set(e["devices"]) & set(devices)), None)
+        nxt = next((e for e in events[i + 1:] if e.reason == "start" and set(e.devices) & set(devices)), None)
         if nxt is not None:
-            out.append((event["trial"], event["time"] - result.stat().st_mtime, nxt["time"] - event["time"]))
+            out.append((event.trial, event.time - result.stat().st_mtime, nxt.time - event.time))
     return out
 
 

@@ -32,11 +32,11 @@ from tasks.grid import Trial, expand_grid
 from tasks.search import Drawn, Search
 from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_function, trial_workload
-from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_dir, read_campaign, completed_result, trial_status, log_allocation, process_identity, update_campaign, update_record, write_campaign
+from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_dir, read_campaign, completed_result, trial_status, log_allocation, read_allocations, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
 from tasks.summary import summary_markdown, write_summary
 from tasks.system_metrics import SystemSampler
-from tasks.timeline import import_drawing_early, intervals, read_events, timeline_rows, write_timeline
+from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.ui import mlflow_ui
 from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
@@ -49,9 +49,9 @@ from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
-from training.elastic import clear_commands
+from training.agent_commands import clear_commands
+from training.batch_choice import batch_choice_now
 from training.errors import CampaignError
-from training.files import write_json_atomic
 from training.metrics import format_metrics
 from training.progress import read_progress
 from training.layout import trial_files
@@ -264,8 +264,8 @@ class CampaignRun:
         if serving is not None:
             job.handled.add(serving)
         if stale := pending_request(job.trial_dir, job.handled):  # made for an earlier run of this trial
-            job.handled.add(stale["id"])
-            answer(job.trial_dir, stale["id"], "rejected", f"trial {trial.id} restarted on {len(devices)} device(s) before the request was served")
+            job.handled.add(stale.id)
+            answer(job.trial_dir, stale.id, "rejected", f"trial {trial.id} restarted on {len(devices)} device(s) before the request was served")
         self.running[future] = job
         self.pending.remove(trial)
         if self.scheduler is not None:
@@ -375,8 +375,7 @@ class CampaignRun:
         t = trial.spec.training
         if scale is None or t.scaling != "goodput" or not t.max_batch_size:
             return
-        write_json_atomic(trial_files(trial_dir).batch, {"devices": devices, "batch_size": min(t.max_batch_size, round(scale * t.batch_size)),
-                                                     "scale": scale, "at": time.time()})
+        batch_choice_now(devices, min(t.max_batch_size, round(scale * t.batch_size)), scale).write(trial_dir)
 
     # --- running trials --------------------------------------------------------------
     def serve(self) -> None:
@@ -698,7 +697,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
             logger.info(f"MLflow compare {compare_url(ui, experiment, list(run.run_ids.values()))}")
         create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids, ui, experiment), key=summary_key(name),
                                  description=f"campaign {name}: its trials, states, metrics and MLflow runs")
-        if rows := timeline_rows(intervals(read_events(run.root))):
+        if rows := timeline_rows(intervals(read_allocations(run.root))):
             create_table_artifact(rows, key=f"{summary_key(name)}-timeline",
                                   description=f"campaign {name}: who held which device when (seconds since the first start)")
     except Exception as e:

@@ -504,9 +504,9 @@ def resize(
     result = wait_for_answer(trial_dir, request_id, wait_s)
     if result is None:
         _fail(f"no answer within {wait_s:.0f} s: is the campaign that runs {trial} still running?", code=1)
-    if result["status"] != "applied":
-        _fail(result["detail"])
-    console.print(f"trial {trial}: {result['detail']}")
+    if result.status != "applied":
+        _fail(result.detail)
+    console.print(f"trial {trial}: {result.detail}")
 
 
 @app.command()

@@ -20,8 +20,7 @@ from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory
 from tasks.grid import Trial
 from tasks.resize import answer, pending_request
-from training.elastic import refused_path, write_command
-from training.files import read_json
+from training.agent_commands import read_refusal, write_command
 from training.agent_state import read_agent_state
 from training.layout import trial_files
 
@@ -150,11 +149,11 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     control = trial_files(job.trial_dir).control
     if job.awaiting is not None:
         seq, devices, request_id = job.awaiting
-        if (refused := read_json(refused_path(control, seq))) is not None:  # a pool node's lease file said no
+        if (refused := read_refusal(control, seq)) is not None:  # a pool node's lease file said no
             job.awaiting = None
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
-            answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {refused['reason']}")
-            return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused on its node ({refused['reason']})"
+            answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {refused.reason}")
+            return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused on its node ({refused.reason})"
         state = read_agent_state(control)
         if state is None or state.seq < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
@@ -174,19 +173,19 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     request = pending_request(job.trial_dir, job.handled)
     if request is None:
         return None
-    job.handled.add(request["id"])
-    by_person = request.get("by", "person") == "person"
-    target, low, high = request["devices"], job.request.min_devices, job.request.max_devices
+    job.handled.add(request.id)
+    by_person = request.by == "person"
+    target, low, high = request.devices, job.request.min_devices, job.request.max_devices
     if not job.elastic:
-        answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} has a fixed size of {len(job.devices)} device(s): declare resources.devices as [min, max] to resize it")
+        answer(job.trial_dir, request.id, "rejected", f"trial {job.trial.id} has a fixed size of {len(job.devices)} device(s): declare resources.devices as [min, max] to resize it")
         return None
     if target != 0 and not low <= target <= high:
-        answer(job.trial_dir, request["id"], "rejected", f"trial {job.trial.id} runs on {low} to {high} devices (0 preempts it); {target} is outside")
+        answer(job.trial_dir, request.id, "rejected", f"trial {job.trial.id} runs on {low} to {high} devices (0 preempts it); {target} is outside")
         return None
     if by_person:
         job.pinned_by_person = True
     if target == len(job.devices):
-        answer(job.trial_dir, request["id"], "applied", f"already on {target} device(s)")
+        answer(job.trial_dir, request.id, "applied", f"already on {target} device(s)")
         return None
     if target == 0:
         devices: list[Device] = []
@@ -196,14 +195,14 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         chosen = resize_devices(inventory, job.device_ids, target, memory, store.usage(), spread=spread)
         if chosen is None:
             where = "in the pool" if spread else f"on {job.devices[0].node}"
-            answer(job.trial_dir, request["id"], "rejected", f"not enough free devices {where} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
+            answer(job.trial_dir, request.id, "rejected", f"not enough free devices {where} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
             return None
         devices = [inventory.device(d) for d in chosen]
         if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
-            answer(job.trial_dir, request["id"], "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
+            answer(job.trial_dir, request.id, "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
             return None
         if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1):
-            job.relaunch = (devices, request["id"])
+            job.relaunch = (devices, request.id)
             if job.spans_nodes:
                 recall(job.trial.id)  # torchrun's, across nodes: every rank stops at a checkpoint (its stop file)
             else:
@@ -212,6 +211,6 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
             return f"trial {job.trial.id}: to {target} device(s) on {nodes}: it stops and starts again there"
     write_command(control, job.next_seq, [{"id": d.id, "env": visible_devices_env([d])} for d in devices])
-    job.awaiting = (job.next_seq, devices, request["id"])
+    job.awaiting = (job.next_seq, devices, request.id)
     job.next_seq += 1
     return f"trial {job.trial.id}: resize to {target} device(s) requested"

@@ -12,7 +12,6 @@ Every file is written atomically, so a reader never sees half of one.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -24,7 +23,7 @@ from training.manifest import checkpoint_report, checkpoint_step
 from training.agent_state import read_agent_state
 from training.progress import read_progress
 from training.result import read_result
-from training.files import InputError, read_bounded, read_json, read_status_json, write_json_atomic
+from training.files import InputError, append_json_line, read_bounded, read_json, read_json_lines, read_status_json, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
 
 
@@ -249,14 +248,59 @@ def record_state(record: TrialRecord) -> str:
     return record.state
 
 
+ALLOCATION_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One line of `<campaign>/allocations.jsonl`: who had which device when. Each change of a
+    trial's devices is a line (start, resize, moving, preempted, end, failed, lease lost), its
+    devices those it holds from then on ([]: none); a start says how much of each device the
+    packer gave the trial (its memory estimate)."""
+
+    time: float
+    trial: str
+    devices: tuple[str, ...]
+    reason: str
+    memory_bytes: int | None = None
+    schema: int = ALLOCATION_SCHEMA
+
+    def to_json(self) -> dict[str, Any]:
+        raw = {**asdict(self), "devices": list(self.devices)}
+        if self.memory_bytes is None:
+            del raw["memory_bytes"]
+        return raw
+
+
+def _allocation_problem(raw: Any) -> str | None:
+    if not isinstance(raw, dict):
+        return "not a JSON object"
+    if raw.get("schema", 0) not in (0, ALLOCATION_SCHEMA):  # 0: written before the log had a version, the same fields
+        return f"schema {raw.get('schema')!r}, not {ALLOCATION_SCHEMA} (written by another version)"
+    if set(raw) - set(Allocation.__dataclass_fields__):
+        return f"unknown fields {sorted(set(raw) - set(Allocation.__dataclass_fields__))}"
+    if not isinstance(raw.get("time"), (int, float)) or isinstance(raw.get("time"), bool):
+        return "time is not a number"
+    if not isinstance(raw.get("trial"), str) or not isinstance(raw.get("reason"), str):
+        return "trial or reason is not a string"
+    if not isinstance(raw.get("devices"), list) or not all(isinstance(d, str) for d in raw["devices"]):
+        return "devices are not a list of names"
+    if raw.get("memory_bytes") is not None and (not isinstance(raw["memory_bytes"], int) or isinstance(raw["memory_bytes"], bool)):
+        return "memory_bytes is not a whole number"
+    return None
+
+
 def log_allocation(root: Path, trial_id: str, device_ids, reason: str, memory_bytes: int | None = None) -> None:
-    """Who had which device when: one line per change, in <campaign>/allocations.jsonl; a
-    start says how much of each device the packer gave the trial (its memory estimate)."""
-    event = {"time": time.time(), "trial": trial_id, "devices": list(device_ids), "reason": reason}
-    if memory_bytes is not None:
-        event["memory_bytes"] = memory_bytes
-    with open(campaign_files(root).allocations, "a") as f:
-        f.write(json.dumps(event) + "\n")
+    """A change of a trial's devices, appended to its campaign's allocation log."""
+    event = Allocation(time=time.time(), trial=trial_id, devices=tuple(device_ids), reason=reason, memory_bytes=memory_bytes)
+    append_json_line(campaign_files(root).allocations, event.to_json())
+
+
+def read_allocations(root: Path) -> list[Allocation]:
+    """The campaign's allocation log, in the order written ([] before its first start); lines
+    that are not one are skipped, warned (the log only feeds the timeline and the benches)."""
+    return [Allocation(**{**raw, "devices": tuple(raw["devices"]), "schema": ALLOCATION_SCHEMA})
+            for raw in read_json_lines(campaign_files(root).allocations, _allocation_problem)]
 
 
 def completed_result(trial_dir: Path) -> dict[str, Any] | None:

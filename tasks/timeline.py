@@ -1,7 +1,7 @@
 """The device timeline of a campaign: who held which device when (a Gantt chart).
 
-`intervals` is pure: it turns the allocation log (`<campaign>/allocations.jsonl`, one line
-per start, resize, preemption and end) into one bar per device and holding. `draw` renders
+`intervals` is pure: it turns the allocation log (tasks.records.Allocation: one line per
+start, resize, preemption and end) into one bar per device and holding. `draw` renders
 them with matplotlib as PNG and as an HTML page (inline SVG), written next to the campaign
 record and logged to the campaign's MLflow run.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tasks.hub_calls import in_hub
-from training.layout import campaign_files
+from tasks.records import Allocation, read_allocations
 
 
 @dataclass(frozen=True)
@@ -28,17 +28,17 @@ class Bar:
     ended_by: str  # the event that closed it: end, resize, preempted, failed, lease lost (or "running")
 
 
-def intervals(events: Iterable[dict[str, Any]], now: float | None = None) -> list[Bar]:
+def intervals(events: Iterable[Allocation], now: float | None = None) -> list[Bar]:
     """One bar per device a trial held, from when it got it to the event that took it away."""
     holding: dict[str, tuple[float, list[str]]] = {}  # trial -> (since, devices)
     bars: list[Bar] = []
     last = 0.0
-    for event in sorted(events, key=lambda e: e["time"]):
-        trial, at, devices = event["trial"], float(event["time"]), list(event["devices"])
+    for event in sorted(events, key=lambda e: e.time):
+        trial, at, devices = event.trial, float(event.time), list(event.devices)
         last = max(last, at)
         since, held = holding.pop(trial, (at, []))
         # Every event closes the trial's bars (one kept through a resize goes on as the next bar, same colour).
-        bars += [Bar(trial, device, since, at, event["reason"]) for device in held]
+        bars += [Bar(trial, device, since, at, event.reason) for device in held]
         if devices:
             holding[trial] = (at, devices)
     for trial, (since, held) in holding.items():  # still running when the log was read
@@ -92,17 +92,6 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
                     f"<h1>{escape(title)}</h1>{svg.getvalue()[svg.getvalue().index('<svg'):]}</body></html>")
 
 
-def read_events(campaign_dir: Path) -> list[dict[str, Any]]:
-    from training.files import loads_json, read_bounded
-
-    log = campaign_files(campaign_dir).allocations
-    try:
-        text = read_bounded(log, 256 << 20, fix="remove it (it only feeds the timeline)").decode(errors="replace")
-    except FileNotFoundError:
-        return []
-    return [loads_json(line, log) for line in text.splitlines() if line.strip()]
-
-
 def timeline_rows(bars: list[Bar]) -> list[dict[str, Any]]:
     """The bars as table rows (the Prefect artifact): seconds since the first start, in start order."""
     origin = min((b.start for b in bars), default=0.0)
@@ -116,7 +105,7 @@ def write_timeline(campaign_dir: Path | str, title: str) -> tuple[Path, Path] | 
     """timeline.png and timeline.html in the campaign's folder, from its allocation log; None
     if nothing ran. Drawn in the campaign's hub when it has one (paths as strings then)."""
     campaign_dir = Path(campaign_dir)
-    bars = intervals(read_events(campaign_dir))
+    bars = intervals(read_allocations(campaign_dir))
     if not bars:
         return None
     png, html = campaign_dir / "timeline.png", campaign_dir / "timeline.html"

@@ -25,7 +25,7 @@ from cluster.types import Device
 from tasks.records import TrialRecord, completed_result, update_record
 from tasks.trial_log import LogForwarder
 from training.config import TrialConfig
-from training.elastic import clear_commands, write_command
+from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
 from training.fence import lease_problem
 from training.files import write_atomic

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from training.checkpoint import load_model_weights
 from training.config import TrialConfig
-from training.elastic import write_command
+from training.agent_commands import write_command
 from training.workload import build_model
 from training.layout import trial_files
 

@@ -148,7 +148,8 @@ def test_preemption_saves_state_and_resumes_later(tmp_path, digits_npz):
     trial = trial_config(tmp_path / "preempted", digits_npz, steps=600)
     proc = start(trial, 2)
     wait_for_step(trial, 200, proc)
-    from training.elastic import PREEMPTED, write_command
+    from training.elastic import PREEMPTED
+    from training.agent_commands import write_command
 
     write_command(Path(trial.trial_dir) / "control", 1, [])
     assert proc.wait(timeout=60) == PREEMPTED

@@ -56,15 +56,15 @@ def test_an_agent_keeps_rank_0_on_its_node_and_says_how_to_start_a_missing_host(
     """A command with no device on the agent's node is refused as a pool node's relay refuses
     (the trial goes on as it was); a device on a node with no host fails with the command that
     starts one."""
-    from training.elastic import Agent, NodeBeats, refused_path
-    from training.files import read_json
+    from training.elastic import Agent, NodeBeats
+    from training.agent_commands import AgentCommand, read_refusal
 
     control = tmp_path / "control"
     control.mkdir()
     agent = Agent(tmp_path / "trial.json", control, node="a")
-    command = {"seq": 1, "devices": [{"id": "b/cpu0", "node": "b", "env": {}}], "mode": "resize", "requested_at": 0.0}
+    command = AgentCommand(seq=1, devices=({"id": "b/cpu0", "node": "b", "env": {}},))
     assert agent.apply(command) is None and agent.workers == {}
-    refusal = read_json(refused_path(control, 1))
-    assert "no device on the agent's node 'a'" in refusal["reason"] and "b/cpu0" in refusal["reason"]
+    refusal = read_refusal(control, 1)
+    assert "no device on the agent's node 'a'" in refusal.reason and "b/cpu0" in refusal.reason
     with pytest.raises(TimeoutError, match=r"no host for node 'b'.*python -m training.elastic_host --store 127\.0\.0\.1:\d+ --node b"):
         NodeBeats(agent.store).host("b", agent.store_address(), timeout_s=0.2)

@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 
 from cluster.leases import LeaseStore
 from tasks.records import campaign_status
-from tasks.timeline import intervals as timeline_intervals, read_events
+from tasks.records import read_allocations
+from tasks.timeline import intervals as timeline_intervals
 from training.manifest import latest_valid_checkpoint
 
 pytestmark = pytest.mark.slow  # real campaigns, torchrun or elastic trials: `make test-fast` skips them
@@ -141,7 +142,7 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     # The scheduler gave both free slots at once (its allocation log); whether the two processes'
     # lives overlapped as well depends on the machine's load (a 2 s trial may end first), so the
     # side-by-side check reads what was decided, not what the OS happened to run.
-    bars = timeline_intervals(read_events(tmp_path / "runs" / "flow-test"))
+    bars = timeline_intervals(read_allocations(tmp_path / "runs" / "flow-test"))
     held_together = [(a, b) for i, a in enumerate(bars) for b in bars[i + 1:] if a.trial != b.trial and a.start < b.end and b.start < a.end]
     assert held_together, "no two trials held devices at the same time on two free slots"
     assert all(a.device != b.device for a, b in held_together), held_together

@@ -384,7 +384,9 @@ def test_a_stopping_campaign_lets_an_elastic_function_trial_save_where_it_is(use
     waits while the function, told by should_stop(), saves step 40 and returns; it exits as
     preempted, and the next start resumes from that save."""
     from tests.elastic_helpers import cpu_slot
-    from training.elastic import PREEMPTED, agent_state_in, write_command
+    from training.elastic import PREEMPTED
+    from training.agent_commands import write_command
+    from training.layout import agent_state_in
 
     cfg = TrialConfig(trial_id="eterm", seed=0, model={}, data={}, steps=80, batch_size=32, lr=0.05,
                       trial_dir=str(user_package / "eterm"), hold_at_step=40, control_every=1,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from elastic_helpers import finish, resize, resizes, start, trace, trial_config
+from training.batch_choice import batch_choice_now
 from training.config import TrialConfig
 from training.data import SampleOrder, load_digits_npz
 from training.trainer import lr_factor
@@ -38,7 +39,7 @@ def resized_at_hold(cfg: TrialConfig, mode: str, chosen_batch: int | None = None
         assert proc.poll() is None and time.time() < deadline, (Path(cfg.trial_dir) / "agent.log").read_text()[-2000:]
         time.sleep(0.02)
     if chosen_batch is not None:
-        cfg.batch_path.write_text(json.dumps({"devices": 1, "batch_size": chosen_batch}))
+        batch_choice_now(1, chosen_batch, chosen_batch / cfg.batch_size).write(cfg.trial_dir)
     resize(cfg, 1, 1, mode)
     hold.unlink()
     finish(proc, cfg)

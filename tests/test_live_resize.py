@@ -116,7 +116,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
     The trial is held at step 300 until the preemption's command reached its agent: under
     load it once ran to its end (3,000 fast steps) before the preemption landed."""
     from flows.campaign import HOLD_ENV, campaign_flow
-    from training.elastic import command_path
+    from training.agent_commands import read_command
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(HOLD_ENV, "300")
@@ -136,7 +136,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
         asked = subprocess.Popen([sys.executable, "-m", "flows.cli", "resize", record["trials"][0]["id"], "0", "--runs-dir", str(runs),
                                   "--wait-s", "90"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # The preemption reached the agent's folder: a command to run on no device.
-        preempt = lambda: any((read_json(command_path(trial_dir / "control", seq)) or {}).get("devices") == [] for seq in range(1, 4))
+        preempt = lambda: any(getattr(read_command(trial_dir / "control", seq), "devices", None) == () for seq in range(1, 4))
         while not preempt() and time.time() < deadline:
             time.sleep(0.05)
         trial_files(trial_dir).hold.unlink()

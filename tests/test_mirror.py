@@ -9,7 +9,7 @@ import os
 import time
 
 from flows.pool.mirror import apply_down, apply_up, appended_sizes, down_snapshot, record_seed, up_snapshot
-from training.elastic import command_path, write_command
+from training.agent_commands import read_command, write_command
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
 
@@ -60,7 +60,7 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     campaign.hold.unlink()
     write_command(campaign.control, 1, [{"id": "a/cpu1"}])
     apply_down(node.root, through_json(down_snapshot(campaign.root, seed)))
-    assert not node.hold.exists() and read_json(command_path(node.control, 1))["devices"] == [{"id": "a/cpu1"}]
+    assert not node.hold.exists() and read_command(node.control, 1).device_ids == ["a/cpu1"]
     assert read_json(node.record)["attempts"] == 2  # the record seeds a segment once, before its launch
 
     # The copy is applied again with more of the log: the campaign's copy is never doubled.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 
@@ -139,3 +140,174 @@ def test_a_file_that_is_not_a_trial_record_reads_as_not_started(tmp_path):
         assert read_trial_record(tmp_path).state == "pending"
     with pytest.warns(UserWarning):
         assert trial_status(tmp_path, "t", "t", 9).state == "pending"
+
+
+# --- the agent's commands and refusals (training.agent_commands) ----------------------------
+
+def test_a_command_reads_back_as_written_and_a_relay_renumbers_it(tmp_path):
+    from training.agent_commands import read_command, write_command
+
+    written = write_command(tmp_path, 3, [{"id": "a/cpu0", "env": {"X": "1"}}, {"id": "b/cpu1", "env": {}, "node": "b"}])
+    command = read_command(tmp_path, 3)
+    assert command == written and command.device_ids == ["a/cpu0", "b/cpu1"] and command.mode == "resize"
+    assert read_command(tmp_path, 4) is None  # not written yet
+    command.renumbered(1).write(tmp_path / "inner")
+    assert read_command(tmp_path / "inner", 1).devices == command.devices
+
+
+@pytest.mark.parametrize("raw, why", [
+    ({"seq": 2, "devices": [{"id": "a/cpu0"}]}, "holds command 2, not 1"),
+    ({"seq": 1, "devices": ["a/cpu0"]}, "devices are not a list of objects with an id"),
+    ({"seq": 1, "devices": [], "mode": "teleport"}, "mode is not one of"),
+    ({"seq": 1, "devices": [], "schema": 9}, "written by another version"),
+    ({"seq": 1, "devices": [], "run": "rm -rf /"}, "unknown fields"),
+])
+def test_a_file_that_is_not_a_command_is_refused_naming_it(tmp_path, raw, why):
+    """A command the agent cannot read is an error naming the file, never skipped or guessed at."""
+    from training.agent_commands import read_command
+    from training.files import InputError
+    from training.layout import command_in
+
+    command_in(tmp_path, 1).write_text(json.dumps(raw))
+    with pytest.raises(InputError, match=why) as error:
+        read_command(tmp_path, 1)
+    assert str(command_in(tmp_path, 1)) in str(error.value)
+
+
+def test_a_refusal_says_why_and_an_unreadable_one_still_refuses(tmp_path):
+    from training.agent_commands import read_refusal, refuse
+    from training.layout import refusal_in
+
+    refuse(tmp_path, 2, "node lease file: a/cpu1 held by another campaign")
+    assert read_refusal(tmp_path, 2).reason == "node lease file: a/cpu1 held by another campaign"
+    assert read_refusal(tmp_path, 3) is None
+    refusal_in(tmp_path, 3).write_text("{not json")
+    assert "cannot be read" in read_refusal(tmp_path, 3).reason  # the command was still not applied
+
+
+def test_clearing_commands_leaves_nothing_of_an_earlier_sequence(tmp_path):
+    from training.agent_commands import clear_commands, read_command, read_refusal, refuse, write_command
+    from training.agent_state import agent_state_now, read_agent_state
+
+    write_command(tmp_path, 0, [{"id": "a/cpu0"}])
+    refuse(tmp_path, 1, "no")
+    agent_state_now(0, 0, ["a/cpu0"], "running").write(tmp_path)
+    (tmp_path / "stop-1").touch()  # not the sequence's: stays
+    clear_commands(tmp_path)
+    assert (read_command(tmp_path, 0), read_refusal(tmp_path, 1), read_agent_state(tmp_path)) == (None, None, None)
+    assert (tmp_path / "stop-1").exists()
+
+
+# --- batch.json (training.batch_choice) ----------------------------------------------------
+
+def test_a_batch_choice_reads_back_and_one_that_is_not_reads_as_none(tmp_path):
+    from training.batch_choice import batch_choice_now, read_batch_choice
+
+    batch_choice_now(2, 96, 1.5).write(tmp_path)
+    choice = read_batch_choice(tmp_path)
+    assert (choice.devices, choice.batch_size, choice.scale) == (2, 96, 1.5)
+    for raw, why in [({"devices": 2, "batch_size": "96"}, "batch_size is not a whole number"), ({"devices": 0, "batch_size": 8}, "devices"),
+                     ({"devices": 2, "batch_size": 8, "schema": 2}, "another version"), ("96", "not a JSON object")]:
+        trial_files(tmp_path).batch.write_text(json.dumps(raw))
+        with pytest.warns(UserWarning, match=why):
+            assert read_batch_choice(tmp_path) is None  # the batch then follows the size
+
+
+# --- the line logs: resizes.jsonl (training.resize_log), allocations.jsonl (tasks.records) ---
+
+def _resize(step: int, **changes):
+    from training.resize_log import ResizeEvent
+
+    fields = dict(time=100.0 + step, step=step, seq=1, mode="resize", before=("a/cpu0", "a/cpu1"), after=("a/cpu0",),
+                  pause_s=0.05, latency_s=1.2, batch_size=64, lr=0.1, samples_seen=64 * step, pause_breakdown_s={"stopped": 0.01})
+    return ResizeEvent(**{**fields, **changes})
+
+
+def test_resize_events_read_back_in_order_with_from_and_to_on_disk(tmp_path):
+    from training.resize_log import append_resize, read_resizes
+
+    assert read_resizes(tmp_path) == []
+    append_resize(tmp_path, _resize(10))
+    append_resize(tmp_path, _resize(20, before=("a/cpu0",), after=("a/cpu0", "b/cpu0"), mode="node lost", goodput=True))
+    events = read_resizes(tmp_path)
+    assert [(e.step, e.mode, len(e.before), len(e.after)) for e in events] == [(10, "resize", 2, 1), (20, "node lost", 1, 2)]
+    first = json.loads(trial_files(tmp_path).resizes.read_text().splitlines()[0])
+    assert (first["from"], first["to"], first["schema"]) == (["a/cpu0", "a/cpu1"], ["a/cpu0"], 1)
+    assert events[0].line() == "2 -> 1 devices at step 10 (resize, paused 50 ms; 1.2 s from the request)"
+    assert events[1].line().endswith("batch 64, lr 0.1)")
+
+
+def test_a_line_that_is_not_a_resize_is_skipped_naming_the_file_and_line(tmp_path):
+    from training.resize_log import append_resize, read_resizes
+
+    append_resize(tmp_path, _resize(10))
+    with open(trial_files(tmp_path).resizes, "a") as f:
+        f.write('{"step": "eleven"}\n' + "junk\n")
+    append_resize(tmp_path, _resize(30))
+    with open(trial_files(tmp_path).resizes, "a") as f:
+        f.write('{"time": 1.0, "step": 4')  # a write cut short by a crash: no newline
+    with pytest.warns(UserWarning, match=r"3 line\(s\) of .*resizes.jsonl.*line 2: .*not a whole number.*line 3: .*not valid JSON.*line 5: cut short"):
+        assert [e.step for e in read_resizes(tmp_path)] == [10, 30]
+
+
+def test_allocations_read_back_and_feed_the_timeline(tmp_path):
+    from tasks.records import log_allocation, read_allocations
+    from tasks.timeline import intervals
+
+    log_allocation(tmp_path, "t1", ["a/cpu0", "a/cpu1"], "start", memory_bytes=1 << 20)
+    log_allocation(tmp_path, "t1", ["a/cpu0"], "resize")
+    log_allocation(tmp_path, "t1", [], "end")
+    with open(tmp_path / "allocations.jsonl", "a") as f:
+        f.write('{"time": 1.0, "trial": "t2", "devices": "a/cpu1", "reason": "start"}\n')
+    with pytest.warns(UserWarning, match="devices are not a list"):
+        events = read_allocations(tmp_path)
+    assert [(e.trial, e.devices, e.reason, e.memory_bytes) for e in events] == [
+        ("t1", ("a/cpu0", "a/cpu1"), "start", 1 << 20), ("t1", ("a/cpu0",), "resize", None), ("t1", (), "end", None)]
+    assert sorted((b.device, b.ended_by) for b in intervals(events)) == [("a/cpu0", "end"), ("a/cpu0", "resize"), ("a/cpu1", "resize")]
+
+
+def test_lines_appended_by_several_processes_at_once_stay_whole(tmp_path):
+    """The campaign and a trial's agent may append at once: each line is one O_APPEND write."""
+    import multiprocessing
+
+    from tasks.records import log_allocation, read_allocations
+
+    def writer(name: str) -> None:
+        for _ in range(200):
+            log_allocation(tmp_path, name, [f"{name}/cpu{i}" for i in range(40)], "resize")
+
+    procs = [multiprocessing.get_context("fork").Process(target=writer, args=(f"n{i}",)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a torn line would be warned about
+        events = read_allocations(tmp_path)
+    assert len(events) == 800 and all(len(e.devices) == 40 for e in events)
+
+
+# --- the resize request and answer (tasks.resize) ------------------------------------------
+
+def test_a_resize_request_and_its_answer_read_back(tmp_path):
+    from tasks.resize import answer, pending_request, read_answer, request_resize
+
+    request_id = request_resize(tmp_path, 3, by="policy")
+    request = pending_request(tmp_path, set())
+    assert (request.id, request.devices, request.by) == (request_id, 3, "policy")
+    answer(tmp_path, request_id, "applied", "now on a/cpu0, a/cpu1, a/cpu2")
+    assert read_answer(tmp_path).status == "applied" and pending_request(tmp_path, set()) is None
+    trial_files(tmp_path).resize_answer.write_text(json.dumps({"id": request_id, "status": "maybe", "detail": ""}))
+    with pytest.warns(UserWarning, match="a status that is not one of"):
+        assert read_answer(tmp_path) is None
+
+
+def test_a_request_with_a_field_nobody_reads_is_moved_aside_and_answered(tmp_path):
+    from tasks.resize import pending_request, read_answer
+
+    trial_files(tmp_path).resize_request.parent.mkdir(parents=True)
+    trial_files(tmp_path).resize_request.write_text(json.dumps({"id": "x", "devices": 2, "devices_now": 9}))
+    assert pending_request(tmp_path, set()) is None
+    assert read_answer(tmp_path).status == "rejected" and "unknown fields ['devices_now']" in read_answer(tmp_path).detail
+    assert trial_files(tmp_path).resize_request.with_name("request.json.rejected").exists()

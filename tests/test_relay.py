@@ -10,7 +10,7 @@ from conftest import wait_for
 from cluster.leases import LeaseStore
 from flows.pool.relay import CommandRelay
 from training.agent_state import agent_state_now
-from training.elastic import command_path, refused_path, write_command
+from training.agent_commands import read_command, read_refusal, write_command
 from training.files import read_json, write_json_atomic
 
 CAPACITY = {"a/cpu0": 1, "a/cpu1": 1}
@@ -27,21 +27,21 @@ def test_a_grow_is_forwarded_only_once_the_node_lease_file_gave_the_devices(tmp_
     assert store.acquire("other/u@a:2", {"a/cpu1": 1}, CAPACITY, pid=os.getpid())  # another campaign, on the node itself
     with CommandRelay(outer, inner, store, "c/t@a:1", CAPACITY, ["a/cpu0"]):
         write_command(outer, 1, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
-        refused = wait_for(lambda: read_json(refused_path(outer, 1)), 10, "the relay", every=0.02)
-        assert "a/cpu1 held by another campaign" in refused["reason"]
-        assert read_json(command_path(inner, 1)) is None  # the agent never saw it
+        refused = wait_for(lambda: read_refusal(outer, 1), 10, "the relay", every=0.02)
+        assert "a/cpu1 held by another campaign" in refused.reason
+        assert read_command(inner, 1) is None  # the agent never saw it
 
         store.release("other/u@a:2")
         write_command(outer, 2, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
-        forwarded = wait_for(lambda: read_json(command_path(inner, 1)), 10, "the grow forwarded", every=0.02)  # the agent's numbering
-        assert [d["id"] for d in forwarded["devices"]] == ["a/cpu0", "a/cpu1"]
+        forwarded = wait_for(lambda: read_command(inner, 1), 10, "the grow forwarded", every=0.02)  # the agent's numbering
+        assert forwarded.seq == 1 and forwarded.device_ids == ["a/cpu0", "a/cpu1"]
         assert leased(store) == {"a/cpu0", "a/cpu1"}  # leased before the agent was told
 
         agent_state_now(1, 1, ["a/cpu0", "a/cpu1"], "running").write(inner)
         wait_for(lambda: (read_json(outer / "state.json") or {}).get("seq") == 2, 10, "the state in the campaign's numbering", every=0.02)
 
         write_command(outer, 3, [{"id": "a/cpu1"}])  # a shrink: the lease stays until the agent let go
-        wait_for(lambda: read_json(command_path(inner, 2)), 10, "the relay", every=0.02)
+        wait_for(lambda: read_command(inner, 2), 10, "the relay", every=0.02)
         assert leased(store) == {"a/cpu0", "a/cpu1"}
         agent_state_now(2, 2, ["a/cpu1"], "running").write(inner)
         # The relay gives the lease back and passes the state on in two steps: wait for both
@@ -62,4 +62,4 @@ def test_an_earlier_segments_state_in_the_agents_folder_is_not_read_as_a_shrink(
     with CommandRelay(outer, inner, store, "c/t@b:1", CAPACITY, ["a/cpu0"]):
         time.sleep(0.3)  # several relay rounds
         assert leased(store) == {"a/cpu0"}
-        assert read_json(outer / "state.json") is None and read_json(command_path(inner, 1)) is None
+        assert read_json(outer / "state.json") is None and read_command(inner, 1) is None

@@ -83,6 +83,7 @@ def test_logs_find_a_trial_of_an_earlier_campaign(tmp_path):
 
 
 def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
+    from tasks.records import Allocation
     from tasks.timeline import intervals, write_timeline
 
     events = [
@@ -93,7 +94,8 @@ def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
         {"time": 20.0, "trial": "a", "devices": [], "reason": "end"},
         {"time": 21.0, "trial": "b", "devices": ["d1"], "reason": "start"},
     ]
-    bars = {(b.trial, b.device, b.start, b.end, b.ended_by) for b in intervals(events, now=25.0)}
+    allocations = [Allocation(**{**e, "devices": tuple(e["devices"])}) for e in events]
+    bars = {(b.trial, b.device, b.start, b.end, b.ended_by) for b in intervals(allocations, now=25.0)}
     assert bars == {("a", "d0", 10.0, 15.0, "resize"), ("a", "d1", 10.0, 15.0, "resize"), ("a", "d0", 15.0, 20.0, "end"),
                     ("b", "d2", 11.0, 18.0, "preempted"), ("b", "d1", 21.0, 25.0, "running")}
     (tmp_path / "allocations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))

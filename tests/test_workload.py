@@ -302,7 +302,8 @@ def test_exact_reduction_is_bit_for_bit_through_resizes_and_preemption(tmp_path,
     step's loss and the final weights equal a fixed 2-process run's exactly."""
     from elastic_helpers import (finish, final_weights, hold, release_when_asked_to_stop, resizes, run as run_elastic, start,
                                  stop_requests, trace, trial_config, wait_for_step)
-    from training.elastic import PREEMPTED, write_command
+    from training.elastic import PREEMPTED
+    from training.agent_commands import write_command
 
     monkeypatch.setenv("PYTHONPATH", f"{user_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the agent's workers import it
     monkeypatch.chdir(user_root)

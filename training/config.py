@@ -123,11 +123,6 @@ class TrialConfig:
     def progress_path(self) -> Path:
         return trial_files(self.trial_dir).progress
 
-    @property
-    def batch_path(self) -> Path:
-        """The batch the scheduler chose for the trial's next size (goodput with max_batch_size)."""
-        return trial_files(self.trial_dir).batch
-
     def chosen_batch(self, world_size: int, chosen: int | None) -> int:
         """The global batch at `world_size`: `batch_at`, or the batch the scheduler chose for
         goodput, kept within [batch_at(world_size), max_batch_size]."""

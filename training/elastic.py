@@ -2,7 +2,7 @@
 
     python -m training.elastic --config trial.json --control <dir>
 
-The launcher writes commands as `<dir>/command-<seq>.json`: `{"seq", "devices": [{"id",
+The launcher writes commands (training.agent_commands) as `<dir>/command-<seq>.json`: `{"seq", "devices": [{"id",
 "env"}], "mode": "resize" | "restart", "requested_at"}`. Sequence 0 starts the trial. The
 agent applies each command in order and writes what it runs now to `<dir>/state.json`.
 
@@ -45,13 +45,14 @@ from datetime import timedelta
 from pathlib import Path
 
 from training.config import TrialConfig
-from training.files import read_json, write_json_atomic
+from training.agent_commands import AgentCommand, read_command, refuse
+from training.files import write_json_atomic
 from training.elastic_host import LOST_S, host_key, incarnation_key, sign_request, stop_key
 from training.loopback import bind_address, loopback_store
 from training.progress import read_progress
 from training.process import die_with_parent, skip_final_collection
 from training.agent_state import agent_state_now
-from training.layout import agent_state_in
+from training.layout import command_in
 from training.zygote import ForkedProcess, Zygote, ZygoteGone
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
@@ -162,27 +163,6 @@ class NodeBeats:
                 raise TimeoutError(f"no host for node {node!r} on this agent's store after {timeout_s:.0f} s: start "
                                    f"`python -m training.elastic_host --store {address} --node {node}` there")
             time.sleep(POLL_S)
-
-
-def command_path(control: Path, seq: int) -> Path:
-    return control / f"command-{seq:06d}.json"
-
-
-def refused_path(control: Path, seq: int) -> Path:
-    """Where a pool node's relay says it did not forward command `seq` (flows/pool/relay.py)."""
-    return control / f"refused-{seq:06d}.json"
-
-
-def clear_commands(control: Path) -> None:
-    """A new command sequence starts from nothing: no command, refusal or state of an earlier one."""
-    control.mkdir(parents=True, exist_ok=True)
-    for stale in [*control.glob("command-*.json"), *control.glob("refused-*.json"), agent_state_in(control)]:
-        stale.unlink(missing_ok=True)
-
-
-def write_command(control: Path, seq: int, devices: list[dict], mode: str = "resize") -> None:
-    """What a launcher calls to start (seq 0) or resize a trial."""
-    write_json_atomic(command_path(control, seq), {"seq": seq, "devices": devices, "mode": mode, "requested_at": time.time()})
 
 
 HOST_WAIT_S = 120.0  # a device on another node: how long its host may take to connect
@@ -346,16 +326,16 @@ class Agent:
         agent_state_now(self.seq, self.gen, self.devices(), status).write(self.control)
 
     # --- commands ------------------------------------------------------------------
-    def start(self, command: dict) -> None:
-        if (reason := self.unplaceable(command["devices"])) is not None:
+    def start(self, command: AgentCommand) -> None:
+        if (reason := self.unplaceable(list(command.devices))) is not None:
             raise CannotPlace(f"command 0: {reason}")
-        wids = [self.spawn(d) for d in sorted(command["devices"], key=self.remote)]  # rank 0 on this node
+        wids = [self.spawn(d) for d in sorted(command.devices, key=self.remote)]  # rank 0 on this node
         self.wait_for([f"ready/{w}" for w in wids])
         self.start_generation(wids, "disk", [], None)  # resume from the latest valid checkpoint, if any
 
-    def apply(self, command: dict) -> int | None:
+    def apply(self, command: AgentCommand) -> int | None:
         """Apply one command; an exit code when the trial is to end, else None."""
-        new = command["devices"]
+        new = list(command.devices)
         before = self.devices()
         if not new:  # preemption: durable state, then every process ends
             if self.stop_generation(save=True) is None:
@@ -364,10 +344,10 @@ class Agent:
             self.members = []
             return PREEMPTED
         if (reason := self.unplaceable(new)) is not None:
-            write_json_atomic(refused_path(self.control, command["seq"]), {"seq": command["seq"], "time": time.time(), "reason": reason})
+            refuse(self.control, command.seq, reason)
             return None
         new = sorted(new, key=self.remote)  # rank 0 on this node
-        request = {"seq": command["seq"], "mode": command["mode"], "requested_at": command["requested_at"], "from": before, "to": [d["id"] for d in new]}
+        request = {"seq": command.seq, "mode": command.mode, "requested_at": command.requested_at, "from": before, "to": [d["id"] for d in new]}
         if self.restart_only:  # a function trial: every process new, started while the old ones train
             request["mode"] = "restart"
             wids = [self.spawn(d) for d in new]
@@ -381,7 +361,7 @@ class Agent:
             request.update(stopped_at=stopped["time"], last_step_at=stopped["last_step_at"])
             self.start_generation(wids, "disk", wids, request)
             return None
-        if command["mode"] == "restart":
+        if command.mode == "restart":
             stopped = self.stop_generation(save=True)
             if stopped is None:
                 return FINISHED
@@ -413,13 +393,13 @@ class Agent:
                     f"{', '.join(d['id'] for d in devices)} all on other nodes")
         return None
 
-    def next_command(self) -> dict | None:
-        return read_json(command_path(self.control, self.seq + 1))
+    def next_command(self) -> AgentCommand | None:
+        return read_command(self.control, self.seq + 1)
 
     def run(self) -> int:
         first = self.next_command()
         if first is None:
-            raise FileNotFoundError(f"no {command_path(self.control, 0)}: nothing to start")
+            raise FileNotFoundError(f"no {command_in(self.control, 0)}: nothing to start")
         self.seq = 0
         self.start(first)
         self.write_state("running")
@@ -438,7 +418,7 @@ class Agent:
                 return FINISHED
             command = self.next_command()
             if command is not None:
-                self.seq = command["seq"]
+                self.seq = command.seq
                 outcome = self.apply(command)
                 if outcome is not None:
                     self.wait_for_exits()

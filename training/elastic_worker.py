@@ -34,7 +34,7 @@ from training.metrics import result_line
 from training.process import die_with_parent, skip_final_collection
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
-from training.layout import trial_files
+from training.resize_log import ResizeEvent, append_resize
 
 STORE_TIMEOUT = timedelta(days=7)  # a worker may wait a whole training generation for its next assignment
 
@@ -153,32 +153,18 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
         "stopped": request["stopped_at"], "assigned": timings["assigned"], "process_group": timings["attached"],
         "state": timings["state"], "first_step": now,
     }
-    event = {
-        "time": now, "step": trainer.step, "seq": request["seq"], "mode": request["mode"],
-        "from": request["from"], "to": request["to"],
-        # Training made no progress from the old size's last step to the new size's first.
-        "pause_s": now - request["last_step_at"],
-        # From the request to the first step at the new size (joiners start while training goes on).
-        "latency_s": now - request["requested_at"],
-        "pause_breakdown_s": pause_breakdown(marks),
+    event = ResizeEvent(
+        time=now, step=trainer.step, seq=request["seq"], mode=request["mode"],
+        before=tuple(request["from"]), after=tuple(request["to"]),
+        pause_s=now - request["last_step_at"], latency_s=now - request["requested_at"],
         # What the new size trains with: the same batch (reproducible), or its own (goodput).
-        "batch_size": trainer.phase.batch_size, "lr": trainer.start_lr, "samples_seen": trainer.phase.samples,
-        "goodput": trainer.cfg.goodput,
-    }
-    with open(trial_files(trainer.cfg.trial_dir).resizes, "a") as f:
-        f.write(json.dumps(event) + "\n")
-    trainer.metrics.log(trainer.progress_step, resize_pause_s=event["pause_s"], resize_latency_s=event["latency_s"])
+        batch_size=trainer.phase.batch_size, lr=trainer.start_lr, samples_seen=trainer.phase.samples,
+        goodput=trainer.cfg.goodput, pause_breakdown_s=pause_breakdown(marks))
+    append_resize(trainer.cfg.trial_dir, event)
+    trainer.metrics.log(trainer.progress_step, resize_pause_s=event.pause_s, resize_latency_s=event.latency_s)
     # Readable on the run's page; every figure is in resizes.jsonl and the metrics above.
-    trainer.metrics.tag(f"resize.{request['seq']}", resize_line(event))
-    print(f"trial {trainer.cfg.trial_id}: {resize_line(event)}", flush=True)
-
-
-def resize_line(event: dict) -> str:
-    """'2 -> 1 devices at step 276 (resize, paused 53 ms; 1.2 s from the request)', and for a
-    goodput trial the batch and learning rate it now trains with."""
-    batch = f", batch {event['batch_size']}, lr {event['lr']:.4g}" if event.get("goodput") else ""
-    return (f"{len(event['from'])} -> {len(event['to'])} devices at step {event['step']} "
-            f"({event['mode']}, paused {event['pause_s'] * 1000:.0f} ms; {event['latency_s']:.1f} s from the request{batch})")
+    trainer.metrics.tag(f"resize.{request['seq']}", event.line())
+    print(f"trial {trainer.cfg.trial_id}: {event.line()}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

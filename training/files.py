@@ -188,6 +188,55 @@ def read_json(path: Path, limit: int = MAX_RECORD_BYTES) -> Any | None:
     return loads_json(data, path)
 
 
+MAX_LOG_BYTES = 64 << 20  # a line log (resizes, allocations) of a long campaign: well under this
+
+
+def append_json_line(path: Path, obj: Any) -> None:
+    """Add one JSON line to a line log. One write on an O_APPEND descriptor: lines from several
+    writers (the campaign and a trial's agent) never interleave, and a reader sees whole lines
+    or, after a crash mid-write, a last line without its newline (which readers skip)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(obj, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_json_lines(path: Path, problem: Callable[[Any], str | None], limit: int = MAX_LOG_BYTES) -> list[Any]:
+    """The lines of a line log that are records (`problem(line)` is None), in order; [] when
+    there is no log (yet). A line that is not one (junk, another version's, cut short by a
+    crash) is skipped with one warning naming the file, its line and what is wrong: a log is
+    history, and one bad line must not hide the rest. InputError (naming the file) if it is
+    not a regular file or is over `limit` bytes."""
+    try:
+        data = read_bounded(path, limit, fix="remove it or restore it from a copy")
+    except FileNotFoundError:
+        return []
+    records, bad = [], []
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if number == len(lines):  # no newline after it: a write cut short
+            bad.append(f"line {number}: cut short")
+            continue
+        try:
+            raw = loads_json(line, f"{path}:{number}")
+        except InputError as e:
+            bad.append(f"line {number}: {e}")
+            continue
+        if (wrong := problem(raw)) is not None:
+            bad.append(f"line {number}: {wrong}")
+            continue
+        records.append(raw)
+    if bad:
+        warnings.warn(f"ignoring {len(bad)} line(s) of {path} that are not records: {'; '.join(bad[:3])}", stacklevel=3)
+    return records
+
+
 def read_status_json(path: Path, problem: Callable[[Any], str | None], limit: int = MAX_RECORD_BYTES) -> Any | None:
     """A status file's JSON, or None when there is none (yet) or it is not one: unreadable,
     or `problem(raw)` says what is wrong. Not one is warned about, naming the file, and read

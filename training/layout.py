@@ -116,6 +116,20 @@ def agent_state_in(control: str | Path) -> Path:
     return Path(control) / "state.json"
 
 
+def command_in(control: str | Path, seq: int) -> Path:
+    """Command `seq` to an elastic trial's agent (training.agent_commands): 0 starts it."""
+    return Path(control) / f"{COMMAND_PREFIX}{seq:06d}.json"
+
+
+def refusal_in(control: str | Path, seq: int) -> Path:
+    """Where a pool node's relay or the agent says it did not apply command `seq`."""
+    return Path(control) / f"{REFUSAL_PREFIX}{seq:06d}.json"
+
+
+COMMAND_PREFIX, REFUSAL_PREFIX = "command-", "refused-"
+COMMANDS_GLOB, REFUSALS_GLOB = f"{COMMAND_PREFIX}*.json", f"{REFUSAL_PREFIX}*.json"
+
+
 def campaign_records(runs_dir: str | Path) -> list[Path]:
     """Every campaign's record under a runs folder, by name."""
     return sorted(Path(runs_dir).glob("*/campaign.json"))

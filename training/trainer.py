@@ -50,8 +50,8 @@ from training.fence import commit_guard, grant_of
 from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
-from training.errors import CampaignError
-from training.files import read_json, write_json_atomic
+from training.batch_choice import read_batch_choice
+from training.files import write_json_atomic
 from training.layout import trial_files
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger, progress_line
@@ -224,12 +224,9 @@ class Trainer(Stateful):
             return None
         chosen = 0
         if env.rank == 0:
-            try:
-                record = read_json(self.cfg.batch_path) or {}
-            except CampaignError:
-                record = {}  # unreadable: the batch follows the size
-            if isinstance(record, dict) and record.get("devices") == env.world_size and isinstance(record.get("batch_size"), int):
-                chosen = record["batch_size"]
+            choice = read_batch_choice(self.cfg.trial_dir)  # none, or not one (warned): the batch follows the size
+            if choice is not None and choice.devices == env.world_size:
+                chosen = choice.batch_size
         if env.world_size > 1:
             value = torch.tensor([chosen], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
             dist.broadcast(value, 0)

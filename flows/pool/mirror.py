@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from training.files import write_atomic
-from training.layout import trial_files
+from training.layout import COMMANDS_GLOB, trial_files
 
 MIRROR_S = 1.0  # how often each side copies
 MAX_FILE_BYTES = 256 * 1024  # a whole file larger than this is not copied (none of the trial's records is near it)
@@ -53,7 +53,7 @@ def _names(root: Path) -> dict[str, str]:
 def _down_patterns(root: Path) -> tuple[str, ...]:
     """What the campaign writes for the trial while it runs: the nodes only read these."""
     n = _names(root)
-    return n["hold"], n["batch"], f"{n['control']}/command-*.json", f"{n['control']}/stop-*"
+    return n["hold"], n["batch"], f"{n['control']}/{COMMANDS_GLOB}", f"{n['control']}/stop-*"
 
 
 def _relayed_patterns(root: Path) -> tuple[str, ...]:

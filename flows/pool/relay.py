@@ -18,12 +18,10 @@ segment relays them from the campaign's (`control`):
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from cluster.leases import LeaseStore
-from training.elastic import clear_commands, command_path, refused_path
-from training.files import read_json, write_json_atomic
+from training.agent_commands import clear_commands, read_command, refuse
 from training.agent_state import read_agent_state
 
 POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
@@ -59,17 +57,15 @@ class CommandRelay:
             self.relay_state()
 
     def relay_commands(self) -> None:
-        while (command := read_json(command_path(self.outer, self.next_outer))) is not None:
-            wanted = [d["id"] for d in command["devices"]]
-            new = [d for d in wanted if d not in self.held]
+        while (command := read_command(self.outer, self.next_outer)) is not None:
+            new = [d for d in command.device_ids if d not in self.held]
             if new and not self.store.acquire(self.holder, {d: self.capacity[d] for d in new}, self.capacity):
                 # Not forwarded: the agent never sees it, and the campaign is told why.
-                write_json_atomic(refused_path(self.outer, self.next_outer), {
-                    "seq": self.next_outer, "time": time.time(), "reason": f"node lease file: {', '.join(new)} held by another campaign"})
+                refuse(self.outer, self.next_outer, f"node lease file: {', '.join(new)} held by another campaign")
                 self.next_outer += 1
                 continue
             self.held.update(new)
-            write_json_atomic(command_path(self.inner, self.next_inner), {**command, "seq": self.next_inner})
+            command.renumbered(self.next_inner).write(self.inner)
             self.to_outer[self.next_inner] = self.next_outer
             self.next_outer += 1
             self.next_inner += 1

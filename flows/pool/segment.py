@@ -37,7 +37,7 @@ from flows.pool.secret import node_secret, verify
 from flows.pool.relay import CommandRelay
 from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
 from training.config import TrialConfig
-from training.elastic import clear_commands
+from training.agent_commands import clear_commands
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
 
