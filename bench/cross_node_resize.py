@@ -12,7 +12,7 @@
   host, the agent asks it for a worker there, which loads everything while the trial trains
   on, then joins at a control step and gets the state from rank 0 in memory.
 - stop file and relaunch (what a pool campaign does when a resize moves an elastic trial,
-  flows/live.py `Running.relaunch`): node a's torchrun is asked to stop through its stop file
+  flows/run/live.py `Running.relaunch`): node a's torchrun is asked to stop through its stop file
   (`TrialConfig.stop_path`, training/train.py `StopFile`), every rank stops at the next
   control step at a checkpoint it writes then, and both nodes start a 2-node torchrun from it.
 

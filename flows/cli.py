@@ -73,7 +73,7 @@ def _checked(spec) -> tuple[list, object, dict]:
     the devices they may use and their size requests."""
     from training.spec import check_data, check_tracking
     from training.errors import CampaignError
-    from flows.campaign import checked_requests, inventory_for
+    from flows.run.campaign import checked_requests, inventory_for
     from tasks.grid import expand_grid
 
     try:
@@ -100,7 +100,7 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
     record comes 0.8 s later (4.1 s against 3.3 s: its worker is ready sooner all the same).
     Before the zygote each worker imported for itself and starting them early lost there."""
     from cluster.leases import LeaseError, LeaseStore, LeaseStoreError
-    from flows.campaign import warm_first_wave
+    from flows.run.campaign import warm_first_wave
     from tasks.trial import prestart_warm_workers
 
     if os.environ.get(PRESTART_ENV) == "0":
@@ -160,7 +160,7 @@ def _terminate(signum, frame) -> None:
 def _report_to_ui() -> None:
     """While `campaign ui` runs for this folder, flows report to its Prefect server (set
     before Prefect is imported: it reads its settings then)."""
-    from flows.ui import running_ui
+    from flows.servers.ui import running_ui
 
     if os.environ.get("PREFECT_API_URL"):
         return  # the user's own Prefect server
@@ -178,8 +178,8 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         # Before Prefect's server starts: the orchestration's processes stay off the cores of the trials' slots.
         keep_off_cores(spare_cores(discover(cpu_slots=spec.cluster.cpu_slots)))
     from training.spec import tracking_uri
-    from flows.warmup import WarmUp
-    from flows.warden import start_warden
+    from flows.servers.warmup import WarmUp
+    from flows.run.warden import start_warden
     from tasks.records import campaign_dir
 
     # Before Prefect starts its server: if this process is killed outright, the warden ends
@@ -203,7 +203,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)
-    from flows.campaign import campaign_flow
+    from flows.run.campaign import campaign_flow
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
@@ -233,8 +233,8 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
 
 def _launch_live(spec, params: Path, pool: str | None, warm):
     """The flow under a live table; Prefect's and the libraries' logs go to campaign.log."""
-    from flows.campaign import campaign_flow
-    from flows.live_view import LiveView, chatter_to_file
+    from flows.run.campaign import campaign_flow
+    from flows.run.live_view import LiveView, chatter_to_file
     from tasks.records import campaign_dir
 
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
@@ -272,7 +272,7 @@ def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[st
 def plan(params: Path = PARAMS) -> None:
     """Show how the campaign's trials would be sized and placed (on cluster.nodes if declared)."""
     from cluster.packing import Packer, workload_of
-    from flows.campaign import checked_requests, planning_inventory
+    from flows.run.campaign import checked_requests, planning_inventory
     from training.spec import load_spec
     from tasks.grid import expand_grid
     from training.errors import CampaignError
@@ -302,8 +302,8 @@ def profile(
     trial: Optional[str] = typer.Option(None, "--trial", help="trial id (default: the grid's first; `campaign status` lists them)"),
 ) -> None:
     """Profile one trial on this host: per-layer table, roofline, DDP buckets and all-reduce, predicted step times."""
-    from flows.campaign import checked_requests, inventory_for
-    from flows.profile import profile_flow, select_trial
+    from flows.run.campaign import checked_requests, inventory_for
+    from flows.run.profile import profile_flow, select_trial
     from training.spec import load_spec
     from tasks.grid import expand_grid
     from tasks.profile import PREDICTION_COLUMNS, prediction_rows
@@ -389,7 +389,7 @@ def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str):
 
 def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
     """The campaign's trials as a table, whether every one has ended, and the checkpoints refused."""
-    from flows.live_view import trials_table
+    from flows.run.live_view import trials_table
     from tasks.records import campaign_status
 
     rows = campaign_status(runs_dir, name)
@@ -517,7 +517,7 @@ def ui(
 ) -> None:
     """Start a Prefect server and the MLflow UI on 127.0.0.1 until Ctrl-C; launches from this folder report to it."""
     from training.spec import load_spec, tracking_uri
-    from flows.ui import (clear_state, describe, main_loop, remember_ports, reporting_campaigns, running_ui, stable_ports,
+    from flows.servers.ui import (clear_state, describe, main_loop, remember_ports, reporting_campaigns, running_ui, stable_ports,
                           start_servers, stop_servers, write_state)
     from training.errors import CampaignError
 
@@ -675,7 +675,7 @@ def pool_server(pool: str = typer.Option(..., help="the pool's name"),
            "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
     console.print(f"pool {pool}: Prefect server on http://{host}:{port} (API auth required); every node: "
                   f"export PREFECT_API_URL=http://{host}:{port}/api", highlight=False)
-    os.execvpe(sys.executable, [sys.executable, "-m", "flows.warmup", "--host", host, "--port", str(port)], env)
+    os.execvpe(sys.executable, [sys.executable, "-m", "flows.servers.warmup", "--host", host, "--port", str(port)], env)
 
 
 def main() -> None:

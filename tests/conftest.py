@@ -157,7 +157,7 @@ def prefect_database(tmp_path_factory, worker_id):
 def prefect_server_for_campaigns(tmp_path_factory, prefect_database):
     """One Prefect server per test process, for every `campaign launch` the tests start.
 
-    A launch without PREFECT_API_URL boots a temporary server of its own (flows/warmup.py):
+    A launch without PREFECT_API_URL boots a temporary server of its own (flows/servers/warmup.py):
     ~14 s of CPU each time (one launch test: 59.0 CPU-s with its own, 44.6 with this one),
     and on two cores the suite's time is its CPU. The server is the same one a launch would start (same command and settings,
     its own database), and it is marked as the launch's temporary one (CAMPAIGN_PREFECT_TEMPORARY),
@@ -168,7 +168,7 @@ def prefect_server_for_campaigns(tmp_path_factory, prefect_database):
     if os.environ.get("PREFECT_API_URL"):  # the person running the tests chose a server
         yield os.environ["PREFECT_API_URL"]
         return
-    from flows.warmup import TEMPORARY_ENV, WarmUp
+    from flows.servers.warmup import TEMPORARY_ENV, WarmUp
 
     database = prefect_database(tmp_path_factory.mktemp("prefect-server") / "prefect.db")
     warm = WarmUp(server_env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"})
@@ -198,7 +198,7 @@ def prefect_backend(prefect_database):
 
 def without_shared_prefect_server(monkeypatch) -> None:
     """For a test of a launch that starts its own Prefect server (the default)."""
-    from flows.warmup import TEMPORARY_ENV
+    from flows.servers.warmup import TEMPORARY_ENV
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.delenv(TEMPORARY_ENV, raising=False)

@@ -172,7 +172,7 @@ class FlakyStore:
 
 
 def test_the_heartbeat_survives_failed_renewals():
-    from flows.live import LeaseHeartbeat
+    from flows.run.live import LeaseHeartbeat
 
     store = FlakyStore(failures=3)
     beat = LeaseHeartbeat(store, period_s=0.02)
@@ -253,7 +253,7 @@ def test_a_trial_whose_leases_are_reclaimed_stops_at_once(tmp_path):
     import threading
 
     from cluster.leases import LeaseStore
-    from flows.live import LeaseHeartbeat
+    from flows.run.live import LeaseHeartbeat
     from tasks import trial as trial_module
     from tasks.trial import LaunchPlan, TrialStopped, accept_launches, apply_launch, readmit, revoke
     from training.config import TrialConfig

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.campaign import HOLD_ENV
+from flows.run.campaign import HOLD_ENV
 from training.files import read_json
 from training.layout import campaign_files, trial_files
 

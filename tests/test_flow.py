@@ -45,7 +45,7 @@ def prefect_flow_run_name(flow_run_id) -> str:
 
 
 def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect_backend, monkeypatch):
-    from flows.campaign import campaign_flow
+    from flows.run.campaign import campaign_flow
 
     monkeypatch.chdir(tmp_path)
     params = write_params(tmp_path, digits_npz)
@@ -166,7 +166,7 @@ def test_two_device_trial_waits_for_two_then_starts_with_both(tmp_path, digits_n
     import time
 
     from cluster.inventory import discover
-    from flows.campaign import campaign_flow
+    from flows.run.campaign import campaign_flow
 
     monkeypatch.chdir(tmp_path)
     params = write_params(tmp_path, digits_npz)

@@ -1,4 +1,4 @@
-"""The campaign flow's side of a resize (flows/live.py): what it answers and which leases it keeps,
+"""The campaign flow's side of a resize (flows/run/live.py): what it answers and which leases it keeps,
 once the trial's agent has taken the command. Real lease store and control files, no processes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from cluster.inventory import discover
 from cluster.leases import LeaseStore
 from cluster.sizing import SizedRequest
-from flows.live import Running, serve_resizes
+from flows.run.live import Running, serve_resizes
 from training.spec import parse_spec
 from tasks.grid import expand_grid
 from tasks.resize import request_resize
@@ -75,7 +75,7 @@ def test_the_campaign_loop_waits_for_the_first_trial_to_end_on_the_trials_thread
 
     from prefect.futures import PrefectConcurrentFuture
 
-    from flows.campaign import first_finished
+    from flows.run.campaign import first_finished
 
     slow, quick = Future(), Future()
     futures = [PrefectConcurrentFuture(uuid4(), slow), PrefectConcurrentFuture(uuid4(), quick)]

@@ -52,7 +52,7 @@ def test_hand_resize_in_a_live_campaign(tmp_path, digits_npz, prefect_backend, m
     trial is held from step 100 (each control step while its `hold` file is there: a held
     trial still answers its agent, then waits again), so every resize lands mid-trial, on a
     600-step trial, however loaded the machine."""
-    from flows.campaign import HOLD_ENV, campaign_flow
+    from flows.run.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(HOLD_ENV, "100")
@@ -115,7 +115,7 @@ def test_a_hand_preemption_is_answered_and_the_trial_resumes(tmp_path, digits_np
     run, the campaign resumes it from its checkpoint instead of sitting on free devices.
     The trial is held at step 300 until the preemption's command reached its agent: under
     load it once ran to its end (3,000 fast steps) before the preemption landed."""
-    from flows.campaign import HOLD_ENV, campaign_flow
+    from flows.run.campaign import HOLD_ENV, campaign_flow
     from training.agent_commands import read_command
 
     monkeypatch.chdir(tmp_path)
@@ -162,7 +162,7 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
     """The long trial is held from step 100 until the policy has grown it (a held trial still
     answers its agent), so it is still running when the short one ends, however loaded the
     machine, without training thousands of steps to make sure."""
-    from flows.campaign import HOLD_ENV, campaign_flow
+    from flows.run.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(HOLD_ENV, "100")
@@ -217,7 +217,7 @@ def test_policy_grows_a_trial_when_another_finishes(tmp_path, digits_npz, prefec
 def test_by_default_the_trial_with_least_work_left_goes_first(tmp_path, digits_npz, prefect_backend, monkeypatch):
     """Trials declare their steps: the policy runs the shortest on both slots first (shortest
     remaining work first), and the long one starts on them when it ends."""
-    from flows.campaign import campaign_flow
+    from flows.run.campaign import campaign_flow
 
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
@@ -236,7 +236,7 @@ def test_by_default_the_trial_with_least_work_left_goes_first(tmp_path, digits_n
 def test_policy_preempts_a_running_trial_for_a_waiting_one(tmp_path, digits_npz, prefect_backend, monkeypatch):
     """Three elastic trials on two slots: least-attained-service makes a running trial yield
     (a resize to zero) so the waiting one starts; the yielded one resumes from its checkpoint."""
-    from flows.campaign import HOLD_ENV, campaign_flow
+    from flows.run.campaign import HOLD_ENV, campaign_flow
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(HOLD_ENV, "100")

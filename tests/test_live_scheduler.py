@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.scheduler import LiveScheduler, live_policy, usable_devices
+from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from cluster.inventory import DeclaredNode, declared_inventory
 
 NODE = {"n": ["n/gpu0", "n/gpu1", "n/gpu2", "n/gpu3"]}

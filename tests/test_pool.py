@@ -31,7 +31,7 @@ from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
 from training.spec import load_spec
 from flows.pool.secret import CLIENT_AUTH_ENV, SECRET_ENV, init_secret, load_secret
-from flows.ui import start_servers, stop_servers
+from flows.servers.ui import start_servers, stop_servers
 from tasks.grid import expand_grid
 from training.files import read_json
 from training.layout import trial_files
@@ -413,7 +413,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
 def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]:
     """An MLflow server on the head's address, its store in `folder` (the nodes reach it over the network)."""
-    from flows.ui import MLFLOW_SERVER_ENV, free_port, healthy
+    from flows.servers.ui import MLFLOW_SERVER_ENV, free_port, healthy
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",

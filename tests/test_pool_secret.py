@@ -104,7 +104,7 @@ def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, pref
     import urllib.error
     import urllib.request
 
-    from flows.ui import free_port
+    from flows.servers.ui import free_port
 
     init_secret("lab", folder)
     secret = load_secret("lab", folder)

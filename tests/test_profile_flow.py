@@ -15,7 +15,7 @@ from torch import nn
 
 from cluster.leases import LeaseStore
 from cluster.types import Device, Inventory
-from flows.profile import TrialNotFoundError, profile_flow
+from flows.run.profile import TrialNotFoundError, profile_flow
 from training.spec import load_spec
 from tasks.grid import expand_grid
 from tasks.tracking import open_campaign_run, open_trial_run
@@ -144,7 +144,7 @@ def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, cul
     if breakage == "model":
         monkeypatch.setitem(MODELS, "small_cnn", broken_model)
     else:
-        monkeypatch.setattr("flows.profile.inventory_for", vanished_core)
+        monkeypatch.setattr("flows.run.profile.inventory_for", vanished_core)
     caplog.set_level(logging.WARNING)
     params = write_params(tmp_path, "broken", devices=2, data=digits_npz)
     summary = profile_flow(str(params))  # completes: a profile is advice, not a result

@@ -187,7 +187,7 @@ def test_the_default_campaign_fits_a_one_gpu_machine(digits_npz):
     from cluster.inventory import discover
     from cluster.packing import Packer, PlacementError
     from conftest import REPO
-    from flows.campaign import checked_requests
+    from flows.run.campaign import checked_requests
     from tests.fakes.fake_nvml import FakeGpu, FakeNvml, gpu_uuid
 
     one_gpu = discover(FakeNvml([FakeGpu(gpu_uuid(0, 0))]), node="box")

@@ -179,7 +179,7 @@ def test_cli_rejects_before_anything_runs(tmp_path, digits_npz, change, value, w
 
 
 def test_goodput_trials_carry_their_scaling_into_the_trainer(tmp_path):
-    from flows.campaign import trial_config
+    from flows.run.campaign import trial_config
     from cluster.sizing import SizedRequest
 
     raw = with_change("training/lr_scaling", "sqrt", with_change("training/scaling", "goodput", with_change("resources/devices", [1, 4])))

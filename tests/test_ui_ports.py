@@ -1,11 +1,11 @@
-"""`campaign ui` keeps its ports from one start to the next (flows/ui.py: stable_ports), so
+"""`campaign ui` keeps its ports from one start to the next (flows/servers/ui.py: stable_ports), so
 that the MLflow links written into Prefect artifacts still open after a restart."""
 
 from __future__ import annotations
 
 import socket
 
-from flows.ui import DEFAULT_PORTS, PORTS, Servers, port_is_free, remember_ports, stable_ports
+from flows.servers.ui import DEFAULT_PORTS, PORTS, Servers, port_is_free, remember_ports, stable_ports
 from training.files import write_json_atomic
 
 

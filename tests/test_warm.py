@@ -102,7 +102,7 @@ def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_the
 
 def test_workers_are_started_ahead_where_the_first_one_device_trials_will_be_placed(tmp_path, digits_npz):
     from cluster.inventory import discover
-    from flows.campaign import checked_requests, warm_first_wave
+    from flows.run.campaign import checked_requests, warm_first_wave
     from tasks.grid import expand_grid
     from training.spec import parse_spec
 

@@ -1,4 +1,4 @@
-"""Prefect's temporary server (flows/warmup.py): the flow run of a launch that started its own
+"""Prefect's temporary server (flows/servers/warmup.py): the flow run of a launch that started its own
 server sends it no heartbeats (the server dies with the launch; Prefect joins its heartbeat
 thread at the flow's end, in 1 s slices); against a server of the user's, heartbeats stay on."""
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 FLOW = """
 import json, os, sys
-from flows.warmup import WarmUp
+from flows.servers.warmup import WarmUp
 warm = WarmUp()  # starts a server only without PREFECT_API_URL
 warm.ready()
 from prefect import flow
@@ -48,7 +48,7 @@ def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_default_against_an
     assert started["after"] is not None  # only the flow run's settings change, not the process's
 
     # A server of the user's (the harness of prefect's own tests would do too: any other URL).
-    server = subprocess.Popen([sys.executable, "-c", "from flows.warmup import WarmUp; import sys, os; w = WarmUp(); w.ready(); "
+    server = subprocess.Popen([sys.executable, "-c", "from flows.servers.warmup import WarmUp; import sys, os; w = WarmUp(); w.ready(); "
                                "print(os.environ['PREFECT_API_URL'], flush=True); sys.stdin.read()"],
                               cwd=REPO, env={**own, "PREFECT_HOME": str(tmp_path / "server-home")},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -69,7 +69,7 @@ def test_a_request_refused_as_retryable_is_run_again_within_the_server():
     Prefect's client its own back-off. Any other answer goes out as it is, the first time."""
     import asyncio
 
-    from flows.warmup import RetrySoon
+    from flows.servers.warmup import RetrySoon
 
     def serve(statuses: list[int], budget_s: float = 5.0):
         seen = []

@@ -107,7 +107,7 @@ def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
 # --- the live view of `campaign launch` -------------------------------------------------------
 
 def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a_restart():
-    from flows.live_view import Eta, format_seconds
+    from flows.run.live_view import Eta, format_seconds
 
     eta = Eta()
     assert eta.observe("t", 0, 1000, now=-30.0) is None  # starting up: not part of its pace
@@ -152,7 +152,7 @@ def test_launch_shows_trials_live_and_sends_prefect_chatter_to_a_file(tmp_path, 
 
 
 def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_path):
-    from flows.ui import STATE, mlflow_ui
+    from flows.servers.ui import STATE, mlflow_ui
     from tasks.summary import summary_markdown
     from training.files import write_json_atomic
 
@@ -170,7 +170,7 @@ def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_p
 def test_the_live_view_links_the_flow_run_and_the_mlflow_run_when_uis_serve_them():
     from dataclasses import replace
 
-    from flows.live_view import campaign_links
+    from flows.run.live_view import campaign_links
     from tasks.records import CampaignRecord
 
     record = CampaignRecord(name="c", prefect_api="http://127.0.0.1:4200/api", flow_run_id="f-1", mlflow_ui="http://127.0.0.1:5000/",
@@ -185,7 +185,7 @@ def test_the_trials_table_fits_80_columns_without_cutting_a_value():
     """At 80 columns the state read "finis…": values stay whole, ids and devices fold."""
     from rich.console import Console
 
-    from flows.live_view import trials_table
+    from flows.run.live_view import trials_table
     from tasks.records import TrialStatus
 
     rows = [TrialStatus(f"lr=0.05-width=16-{i}a3f9c2", "lr=0.05", state, 1200, 1500, ["vm/cpu0", "vm/cpu1"],

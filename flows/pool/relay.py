@@ -8,7 +8,7 @@ segment relays them from the campaign's (`control`):
 
 - a command that adds devices is forwarded only once the node's lease file gave them to
   this trial; if another campaign holds one, the command is not forwarded and the campaign
-  finds `control/refused-<seq>.json` for it (`flows.live.serve_resizes` answers the
+  finds `control/refused-<seq>.json` for it (`flows.run.live.serve_resizes` answers the
   request rejected and gives back what it leased);
 - the agent's `state.json` is copied back, with the campaign's sequence numbers, and the
   devices a shrink or a preemption let go are released in the node's file after the agent

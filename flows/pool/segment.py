@@ -31,7 +31,7 @@ from prefect import flow
 
 from cluster.leases import LeaseStore
 from cluster.types import Device
-from flows.live import LeaseHeartbeat
+from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
 from flows.pool.secret import node_secret, verify
 from flows.pool.relay import CommandRelay

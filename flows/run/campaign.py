@@ -38,13 +38,13 @@ from tasks.summary import summary_markdown, write_summary
 from tasks.system_metrics import SystemSampler
 from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
-from flows.ui import mlflow_ui
+from flows.servers.ui import mlflow_ui
 from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
-from flows.live import LeaseHeartbeat, Running, serve_resizes
-from flows.live_view import CampaignLog
+from flows.run.live import LeaseHeartbeat, Running, serve_resizes
+from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
 from flows.pool.remote import by_node, forget_recall, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
-from flows.scheduler import LiveScheduler, live_policy, usable_devices
+from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
 from tasks.device_settings import check_device_settings
@@ -679,7 +679,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         owner=process_identity(), state="running", started=time.time(), ended=None,
         # A server that lives as long as this launch is not one to come back to.
         prefect_api=os.environ.get("PREFECT_API_URL") if os.environ.get("PREFECT_API_URL") != os.environ.get("CAMPAIGN_PREFECT_TEMPORARY") else None,
-        # Where people look: the live view prints these links (flows/live_view.py: campaign_links).
+        # Where people look: the live view prints these links (flows/run/live_view.py: campaign_links).
         flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
         mlflow_ui=ui, mlflow_experiment_id=experiment,
         trials=before.trials if search else tuple(trial_entry(t, requests[t.id]) for t in trials),

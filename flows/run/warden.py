@@ -42,10 +42,10 @@ def start_warden(campaign_dir: Path, tracking_uri: str) -> subprocess.Popen:
     leaves nothing behind, and Prefect's server may start while those checks run."""
     token = secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if k != MARK}  # the warden must not find itself
-    root = str(Path(__file__).resolve().parent.parent)  # importable from any working directory
+    root = str(Path(__file__).resolve().parents[2])  # importable from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.warden", "--owner", process_identity(), "--mark", token,
+        [sys.executable, "-m", "flows.run.warden", "--owner", process_identity(), "--mark", token,
          "--campaign-dir", str(campaign_dir.resolve()), "--tracking-uri", tracking_uri],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # a signal to the CLI's process group does not reach it

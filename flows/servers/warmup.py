@@ -42,7 +42,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-CODE_ROOT = Path(__file__).resolve().parents[1]  # where `flows` is: the server process imports server_app from it
+CODE_ROOT = Path(__file__).resolve().parents[2]  # where `flows` is: the server process imports server_app from it
 
 
 def server_app():
@@ -56,7 +56,7 @@ def server_app():
 def serve(host: str, port: int) -> None:
     """Prefect's server as `prefect server start` runs it in the foreground (one process: its
     API, services and UI, settings from the environment), with server_app's retries:
-    `campaign ui` and `campaign pool server` run it (`python -m flows.warmup --host H --port P`),
+    `campaign ui` and `campaign pool server` run it (`python -m flows.servers.warmup --host H --port P`),
     where a pool's segments start together on several nodes."""
     import uvicorn
     from prefect.server.api.server import create_app
@@ -150,7 +150,7 @@ class WarmUp:
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
                **self.server_env}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(CODE_ROOT), "--factory", "flows.warmup:server_app",
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(CODE_ROOT), "--factory", "flows.servers.warmup:server_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 

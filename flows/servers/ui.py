@@ -1,7 +1,7 @@
 """`campaign ui`: a Prefect server and the MLflow UI on 127.0.0.1, for as long as it runs.
 
 Both are the projects' own servers: Prefect's app as `prefect server start` serves it (with
-flows.warmup's retries of refused writes) and `mlflow server`, on free loopback ports. The
+flows.servers.warmup's retries of refused writes) and `mlflow server`, on free loopback ports. The
 Prefect UI is pointed at its own API (PREFECT_UI_API_URL). While it runs, `.campaign/ui.json`
 in the project folder names the Prefect API, and `campaign launch` from that folder reports
 there instead of starting Prefect's temporary server, so the runs show up live. The Prefect
@@ -119,7 +119,7 @@ def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_p
         env["PREFECT_HOME"] = str(prefect_home)
     if auth_string is not None:  # a pool's server (flows/pool/secret.py): only clients with it are served
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
-    processes = [_start([sys.executable, "-m", "flows.warmup", "--host", host, "--port", str(prefect_port)],
+    processes = [_start([sys.executable, "-m", "flows.servers.warmup", "--host", host, "--port", str(prefect_port)],
                         env, logs / "prefect-server.log")]
     checks = [(prefect_url + "/api/health", logs / "prefect-server.log")]
     mlflow_url = None

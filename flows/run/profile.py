@@ -22,7 +22,7 @@ from cluster.leases import Lease, LeaseStore, LeaseUnavailable
 from cluster.packing import Packer
 from cluster.sizing import SizedRequest
 from cluster.types import Device, Inventory, Request
-from flows.campaign import checked_requests, inventory_for
+from flows.run.campaign import checked_requests, inventory_for
 from training.spec import load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.profile import ProfileResult, log_profile, profile_dir, profile_job, profile_trial, restore_run_states, run_states
