@@ -4,14 +4,13 @@ real lease file, with the agent's side written by hand."""
 from __future__ import annotations
 
 import os
-import time
 
 from conftest import wait_for
 from cluster.leases import LeaseStore
 from flows.pool.relay import CommandRelay
 from training.agent_state import agent_state_now
 from training.agent_commands import read_command, read_refusal, write_command
-from training.files import read_json, write_json_atomic
+from training.files import read_json
 
 CAPACITY = {"a/cpu0": 1, "a/cpu1": 1}
 
@@ -59,7 +58,7 @@ def test_an_earlier_segments_state_in_the_agents_folder_is_not_read_as_a_shrink(
     agent_state_now(4, 4, ["b/cpu5"], "running").write(inner)
     write_command(inner, 1, [{"id": "b/cpu5"}])
     assert store.acquire("c/t@b:1", {"a/cpu0": 1}, CAPACITY, pid=os.getpid())
-    with CommandRelay(outer, inner, store, "c/t@b:1", CAPACITY, ["a/cpu0"]):
-        time.sleep(0.3)  # several relay rounds
+    with CommandRelay(outer, inner, store, "c/t@b:1", CAPACITY, ["a/cpu0"]) as relay:
+        wait_for(lambda: relay.rounds >= 5, 10, "five relay rounds", every=0.02)
         assert leased(store) == {"a/cpu0"}
         assert read_json(outer / "state.json") is None and read_command(inner, 1) is None

@@ -36,6 +36,7 @@ class CommandRelay:
         self.to_outer = {0: 0}  # the agent's sequence numbers -> the campaign's
         self.last_state: dict | None = None
         self._stop = threading.Event()
+        self.rounds = 0  # relay rounds done: what a test waits on to see that nothing was relayed
         self._thread = threading.Thread(target=self._run, name="command-relay", daemon=True)
 
     def __enter__(self) -> "CommandRelay":
@@ -55,6 +56,7 @@ class CommandRelay:
         while not self._stop.wait(POLL_S):
             self.relay_commands()
             self.relay_state()
+            self.rounds += 1
 
     def relay_commands(self) -> None:
         while (command := read_command(self.outer, self.next_outer)) is not None:
