@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from prefect import task
 
@@ -422,6 +422,53 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
         _live_groups[proc.pid] = config.trial_id  # start_new_session: the group id is its pid
     try:
         return proc.wait()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    finally:
+        with _live_lock:
+            _live_groups.pop(proc.pid, None)
+
+
+def plan_host_launch(config: TrialConfig, store: str, node: str, lease: dict, address: str, interface: str, ready: Path,
+                     python: str = sys.executable) -> LaunchPlan:
+    """A pool node's host of an elastic trial whose agent runs on another node (training.elastic_host):
+    it starts the workers the agent asks for here, which listen on this node's address and watch
+    this node's `lease` (training.fence); it writes `ready` once it serves the agent (under a new
+    incarnation, which the agent then asks); its output goes to the trial's `train-<node>.log`."""
+    command = [python, "-m", "training.elastic_host", "--store", store, "--node", node, "--lease", json.dumps(lease), "--ready", str(ready)]
+    env = {**launch_env(), BIND_ENV: address, "GLOO_SOCKET_IFNAME": interface}
+    log = trial_files(config.trial_dir).log
+    return LaunchPlan(command, env, Path.cwd(), trial_files(config.trial_dir).config, log.with_name(f"{log.stem}-{node}{log.suffix}"))
+
+
+def run_host(plan: LaunchPlan, config: TrialConfig, ready: Path, on_ready: Callable[[], None], done: Callable[[], bool],
+             every_s: float = 0.2) -> int:
+    """Run a host (plan_host_launch), call `on_ready()` once it has written `ready`, and run it
+    until it ends by itself (the agent's store went: the trial ended or its node was lost) or,
+    once ready, `done()` says its node has no part in the trial any more; then it is ended
+    (SIGTERM: it kills its workers first). Its exit code. A campaign that stops, or a lease
+    lost, ends it as it ends any trial process (its group is registered)."""
+    with open(plan.log_path, "ab") as log, _live_lock:
+        if _stopped.is_set() or config.trial_id in _revoked:
+            raise TrialStopped(f"trial {config.trial_id}: no host started, the campaign is stopping or its leases were lost")
+        proc = subprocess.Popen(plan.command, cwd=plan.cwd, env={**os.environ, **plan.env}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_torchrun_dies_with_campaign)
+        _live_groups[proc.pid] = config.trial_id
+    try:
+        up = ended = False
+        while True:
+            try:
+                return proc.wait(timeout=every_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if not up and ready.exists():
+                up = True
+                on_ready()
+            if up and not ended and done():
+                os.killpg(proc.pid, signal.SIGTERM)
+                ended = True
     except BaseException:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()

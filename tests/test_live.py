@@ -83,3 +83,80 @@ def test_the_campaign_loop_waits_for_the_first_trial_to_end_on_the_trials_thread
     assert first_finished(futures, 0.2) is None and time.monotonic() - started >= 0.2
     threading.Timer(0.1, quick.set_result, args=({"steps": 1},)).start()
     assert first_finished(futures, 10) is futures[1]
+
+
+# --- a pool trial whose agent spans nodes in memory (flows/run/live.py Hosts) ------------------
+
+def two_node_trial(tmp_path: Path):
+    """A [1, 2] trial under an agent on node a of a two-node pool (one CPU slot each), and a
+    record of the host segments the campaign asked for and ended."""
+    from cluster.inventory import DeclaredNode, declared_inventory
+    from flows.run.live import Hosts
+
+    store = LeaseStore(tmp_path / "leases.db")
+    spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 10, "batch_size": 8, "lr": 0.1}})
+    (trial,) = expand_grid(spec)
+    inventory = declared_inventory([DeclaredNode("a", 1, 1 << 30, "cpu"), DeclaredNode("b", 1, 1 << 30, "cpu")])
+    capacity = {d.id: d.memory_bytes for d in inventory.devices}
+    a0, b0 = inventory.devices
+    assert store.acquire(f"c/{trial.id}", {a0.id: 1 << 20}, capacity)
+    job = Running(trial, SizedRequest(trial.id, 1, 2, (1 << 20, 1 << 20)), [a0], f"c/{trial.id}", run_id="r",
+                  trial_dir=tmp_path / trial.id, elastic=True, agent_node="a")
+    asked: list = []
+    hosts = Hosts(start=lambda job, node, devices, seq: asked.append(("start", node, [d.id for d in devices], seq)) or f"run-{len(asked)}",
+                  end=lambda run: asked.append(("end", run)))
+    return job, inventory, store, capacity, hosts, asked
+
+
+def host_says(job: Running, node: str, seq: int, status: str, reason: str = "") -> None:
+    write_json_atomic(trial_files(job.trial_dir).host_status(node), {"seq": seq, "status": status, "reason": reason, "time": 0.0})
+
+
+def test_a_grow_onto_another_node_tells_the_agent_only_once_the_host_there_is_up(tmp_path):
+    from training.agent_commands import read_command
+
+    job, inventory, store, capacity, hosts, asked = two_node_trial(tmp_path)
+    serve = lambda: serve_resizes(job, inventory, store, capacity, recall=lambda _: asked.append("recalled"), hosts=hosts)  # noqa: E731
+    request_resize(job.trial_dir, 2)
+    assert "its hosts on b start" in serve()
+    assert asked == [("start", "b", ["b/cpu0"], 1)] and read_command(trial_files(job.trial_dir).control, 1) is None
+    assert {lease.device_id for lease in store.leases()} == {"a/cpu0", "b/cpu0"}  # the campaign's lease first
+    host_says(job, "b", 0, "ready")  # an earlier grow's host: not this one
+    assert serve() is None and read_command(trial_files(job.trial_dir).control, 1) is None
+    host_says(job, "b", 1, "ready")
+    assert "hosts ready on b" in serve()
+    command = read_command(trial_files(job.trial_dir).control, 1)
+    assert [(d["id"], d["node"]) for d in command.devices] == [("a/cpu0", "a"), ("b/cpu0", "b")]  # rank 0 stays on a
+    agent_says(job, 1, "running", ["a/cpu0", "b/cpu0"])
+    assert "resized to 2" in serve() and job.device_ids == ["a/cpu0", "b/cpu0"]
+
+    # Node b lost: the agent went on without it; the campaign follows and gives b's lease back.
+    agent_says(job, 1, "running", ["a/cpu0"])
+    assert "without node b" in serve() and job.device_ids == ["a/cpu0"]
+    assert {lease.device_id for lease in store.leases()} == {"a/cpu0"}
+    assert "recalled" not in asked and read_command(trial_files(job.trial_dir).control, 2) is None  # nothing stopped or relaunched
+
+
+def test_a_grow_whose_host_is_refused_on_its_node_is_answered_rejected_and_leases_nothing(tmp_path):
+    from training.agent_commands import read_command
+
+    job, inventory, store, capacity, hosts, asked = two_node_trial(tmp_path)
+    request_resize(job.trial_dir, 2)
+    serve_resizes(job, inventory, store, capacity, recall=lambda _: None, hosts=hosts)
+    host_says(job, "b", 1, "refused", "node lease file: b/cpu0 held by another campaign")
+    assert "refused" in serve_resizes(job, inventory, store, capacity, recall=lambda _: None, hosts=hosts)
+    answer = read_json(trial_files(job.trial_dir).resize_answer)
+    assert answer["status"] == "rejected" and "b/cpu0 held by another campaign" in answer["detail"]
+    assert job.hosting is None and job.next_seq == 1 and read_command(trial_files(job.trial_dir).control, 1) is None
+    assert {lease.device_id for lease in store.leases()} == {"a/cpu0"} and asked == [("start", "b", ["b/cpu0"], 1)]
+
+
+def test_only_a_trial_whose_agent_keeps_a_device_on_its_node_moves_in_memory(tmp_path):
+    from flows.run.live import new_host_nodes
+
+    job, inventory, *_ = two_node_trial(tmp_path)
+    a0, b0 = inventory.devices
+    assert new_host_nodes(job, [a0, b0]) == ["b"] and new_host_nodes(job, [a0]) == []
+    assert new_host_nodes(job, [b0]) is None  # rank 0 stays on the agent's node: a move off it is a relaunch
+    job.agent_node = None
+    assert new_host_nodes(job, [a0, b0]) is None  # under torchrun across nodes, or no shared folder

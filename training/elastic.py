@@ -247,12 +247,16 @@ class Agent:
         worker.assignments += 1
 
     def check_workers(self) -> None:
-        """Reap workers that left as told; any other exit is a failure of the trial."""
+        """Reap workers that left as told; any other exit is a failure of the trial. A worker told
+        to leave is out of every generation from then on, so however it ends (its host on another
+        node may end it first: that node has no part in the trial any more) nothing is lost."""
         for wid, worker in list(self.workers.items()):
             code = worker.proc.poll()
             if code is None:
                 continue
-            if worker.leaving and code == 0:
+            if worker.leaving:
+                if code != 0:
+                    print(f"elastic agent: worker {wid} on {worker.device_id}, told to leave, ended with code {code}", flush=True)
                 del self.workers[wid]
                 continue
             if code == 0 and wid in self.members:

@@ -89,8 +89,10 @@ def stop_key(path: Path) -> str:
 
 
 class Host:
-    def __init__(self, store, node: str, python: str = sys.executable):
-        self.store, self.node, self.python = store, node, python
+    def __init__(self, store, node: str, python: str = sys.executable, lease: dict | None = None):
+        """`lease`: this node's own lease of its devices (a pool's node lease file), which its
+        workers watch instead of the agent's node's (training.fence)."""
+        self.store, self.node, self.python, self.lease = store, node, python, lease
         self.zygote = None  # started by run(), before the agent asks for anything
         self.workers: dict[str, object] = {}  # wid -> Popen or ForkedProcess
         self.reported: set[str] = set()
@@ -104,10 +106,13 @@ class Host:
         from training.elastic import worker_env, worker_name  # not at the top: training.elastic imports this module
         from training.zygote import ZygoteGone
 
-        config = Path(request["config"])
-        if not config.exists() or config.read_text() != request["config_text"]:  # nothing shared with the agent's node:
+        config, text = Path(request["config"]), request["config_text"]
+        if self.lease is not None:  # its workers watch this node's lease: a config of the node's own, beside the trial's
+            config = config.with_name(f"{config.stem}-{self.node}{config.suffix}")
+            text = json.dumps({**json.loads(text), "lease": self.lease}, indent=2, sort_keys=True)
+        if not config.exists() or config.read_text() != text:  # nothing shared with the agent's node:
             config.parent.mkdir(parents=True, exist_ok=True)  # the trial's config travels with the request (signed)
-            config.write_text(request["config_text"])
+            config.write_text(text)
         env = worker_env(request["env"], request["wid"], self.store.host, self.store.port)
         args = ["--config", str(config)]
         try:
@@ -169,10 +174,16 @@ class Host:
             if stop.wait(BEAT_S):
                 return
 
-    def run(self, beat_store) -> int:
+    def run(self, beat_store, ready: Path | None = None) -> int:
+        """Serve the agent until its store goes. `ready`: a file written once this host beats
+        under its incarnation (what a pool's segment waits for before the agent is told)."""
         stop = threading.Event()
         threading.Thread(target=self.beat, args=(beat_store, stop), name="beat", daemon=True).start()
         self.start_zygote()
+        if ready is not None:
+            tmp = ready.with_name(ready.name + ".tmp")
+            tmp.write_text(json.dumps({"incarnation": self.incarnation, "time": time.time()}))
+            tmp.replace(ready)
         try:
             while True:
                 self.step()
@@ -202,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="the agent's store, ADDR:PORT (its --store-port on its node's address)")
     parser.add_argument("--node", required=True, help="this node's name, as the agent's commands name its devices' node")
     parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the agent's store to answer")
+    parser.add_argument("--ready", type=Path, help="a file to write once this host serves the agent")
+    parser.add_argument("--lease", type=json.loads, help="this node's lease of its devices (JSON, cluster.leases fence): its workers watch it")
     args = parser.parse_args(argv)
     from training.process import die_with_parent, skip_final_collection
 
@@ -211,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     address, _, port = args.store.rpartition(":")
     store, beat_store = (dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=args.wait)) for _ in range(2))
-    host = Host(store, args.node)
+    host = Host(store, args.node, lease=args.lease)
     signal.signal(signal.SIGTERM, lambda *_: (host.kill_all(), os._exit(1)))  # its zygote ends with it
     print(f"elastic host {args.node}: serving the agent at {args.store}", flush=True)
-    return host.run(beat_store)
+    return host.run(beat_store, args.ready)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,13 @@ class TrialFiles:
         return self.control / "request-result.json"
 
     @property
+    def agent_store(self) -> Path:  # a pool trial's agent: where its store listens, for hosts on other nodes
+        return self.control / "agent-store.json"
+
+    def host_status(self, node: str) -> Path:  # a pool trial's host on another node: leased and started, or refused
+        return self.control / f"{HOST_PREFIX}{node}.json"
+
+    @property
     def hold(self) -> Path:  # tests: while it exists, the trainer waits at its hold step (CAMPAIGN_HOLD_AT_STEP)
         return self.root / "hold"
 
@@ -126,7 +133,7 @@ def refusal_in(control: str | Path, seq: int) -> Path:
     return Path(control) / f"{REFUSAL_PREFIX}{seq:06d}.json"
 
 
-COMMAND_PREFIX, REFUSAL_PREFIX = "command-", "refused-"
+COMMAND_PREFIX, REFUSAL_PREFIX, HOST_PREFIX = "command-", "refused-", "host-"
 COMMANDS_GLOB, REFUSALS_GLOB = f"{COMMAND_PREFIX}*.json", f"{REFUSAL_PREFIX}*.json"
 
 
@@ -141,4 +148,4 @@ def latest_pointer(runs_dir: str | Path) -> Path:
 
 # Every file name above: no other module may spell one (tests/test_layout.py).
 FILE_NAMES = ("trial.json", "train.log", "record.json", "progress.json", "result.json", "batch.json", "resizes.jsonl",
-              "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl")
+              "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl", "agent-store.json")

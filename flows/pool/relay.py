@@ -60,7 +60,8 @@ class CommandRelay:
 
     def relay_commands(self) -> None:
         while (command := read_command(self.outer, self.next_outer)) is not None:
-            new = [d for d in command.device_ids if d not in self.held]
+            # This node's devices only: another node's are leased in its own file by its host's segment.
+            new = [d for d in command.device_ids if d not in self.held and d in self.capacity]
             if new and not self.store.acquire(self.holder, {d: self.capacity[d] for d in new}, self.capacity):
                 # Not forwarded: the agent never sees it, and the campaign is told why.
                 refuse(self.outer, self.next_outer, f"node lease file: {', '.join(new)} held by another campaign")

@@ -113,6 +113,34 @@ def _all_ended(runs: dict[str, Any], states: dict[str, Any], within_s: float) ->
     return ended
 
 
+def agent_across_nodes(config: TrialConfig, elastic: bool, nodes: int, shared_storage: bool) -> bool:
+    """Whether a pool trial runs under our agent, which grows it onto other nodes and shrinks it
+    off them in memory: an elastic trial of our trainer started on one node of a pool whose
+    nodes share the trial's folder. Anything else moves across nodes by a stop and a start
+    (torchrun across them: `Running.relaunch`)."""
+    return elastic and nodes == 1 and shared_storage and config.function is None
+
+
+def start_host(config: TrialConfig, node: str, devices: list[Device], node_devices: list[Device], cwd: str, deployment: str,
+               pool: str, campaign: str, store: str, seq: int) -> str:
+    """Send node `node` the segment that hosts `devices` of a trial whose agent (on another node)
+    listens at `store`, for the campaign's command `seq` on (flows/pool/segment.py `host`); its
+    flow run's id. It leases them in the node's own file first and says so in the trial's
+    `host-<node>.json`, which the campaign waits for before it tells the agent."""
+    from prefect.deployments import run_deployment
+
+    params = {"config": asdict(config), "devices": [asdict(d) for d in devices], "cwd": cwd, "campaign": campaign, "span": None,
+              "elastic": True, "node_devices": [asdict(d) for d in node_devices], "host": {"store": store, "seq": seq}}
+    run = run_deployment(deployment, parameters={**params, "signature": sign(load_secret(pool), params)}, work_queue_name=node,
+                         timeout=0, flow_run_name=f"{config.trial_id} host on {node}")
+    return str(run.id)
+
+
+def end_host(flow_run_id: str) -> None:
+    """A host segment the campaign no longer wants (another node refused the grow it was for)."""
+    _cancel(flow_run_id)
+
+
 def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
     """A placement's devices grouped by node, nodes in rank order (the first hosts the rendezvous)."""
     groups: dict[str, list[Device]] = {}
@@ -148,6 +176,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
+    # On one node under our agent, which grows it onto other nodes in memory (hosts there: start_host).
+    agent_across = agent_across_nodes(config, elastic, len(groups), shared_storage)
     segments = {}  # node -> its segment's parameters (sent again to a node that comes back)
     for i, (node, mine) in enumerate(groups):
         span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices],
@@ -155,6 +185,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 if len(groups) > 1 else None)
         segments[node] = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
                           "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
+        if agent_across:
+            segments[node]["agent_across"] = True
     mirror = None if shared_storage else CampaignMirror(Path(config.trial_dir), attempt, config.trial_id)
     if mirror is not None:
         mirror.start()  # the nodes find the campaign's files (and the trial's record) when they begin

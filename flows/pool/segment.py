@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,12 @@ from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
 from flows.pool.secret import node_secret, verify
 from flows.pool.relay import CommandRelay
-from tasks.trial import NodeRole, TrialFailed, control_dir, plan_launch, plan_node_launch, revoke, run_plan
+from tasks.trial import (LaunchPlan, NodeRole, TrialFailed, control_dir, plan_host_launch, plan_launch, plan_node_launch, revoke,
+                         run_host, run_plan)
 from training.config import TrialConfig
 from training.agent_commands import clear_commands
+from training.agent_state import read_agent_state
+from training.loopback import BIND_ENV
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
 
@@ -71,23 +75,61 @@ def rendezvous_role(cfg: TrialConfig, span: dict[str, Any]) -> NodeRole:
                     interface=os.environ.get(INTERFACE_ENV, "lo"), min_nodes=span.get("min_nodes"))
 
 
+def _agent_across_nodes(plan: LaunchPlan, cfg: TrialConfig, node: str) -> LaunchPlan:
+    """The agent named after its node, its store (and its workers) on this node's address, where
+    the hosts of the trial's other nodes reach it; the address is written where the campaign reads it."""
+    address, interface = os.environ.get(ADDRESS_ENV, "127.0.0.1"), os.environ.get(INTERFACE_ENV, "lo")
+    port = free_port(address)
+    write_json_atomic(trial_files(cfg.trial_dir).agent_store, {"endpoint": f"{address}:{port}", "node": node, "time": time.time()})
+    return dataclasses.replace(plan, command=[*plan.command, "--node", node, "--store-port", str(port)],
+                               env={**plan.env, BIND_ENV: address, "GLOO_SOCKET_IFNAME": interface})
+
+
+def write_host_status(cfg: TrialConfig, node: str, seq: int, status: str, reason: str = "") -> None:
+    write_json_atomic(trial_files(cfg.trial_dir).host_status(node), {"seq": seq, "status": status, "reason": reason, "time": time.time()})
+
+
+def _host_segment(cfg: TrialConfig, placed: list[Device], host: dict[str, Any], lease: dict, node: str) -> dict[str, Any]:
+    """Host this node's devices of a trial whose agent is on another node, until the agent's state
+    (the campaign's copy, in its numbering) from command `host["seq"]` on names none of them."""
+    mine = {d.id for d in placed}
+
+    def done() -> bool:
+        state = read_agent_state(control_dir(cfg))
+        return state is not None and state.seq >= host["seq"] and (state.status != "running" or not mine & set(state.devices))
+
+    with tempfile.TemporaryDirectory(prefix="campaign-host-") as scratch:
+        ready = Path(scratch) / "ready.json"  # the host's own word that it serves the agent, under its new incarnation
+        plan = plan_host_launch(cfg, host["store"], node, lease, os.environ.get(ADDRESS_ENV, "127.0.0.1"),
+                                os.environ.get(INTERFACE_ENV, "lo"), ready)
+        # The campaign tells the agent only then: it asks the newest incarnation, never one just ended.
+        code = run_host(plan, cfg, ready, lambda: write_host_status(cfg, node, host["seq"], "ready"), done)
+    return {"host": node, "exit_code": code}
+
+
 @flow(name="campaign-trial-segment", log_prints=True)
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
                   span: dict[str, Any] | None = None, elastic: bool = False,
                   node_devices: list[dict[str, Any]] | None = None, files: dict[str, str] | None = None,
-                  signature: str | None = None) -> dict[str, Any]:
+                  signature: str | None = None, agent_across: bool = False, host: dict[str, Any] | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
     `files`: the campaign's folder is not on this node (`cluster.shared_storage: false`): the
     trial runs in a folder of this node's, its files copied through these artifacts
     ({"down", "up"}: flows/pool/mirror.py), and, across nodes, rank 0 writes its whole
     checkpoint (the other nodes pull it from the DVC remote to resume).
+    `agent_across`: an elastic trial's agent here may grow it onto other nodes in memory (its
+    store on this node's address, published in the trial's folder: `agent-store.json`).
+    `host`: {"store", "seq"}: this segment hosts, on this node, `devices` of an elastic trial
+    whose agent runs on another node, from the campaign's command `seq` on, until the agent's
+    state no longer names them (training.elastic_host).
     `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
     params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
               "node_devices": node_devices}
+    params |= ({"agent_across": True} if agent_across else {}) | ({"host": host} if host is not None else {})
     verify(node_secret(), params | ({"files": files} if files is not None else {}), signature)
     cfg = TrialConfig(**config)
     if files is None:
-        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices)
+        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host)
     local = node_trial_dir(campaign, cfg.trial_id)
     cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None)
     clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
@@ -96,7 +138,8 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
 
 
 def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
-                 elastic: bool, node_devices: list[dict[str, Any]] | None) -> dict[str, Any]:
+                 elastic: bool, node_devices: list[dict[str, Any]] | None, agent_across: bool = False,
+                 host: dict[str, Any] | None = None) -> dict[str, Any]:
     placed = [Device(**d) for d in devices]
     node = os.environ.get(NODE_ENV, "")
     if any(d.node != node for d in placed):
@@ -105,15 +148,22 @@ def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, camp
     holder = f"{campaign}/{cfg.trial_id}@{node}:{os.getpid()}"
     capacity = {d["id"]: d["memory_bytes"] for d in node_devices or []} | {d.id: d.memory_bytes for d in placed}
     if not store.acquire(holder, {d.id: d.memory_bytes for d in placed}, capacity, campaign=campaign):
+        if host is not None:  # the campaign, which waits for this before it tells the agent, says the grow is refused
+            write_host_status(cfg, node, host["seq"], "refused", f"node lease file: {', '.join(d.id for d in placed)} held by another campaign")
+            return {"host": node, "refused": True}
         raise TrialFailed(f"trial {cfg.trial_id}: a device of node {node} is leased by another campaign: "
                           f"{', '.join(d.id for d in placed)}")
     heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4), on_lost=lambda _: revoke(cfg.trial_id))
     heartbeat.add(holder)
     cfg = dataclasses.replace(cfg, lease=store.fence(holder))  # its workers watch the node's lease (training.fence)
     try:
+        if host is not None:
+            return _host_segment(cfg, placed, host, store.fence(holder), node)
         if elastic and span is None:  # its agent takes commands through the relay, which leases a grow on the node first
             inner = control_dir(cfg) / f"node-{node}"  # a node cut off, not dead, must not feed another's relay
             plan = plan_launch(cfg, placed, Path(cwd), elastic=True, control=inner)
+            if agent_across:
+                plan = _agent_across_nodes(plan, cfg, node)
             with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed]):
                 return run_plan(plan, cfg, placed)
         if span is None:

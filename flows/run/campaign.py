@@ -40,10 +40,11 @@ from tasks.timeline import import_drawing_early, intervals, timeline_rows, write
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
-from flows.run.live import LeaseHeartbeat, Running, serve_resizes
+from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
-from flows.pool.remote import by_node, forget_recall, live_inventory, pool_nodes, prepare_pool, recall, run_remote_trial
+from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_recall, live_inventory, pool_nodes, prepare_pool, recall,
+                               run_remote_trial, start_host)
 from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
 from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
@@ -52,6 +53,7 @@ from training.config import TrialConfig
 from training.agent_commands import clear_commands
 from training.batch_choice import batch_choice_now
 from training.errors import CampaignError
+from training.files import read_json
 from training.metrics import format_metrics
 from training.progress import read_progress
 from training.layout import trial_files
@@ -192,6 +194,7 @@ class CampaignRun:
         self.pool = spec.cluster.pool
         self.deployment = prepare_pool(self.pool) if self.pool else None
         self.shared_storage = spec.cluster.shared_storage
+        self.hosts = Hosts(start=self.start_host, end=end_host) if self.pool else None
         self.next_pool_look = time.time() + POOL_LOOK_S
         if any(r.min_devices < r.max_devices for r in requests.values()):
             per_node = max(sum(d.node == n for d in inventory.devices) for n in inventory.nodes)
@@ -261,6 +264,8 @@ class CampaignRun:
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
+        if self.pool is not None and agent_across_nodes(config, elastic, len(by_node(devices)), self.shared_storage):
+            job.agent_node = devices[0].node  # its agent there grows it onto other nodes in memory
         if serving is not None:
             job.handled.add(serving)
         if stale := pending_request(job.trial_dir, job.handled):  # made for an earlier run of this trial
@@ -355,7 +360,7 @@ class CampaignRun:
         actions = self.scheduler.decide(usable_devices(self.inventory, foreign), now)
         for job in self.running.values():
             target = actions.resize.get(job.trial.id)
-            if target is not None and job.awaiting is None and pending_request(job.trial_dir, job.handled) is None:
+            if target is not None and job.awaiting is None and job.hosting is None and pending_request(job.trial_dir, job.handled) is None:
                 self.choose_batch(job.trial, job.trial_dir, target, actions.batch.get(job.trial.id))
                 request_resize(job.trial_dir, target, by="policy")  # served like a person's, in serve_resizes
         packer = self.packer(multi_node=self.pool is not None)  # in a pool the policy may start a trial across nodes
@@ -364,6 +369,18 @@ class CampaignRun:
             placement = packer.place(self.requests[trial.id].at(actions.start[trial.id]))
             if placement is not None and not self.start(trial, placement):
                 packer.release(placement)
+
+    def start_host(self, job: Running, node: str, devices: list[Device], seq: int) -> str | None:
+        """The host segment of `job` on `node` (flows.pool.remote.start_host); None when its agent
+        has not said where its store listens yet."""
+        files = trial_files(job.trial_dir)
+        published = read_json(files.agent_store)
+        if not isinstance(published, dict) or not isinstance(published.get("endpoint"), str):
+            return None
+        config = TrialConfig.from_file(files.config)
+        self.logger.info(f"trial {job.trial.id}: starting its host on {node} for {', '.join(d.id for d in devices)}")
+        return start_host(config, node, devices, [d for d in self.inventory.devices if d.node == node], str(Path.cwd()),
+                          self.deployment, self.pool, self.name, published["endpoint"], seq)
 
     def task_names(self, trial: Trial) -> dict[str, Any]:
         """A trial's task run is found in Prefect by its id, and by its campaign's tag."""
@@ -381,7 +398,7 @@ class CampaignRun:
     def serve(self) -> None:
         for job in self.running.values():
             before = job.device_ids
-            if line := serve_resizes(job, self.inventory, self.store, self.capacity, recall if self.pool else None):
+            if line := serve_resizes(job, self.inventory, self.store, self.capacity, recall if self.pool else None, self.hosts):
                 self.logger.info(line)
             if job.device_ids != before:
                 log_allocation(self.root, job.trial.id, job.device_ids, "resize")

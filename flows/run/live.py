@@ -22,6 +22,7 @@ from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.agent_commands import read_refusal, write_command
 from training.agent_state import read_agent_state
+from training.files import InputError, read_json
 from training.layout import trial_files
 
 
@@ -120,6 +121,12 @@ class Running:
     # A pool's trial moving onto other nodes (or off them): the devices it starts on again once
     # stopped, and the request that asked for it (answered when it has started there).
     relaunch: tuple[list[Device], str] | None = None
+    # A pool's trial under our agent on this node, which grows it onto other nodes and shrinks it
+    # off them in memory (flows.pool.remote.agent_across_nodes); None: it moves by a relaunch.
+    agent_node: str | None = None
+    # A grow onto other nodes waiting for their hosts: (command seq, devices, request id,
+    # node -> its host segment's flow run, since when).
+    hosting: tuple[int, list[Device], str, dict[str, str], float] | None = None
 
     @property
     def device_ids(self) -> list[str]:
@@ -130,23 +137,104 @@ class Running:
         return len({d.node for d in self.devices}) > 1
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """How the campaign starts and ends a pool trial's host segment on another node (flows.pool.remote)."""
+
+    start: Callable[[Running, str, list[Device], int], str | None]  # (job, node, its devices there, seq) -> flow run id, None: not now
+    end: Callable[[str], None]
+
+
+HOST_START_S = 180.0  # a host segment that has not leased and started by then: the grow is refused
+
+
+def agent_devices(job: Running, devices: list[Device]) -> list[dict]:
+    """A command's devices: each with its environment and, for an agent that spans nodes, its node."""
+    return [{"id": d.id, "env": visible_devices_env([d]), **({"node": d.node} if job.agent_node else {})} for d in devices]
+
+
+def new_host_nodes(job: Running, devices: list[Device]) -> list[str] | None:
+    """The nodes an in-memory resize of `job` to `devices` needs a host started on, or None when it
+    cannot be done in memory: not under an agent that spans nodes, no device left on the agent's
+    node (rank 0 stays there), or more devices on a node it already has a host on (its lease there
+    is the host's, made for the devices it has)."""
+    if job.agent_node is None or not any(d.node == job.agent_node for d in devices):
+        return None
+    held = {d.node for d in job.devices}
+    for node in {d.node for d in devices} & held - {job.agent_node}:
+        if {d.id for d in devices if d.node == node} - set(job.device_ids):
+            return None
+    return sorted({d.node for d in devices} - held)
+
+
+def serve_hosting(job: Running, store: LeaseStore, hosts: Hosts) -> str | None:
+    """A grow onto other nodes once their hosts have leased their devices there and started: the
+    agent is told then (a host it waits for would otherwise hold up the trial); refused or
+    too late on any node, the grow is answered rejected and the hosts started for it ended."""
+    assert job.hosting is not None
+    seq, devices, request_id, runs, since = job.hosting
+    statuses = {}
+    for node in runs:
+        try:
+            status = read_json(trial_files(job.trial_dir).host_status(node))
+        except InputError:
+            status = None
+        statuses[node] = status if isinstance(status, dict) and status.get("seq") == seq else None
+    refused = {node: s.get("reason", "refused") for node, s in statuses.items() if s is not None and s.get("status") == "refused"}
+    if not refused and all(s is not None and s.get("status") == "ready" for s in statuses.values()):
+        write_command(trial_files(job.trial_dir).control, seq, agent_devices(job, devices))
+        job.next_seq, job.awaiting, job.hosting = seq + 1, (seq, devices, request_id), None
+        return f"trial {job.trial.id}: hosts ready on {', '.join(runs)}; resize to {len(devices)} device(s) requested"
+    if not refused and time.time() - since < HOST_START_S:
+        return None
+    why = "; ".join(f"{node}: {reason}" for node, reason in refused.items()) or \
+        f"no host started on {', '.join(n for n, s in statuses.items() if s is None)} within {HOST_START_S:.0f} s"
+    job.hosting = None
+    for node, run in runs.items():
+        if node not in refused:
+            hosts.end(run)
+    store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
+    answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id} stays on {', '.join(job.device_ids)}: {why}")
+    return f"trial {job.trial.id}: resize to {len(devices)} device(s) refused ({why})"
+
+
+def adopt_agent_shrink(job: Running, store: LeaseStore) -> str | None:
+    """An agent that spans nodes went on without a node it lost (training.elastic): the trial's
+    devices are the ones it trains on now, and the lost node's go back."""
+    state = read_agent_state(trial_files(job.trial_dir).control)
+    if state is None or state.status != "running" or state.seq != job.next_seq - 1 or not state.devices:
+        return None
+    left = [d for d in job.devices if d.id not in state.devices]
+    if not left or not set(state.devices) <= set(job.device_ids):
+        return None
+    job.devices = [d for d in job.devices if d.id in state.devices]
+    store.release_devices(job.holder, [d.id for d in left])
+    lost = ", ".join(sorted({d.node for d in left}))
+    return f"trial {job.trial.id}: its agent went on without node {lost} (lost): now on {', '.join(job.device_ids)}"
+
+
 def claims(job: Running, devices: list[Device]) -> dict[str, int]:
     memory = job.request.at(len(devices)).memory_bytes if devices else 0
     return {d.id: memory for d in devices}
 
 
 def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int],
-                  recall: Callable[[str], None] | None = None) -> str | None:
+                  recall: Callable[[str], None] | None = None, hosts: Hosts | None = None) -> str | None:
     """Move a running elastic trial's pending resize one step on; a line to log, if any.
 
     `recall`: in a pool, where a trial may span nodes, what stops a trial that spans them
     (`flows.pool.remote.recall`). A resize onto other nodes, or of a trial that spans nodes,
     is not done in place by the trial's agent (one node's): the trial stops at a checkpoint
     and starts again on the new devices (`Running.relaunch`, done by the campaign once it
-    has stopped), a torchrun across the nodes (`--nnodes=1:N`)."""
+    has stopped), a torchrun across the nodes (`--nnodes=1:N`). `hosts`: in a pool whose nodes
+    share the trial's folder, a trial under our agent (`job.agent_node`) grows onto other nodes
+    and shrinks off them in memory instead: a host segment on each new node first, then the
+    agent's command; and when its agent went on without a node it lost, the campaign adopts it."""
     if job.relaunch is not None:
         return None  # the campaign starts it on its new devices once it has stopped
     control = trial_files(job.trial_dir).control
+    if job.hosting is not None and hosts is not None:
+        return serve_hosting(job, store, hosts)
     if job.awaiting is not None:
         seq, devices, request_id = job.awaiting
         if (refused := read_refusal(control, seq)) is not None:  # a pool node's lease file said no
@@ -170,6 +258,8 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         answer(job.trial_dir, request_id, "applied", f"now on {', '.join(job.device_ids)}")
         return f"trial {job.trial.id} resized to {len(devices)} device(s): {', '.join(job.device_ids)}"
 
+    if job.agent_node is not None and (line := adopt_agent_shrink(job, store)):
+        return line
     request = pending_request(job.trial_dir, job.handled)
     if request is None:
         return None
@@ -201,16 +291,28 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
             answer(job.trial_dir, request.id, "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
             return None
-        if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1):
+        if hosts is not None and (grow := new_host_nodes(job, devices)):
+            seq = job.next_seq  # written once the hosts are up (serve_hosting): the relay reads commands in order
+            runs = {node: hosts.start(job, node, [d for d in devices if d.node == node], seq) for node in grow}
+            if any(run is None for run in runs.values()):
+                for run in runs.values():
+                    if run is not None:
+                        hosts.end(run)
+                store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
+                answer(job.trial_dir, request.id, "rejected", f"trial {job.trial.id}'s agent has not said where it listens yet: try again")
+                return None
+            job.hosting = (seq, devices, request.id, runs, time.time())
+            return f"trial {job.trial.id}: to {target} device(s): its hosts on {', '.join(grow)} start, then it grows in memory"
+        if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1) and new_host_nodes(job, devices) is None:
             job.relaunch = (devices, request.id)
-            if job.spans_nodes:
+            if job.spans_nodes and job.agent_node is None:
                 recall(job.trial.id)  # torchrun's, across nodes: every rank stops at a checkpoint (its stop file)
             else:
                 write_command(control, job.next_seq, [])  # its agent stops it at a checkpoint it writes then
                 job.next_seq += 1
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
             return f"trial {job.trial.id}: to {target} device(s) on {nodes}: it stops and starts again there"
-    write_command(control, job.next_seq, [{"id": d.id, "env": visible_devices_env([d])} for d in devices])
+    write_command(control, job.next_seq, agent_devices(job, devices))
     job.awaiting = (job.next_seq, devices, request.id)
     job.next_seq += 1
     return f"trial {job.trial.id}: resize to {target} device(s) requested"
