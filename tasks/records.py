@@ -23,7 +23,7 @@ from training.manifest import checkpoint_report, checkpoint_step
 from training.agent_state import read_agent_state
 from training.progress import read_progress
 from training.result import read_result
-from training.files import InputError, append_json_line, read_bounded, read_json, read_json_lines, read_status_json, write_json_atomic
+from training.files import InputError, append_json_line, envelope_problem, read_bounded, read_json, read_json_lines, read_status_json, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
 
 
@@ -203,12 +203,8 @@ class TrialRecord:
 
 
 def _trial_record_problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, TRIAL_SCHEMA):  # 0: written before records had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {TRIAL_SCHEMA} (written by another version)"
-    if unknown := sorted(set(raw) - set(TrialRecord.__dataclass_fields__)):
-        return f"unknown fields {unknown}"
+    if (wrong := envelope_problem(raw, TRIAL_SCHEMA, TrialRecord.__dataclass_fields__)) is not None:
+        return wrong
     if not isinstance(raw.get("state", ""), str) or not isinstance(raw.get("owner") or "", str):
         return "a state or owner that is not text"
     if not isinstance(raw.get("devices", []), list) or not isinstance(raw.get("intervals", []), list):
@@ -273,12 +269,8 @@ class Allocation:
 
 
 def _allocation_problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, ALLOCATION_SCHEMA):  # 0: written before the log had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {ALLOCATION_SCHEMA} (written by another version)"
-    if set(raw) - set(Allocation.__dataclass_fields__):
-        return f"unknown fields {sorted(set(raw) - set(Allocation.__dataclass_fields__))}"
+    if (wrong := envelope_problem(raw, ALLOCATION_SCHEMA, Allocation.__dataclass_fields__)) is not None:
+        return wrong
     if not isinstance(raw.get("time"), (int, float)) or isinstance(raw.get("time"), bool):
         return "time is not a number"
     if not isinstance(raw.get("trial"), str) or not isinstance(raw.get("reason"), str):

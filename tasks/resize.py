@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from training.files import InputError, read_json, read_status_json, write_json_atomic
+from training.files import InputError, envelope_problem, read_json, read_status_json, write_json_atomic
 from training.layout import trial_files
 
 MAX_REQUEST_BYTES = 64 << 10  # a request is one line of JSON
@@ -49,12 +49,8 @@ def request_resize(trial_dir: Path, devices: int, by: str = "person") -> str:
 
 
 def _request_problem(request: Any) -> str | None:
-    if not isinstance(request, dict):
-        return "not a JSON object"
-    if request.get("schema", 0) not in (0, SCHEMA):  # 0: written before requests had a version, the same fields
-        return f"schema {request.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(request) - set(ResizeRequest.__dataclass_fields__):
-        return f"unknown fields {sorted(set(request) - set(ResizeRequest.__dataclass_fields__))}"
+    if (wrong := envelope_problem(request, SCHEMA, ResizeRequest.__dataclass_fields__)) is not None:
+        return wrong
     if not isinstance(request.get("id"), str) or not request["id"]:
         return "no string id"
     if not isinstance(request.get("devices"), int) or isinstance(request["devices"], bool) or request["devices"] < 0:
@@ -97,12 +93,8 @@ def answer(trial_dir: Path, request_id: str | None, status: str, detail: str) ->
 
 
 def _answer_problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, SCHEMA):
-        return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(raw) - set(ResizeAnswer.__dataclass_fields__):
-        return f"unknown fields {sorted(set(raw) - set(ResizeAnswer.__dataclass_fields__))}"
+    if (wrong := envelope_problem(raw, SCHEMA, ResizeAnswer.__dataclass_fields__)) is not None:
+        return wrong
     if not (raw.get("id") is None or isinstance(raw.get("id"), str)) or raw.get("status") not in STATUSES:
         return f"no id, or a status that is not one of {', '.join(STATUSES)}"
     if not isinstance(raw.get("detail"), str):

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from training.files import InputError, read_json, write_json_atomic
+from training.files import InputError, envelope_problem, read_json, write_json_atomic
 from training.layout import COMMANDS_GLOB, REFUSALS_GLOB, agent_state_in, command_in, refusal_in
 
 SCHEMA = 1
@@ -51,12 +51,8 @@ class AgentCommand:
 
 
 def _command_problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, SCHEMA):  # 0: written before commands had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(raw) - set(AgentCommand.__dataclass_fields__):
-        return f"unknown fields {sorted(set(raw) - set(AgentCommand.__dataclass_fields__))}"
+    if (wrong := envelope_problem(raw, SCHEMA, AgentCommand.__dataclass_fields__)) is not None:
+        return wrong
     if not isinstance(raw.get("seq"), int) or isinstance(raw.get("seq"), bool) or raw["seq"] < 0:
         return "seq is not a whole number >= 0"
     devices = raw.get("devices")

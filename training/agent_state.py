@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from training.files import read_status_json, write_json_atomic
+from training.files import envelope_problem, read_status_json, write_json_atomic
 from training.layout import agent_state_in
 
 SCHEMA = 1
@@ -44,12 +44,8 @@ def agent_state_now(seq: int, gen: int, devices: list[str], status: str) -> Agen
 
 
 def _problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, SCHEMA):  # 0: written before records had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(raw) - set(AgentState.__dataclass_fields__):
-        return f"unknown fields {sorted(set(raw) - set(AgentState.__dataclass_fields__))}"
+    if (wrong := envelope_problem(raw, SCHEMA, AgentState.__dataclass_fields__)) is not None:
+        return wrong
     if not all(isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool) for k in ("seq", "gen")):
         return "seq or gen is not a whole number"
     if not isinstance(raw.get("devices"), list) or not all(isinstance(d, str) for d in raw["devices"]):

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from training.files import read_status_json, write_json_atomic
+from training.files import envelope_problem, read_status_json, write_json_atomic
 from training.layout import trial_files
 
 SCHEMA = 1
@@ -41,12 +41,8 @@ def batch_choice_now(devices: int, batch_size: int, scale: float) -> BatchChoice
 
 
 def _problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, SCHEMA):  # 0: written before records had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(raw) - set(BatchChoice.__dataclass_fields__):
-        return f"unknown fields {sorted(set(raw) - set(BatchChoice.__dataclass_fields__))}"
+    if (wrong := envelope_problem(raw, SCHEMA, BatchChoice.__dataclass_fields__)) is not None:
+        return wrong
     for name in ("devices", "batch_size"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool) or raw[name] < 1:
             return f"{name} is not a whole number >= 1"

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from training.errors import CampaignError
 
@@ -235,6 +235,19 @@ def read_json_lines(path: Path, problem: Callable[[Any], str | None], limit: int
     if bad:
         warnings.warn(f"ignoring {len(bad)} line(s) of {path} that are not records: {'; '.join(bad[:3])}", stacklevel=3)
     return records
+
+
+def envelope_problem(raw: Any, schema: int, fields: Iterable[str]) -> str | None:
+    """What is wrong with a record's envelope, or None: a JSON object of schema `schema` (or 0:
+    written before records had a version, with the same fields) with no field but `fields`.
+    Each record's own check then looks at its fields' types."""
+    if not isinstance(raw, dict):
+        return "not a JSON object"
+    if raw.get("schema", 0) not in (0, schema):
+        return f"schema {raw.get('schema')!r}, not {schema} (written by another version)"
+    if unknown := sorted(set(raw) - set(fields)):
+        return f"unknown fields {unknown}"
+    return None
 
 
 def read_status_json(path: Path, problem: Callable[[Any], str | None], limit: int = MAX_RECORD_BYTES) -> Any | None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.files import append_json_line, read_json_lines
+from training.files import append_json_line, envelope_problem, read_json_lines
 from training.layout import trial_files
 
 SCHEMA = 1
@@ -60,12 +60,8 @@ def _whole(value: Any) -> bool:
 
 
 def _problem(raw: Any) -> str | None:
-    if not isinstance(raw, dict):
-        return "not a JSON object"
-    if raw.get("schema", 0) not in (0, SCHEMA):  # 0: written before records had a version, the same fields
-        return f"schema {raw.get('schema')!r}, not {SCHEMA} (written by another version)"
-    if set(raw) - FIELDS:
-        return f"unknown fields {sorted(set(raw) - FIELDS)}"
+    if (wrong := envelope_problem(raw, SCHEMA, FIELDS)) is not None:
+        return wrong
     if not all(_whole(raw.get(k)) for k in ("step", "seq", "batch_size", "samples_seen")):
         return "step, seq, batch_size or samples_seen is not a whole number"
     if not all(isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool) for k in ("time", "pause_s", "latency_s", "lr")):
