@@ -130,6 +130,8 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     cfg = TrialConfig(**config)
     if files is None:
         return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host)
+    if host is not None or agent_across:  # the host reads the agent's state in the trial's folder, which this node does not see
+        raise TrialFailed(f"trial {cfg.trial_id}: an agent across nodes needs the trial's folder shared by the nodes")
     local = node_trial_dir(campaign, cfg.trial_id)
     cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None)
     clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
