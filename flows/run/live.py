@@ -291,7 +291,8 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
             answer(job.trial_dir, request.id, "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
             return None
-        if hosts is not None and (grow := new_host_nodes(job, devices)):
+        grow = new_host_nodes(job, devices)  # None: not in memory (a relaunch, below, if it changes nodes)
+        if hosts is not None and grow:
             seq = job.next_seq  # written once the hosts are up (serve_hosting): the relay reads commands in order
             runs = {node: hosts.start(job, node, [d for d in devices if d.node == node], seq) for node in grow}
             if any(run is None for run in runs.values()):
@@ -303,7 +304,7 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
                 return None
             job.hosting = (seq, devices, request.id, runs, time.time())
             return f"trial {job.trial.id}: to {target} device(s): its hosts on {', '.join(grow)} start, then it grows in memory"
-        if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1) and new_host_nodes(job, devices) is None:
+        if recall is not None and (job.spans_nodes or len({d.node for d in devices}) > 1) and grow is None:
             job.relaunch = (devices, request.id)
             if job.spans_nodes and job.agent_node is None:
                 recall(job.trial.id)  # torchrun's, across nodes: every rank stops at a checkpoint (its stop file)
