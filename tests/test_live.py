@@ -14,6 +14,7 @@ from tasks.grid import expand_grid
 from tasks.resize import request_resize
 from training.layout import trial_files
 from training.files import read_json, write_json_atomic
+from training.host_records import write_host_status
 
 
 def running_trial(tmp_path: Path, store: LeaseStore):
@@ -109,7 +110,7 @@ def two_node_trial(tmp_path: Path):
 
 
 def host_says(job: Running, node: str, seq: int, status: str, reason: str = "") -> None:
-    write_json_atomic(trial_files(job.trial_dir).host_status(node), {"seq": seq, "status": status, "reason": reason, "time": 0.0})
+    write_host_status(job.trial_dir, node, seq, status, reason)
 
 
 def test_a_grow_onto_another_node_tells_the_agent_only_once_the_host_there_is_up(tmp_path):

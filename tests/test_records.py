@@ -213,6 +213,33 @@ def test_a_batch_choice_reads_back_and_one_that_is_not_reads_as_none(tmp_path):
             assert read_batch_choice(tmp_path) is None  # the batch then follows the size
 
 
+# --- agent-store.json and host-<node>.json (training.host_records) ---------------------------
+
+def test_an_agent_store_and_a_host_status_read_back_and_files_that_are_not_read_as_none(tmp_path):
+    from training.host_records import publish_agent_store, read_agent_store, read_host_status, write_host_status
+
+    assert read_agent_store(tmp_path) is None and read_host_status(tmp_path, "b") is None  # nothing said yet
+    trial_files(tmp_path).control.mkdir(parents=True)
+    publish_agent_store(tmp_path, "10.0.0.1:29500", "a")
+    assert (read_agent_store(tmp_path).endpoint, read_agent_store(tmp_path).node) == ("10.0.0.1:29500", "a")
+    write_host_status(tmp_path, "b", 3, "refused", "held by another campaign")
+    status = read_host_status(tmp_path, "b")
+    assert (status.seq, status.status, status.reason) == (3, "refused", "held by another campaign")
+    assert read_host_status(tmp_path, "c") is None  # each node its own file
+    with pytest.raises(ValueError, match="not one of ready, refused"):
+        write_host_status(tmp_path, "b", 4, "maybe")
+    for raw, why in [({"endpoint": "10.0.0.1", "node": "a"}, "host:port"), ({"endpoint": "h:1", "node": 3}, "node"),
+                     ({"endpoint": "h:1", "node": "a", "port": 1}, "unknown fields"), ([], "not a JSON object")]:
+        trial_files(tmp_path).agent_store.write_text(json.dumps(raw))
+        with pytest.warns(UserWarning, match=why):
+            assert read_agent_store(tmp_path) is None  # the campaign starts no host until the agent says where it is
+    for raw, why in [({"seq": 3, "status": "up"}, "status"), ({"seq": -1, "status": "ready"}, "seq"),
+                     ({"seq": 3, "status": "ready", "schema": 9}, "another version"), ({"seq": 3, "status": "ready", "reason": 1}, "reason")]:
+        trial_files(tmp_path).host_status("b").write_text(json.dumps(raw))
+        with pytest.warns(UserWarning, match=why):
+            assert read_host_status(tmp_path, "b") is None  # as if the host had said nothing yet
+
+
 # --- the line logs: resizes.jsonl (training.resize_log), allocations.jsonl (tasks.records) ---
 
 def _resize(step: int, **changes):

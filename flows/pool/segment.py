@@ -43,6 +43,7 @@ from training.agent_commands import clear_commands
 from training.agent_state import read_agent_state
 from training.loopback import BIND_ENV
 from training.files import read_json, write_json_atomic
+from training.host_records import publish_agent_store, write_host_status
 from training.layout import trial_files
 
 NODE_ENV = "CAMPAIGN_NODE"  # set by `campaign worker`: the node's name
@@ -80,13 +81,9 @@ def _agent_across_nodes(plan: LaunchPlan, cfg: TrialConfig, node: str) -> Launch
     the hosts of the trial's other nodes reach it; the address is written where the campaign reads it."""
     address, interface = os.environ.get(ADDRESS_ENV, "127.0.0.1"), os.environ.get(INTERFACE_ENV, "lo")
     port = free_port(address)
-    write_json_atomic(trial_files(cfg.trial_dir).agent_store, {"endpoint": f"{address}:{port}", "node": node, "time": time.time()})
+    publish_agent_store(cfg.trial_dir, f"{address}:{port}", node)
     return dataclasses.replace(plan, command=[*plan.command, "--node", node, "--store-port", str(port)],
                                env={**plan.env, BIND_ENV: address, "GLOO_SOCKET_IFNAME": interface})
-
-
-def write_host_status(cfg: TrialConfig, node: str, seq: int, status: str, reason: str = "") -> None:
-    write_json_atomic(trial_files(cfg.trial_dir).host_status(node), {"seq": seq, "status": status, "reason": reason, "time": time.time()})
 
 
 def _host_segment(cfg: TrialConfig, placed: list[Device], host: dict[str, Any], lease: dict, node: str) -> dict[str, Any]:
@@ -103,7 +100,7 @@ def _host_segment(cfg: TrialConfig, placed: list[Device], host: dict[str, Any], 
         plan = plan_host_launch(cfg, host["store"], node, lease, os.environ.get(ADDRESS_ENV, "127.0.0.1"),
                                 os.environ.get(INTERFACE_ENV, "lo"), ready)
         # The campaign tells the agent only then: it asks the newest incarnation, never one just ended.
-        code = run_host(plan, cfg, ready, lambda: write_host_status(cfg, node, host["seq"], "ready"), done)
+        code = run_host(plan, cfg, ready, lambda: write_host_status(cfg.trial_dir, node, host["seq"], "ready"), done)
     return {"host": node, "exit_code": code}
 
 
@@ -151,7 +148,7 @@ def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, camp
     capacity = {d["id"]: d["memory_bytes"] for d in node_devices or []} | {d.id: d.memory_bytes for d in placed}
     if not store.acquire(holder, {d.id: d.memory_bytes for d in placed}, capacity, campaign=campaign):
         if host is not None:  # the campaign, which waits for this before it tells the agent, says the grow is refused
-            write_host_status(cfg, node, host["seq"], "refused", f"node lease file: {', '.join(d.id for d in placed)} held by another campaign")
+            write_host_status(cfg.trial_dir, node, host["seq"], "refused", f"node lease file: {', '.join(d.id for d in placed)} held by another campaign")
             return {"host": node, "refused": True}
         raise TrialFailed(f"trial {cfg.trial_id}: a device of node {node} is leased by another campaign: "
                           f"{', '.join(d.id for d in placed)}")

@@ -53,7 +53,7 @@ from training.config import TrialConfig
 from training.agent_commands import clear_commands
 from training.batch_choice import batch_choice_now
 from training.errors import CampaignError
-from training.files import read_json
+from training.host_records import read_agent_store
 from training.metrics import format_metrics
 from training.progress import read_progress
 from training.layout import trial_files
@@ -374,13 +374,13 @@ class CampaignRun:
         """The host segment of `job` on `node` (flows.pool.remote.start_host); None when its agent
         has not said where its store listens yet."""
         files = trial_files(job.trial_dir)
-        published = read_json(files.agent_store)
-        if not isinstance(published, dict) or not isinstance(published.get("endpoint"), str):
+        published = read_agent_store(job.trial_dir)
+        if published is None:
             return None
         config = TrialConfig.from_file(files.config)
         self.logger.info(f"trial {job.trial.id}: starting its host on {node} for {', '.join(d.id for d in devices)}")
         return start_host(config, node, devices, [d for d in self.inventory.devices if d.node == node], str(Path.cwd()),
-                          self.deployment, self.pool, self.name, published["endpoint"], seq)
+                          self.deployment, self.pool, self.name, published.endpoint, seq)
 
     def task_names(self, trial: Trial) -> dict[str, Any]:
         """A trial's task run is found in Prefect by its id, and by its campaign's tag."""

@@ -22,7 +22,7 @@ from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.agent_commands import read_refusal, write_command
 from training.agent_state import read_agent_state
-from training.files import InputError, read_json
+from training.host_records import read_host_status
 from training.layout import trial_files
 
 
@@ -175,13 +175,10 @@ def serve_hosting(job: Running, store: LeaseStore, hosts: Hosts) -> str | None:
     seq, devices, request_id, runs, since = job.hosting
     statuses = {}
     for node in runs:
-        try:
-            status = read_json(trial_files(job.trial_dir).host_status(node))
-        except InputError:
-            status = None
-        statuses[node] = status if isinstance(status, dict) and status.get("seq") == seq else None
-    refused = {node: s.get("reason", "refused") for node, s in statuses.items() if s is not None and s.get("status") == "refused"}
-    if not refused and all(s is not None and s.get("status") == "ready" for s in statuses.values()):
+        status = read_host_status(job.trial_dir, node)
+        statuses[node] = status if status is not None and status.seq == seq else None
+    refused = {node: s.reason or "refused" for node, s in statuses.items() if s is not None and s.status == "refused"}
+    if not refused and all(s is not None and s.status == "ready" for s in statuses.values()):
         write_command(trial_files(job.trial_dir).control, seq, agent_devices(job, devices))
         job.next_seq, job.awaiting, job.hosting = seq + 1, (seq, devices, request_id), None
         return f"trial {job.trial.id}: hosts ready on {', '.join(runs)}; resize to {len(devices)} device(s) requested"
