@@ -294,21 +294,21 @@ def test_allocations_read_back_and_feed_the_timeline(tmp_path):
 
 
 def test_lines_appended_by_several_processes_at_once_stay_whole(tmp_path):
-    """The campaign and a trial's agent may append at once: each line is one O_APPEND write."""
-    import multiprocessing
+    """The campaign and a trial's agent may append at once: each line is one O_APPEND write.
 
-    from tasks.records import log_allocation, read_allocations
+    The writers are new interpreters, as the campaign and an agent are: a child forked from a
+    test worker inherits whatever earlier tests left in it (a fork there once exited 1 at its
+    multiprocessing hooks, before a line was written)."""
+    import subprocess
+    import sys
 
-    def writer(name: str) -> None:
-        for _ in range(200):
-            log_allocation(tmp_path, name, [f"{name}/cpu{i}" for i in range(40)], "resize")
+    from tasks.records import read_allocations
 
-    procs = [multiprocessing.get_context("fork").Process(target=writer, args=(f"n{i}",)) for i in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    code = ("import sys; from pathlib import Path; from tasks.records import log_allocation\n"
+            "for _ in range(200): log_allocation(Path(sys.argv[1]), sys.argv[2], [f'{sys.argv[2]}/cpu{i}' for i in range(40)], 'resize')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"n{i}"], stderr=subprocess.PIPE, text=True) for i in range(4)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], errors
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a torn line would be warned about
         events = read_allocations(tmp_path)
