@@ -205,11 +205,33 @@ def without_shared_prefect_server(monkeypatch) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow end-to-end tests first: with several workers (`make test` runs three), a long
-    test that starts last keeps one worker busy while the others sit idle. First of all those
-    that mostly wait (`waits`: the pool's nodes, ~2x their CPU in wall time): run together at
-    the end, as they were, they left the two cores half idle for the run's last 3 minutes."""
-    items.sort(key=lambda item: (item.get_closest_marker("waits") is None, item.get_closest_marker("slow") is None))
+    """The slow end-to-end tests first, and shared out among the workers: with several workers
+    (`make test` runs three), a long test that starts last keeps one worker busy while the others
+    sit idle. First of all those that mostly wait (`waits`: the pool's nodes, ~2x their CPU in
+    wall time), so that they wait beside the tests that compute.
+
+    pytest-xdist's work stealing hands each worker a contiguous share of this order to start
+    with and later moves tests from the end of a busy worker's queue to an idle one. Sorted
+    slow-first alone, every `waits` test fell in the first worker's share, which then ran all
+    the pool's tests one after another (15 of the run's 16 minutes). So the order is made of
+    one share per worker, each of the share's size xdist will cut: its part of the `waits`
+    tests, then of the other slow ones, then fast tests to fill it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    waits = [i for i in items if i.get_closest_marker("waits") is not None]
+    slow = [i for i in items if i.get_closest_marker("waits") is None and i.get_closest_marker("slow") is not None]
+    fast = [i for i in items if i.get_closest_marker("slow") is None and i.get_closest_marker("waits") is None]
+    sizes, left = [], len(items)
+    for k in range(workers):  # as xdist's WorkStealingScheduling cuts its first shares
+        sizes.append(left // (workers - k))
+        left -= sizes[-1]
+    shares: list[list] = [[] for _ in range(workers)]
+    for k, item in enumerate(waits + slow):
+        shares[k % workers].append(item)
+    for share, size in zip(shares, sizes):
+        while len(share) < size and fast:
+            share.append(fast.pop(0))
+    shares[-1].extend(fast)  # only when the slow tests alone overfill a share
+    items[:] = [item for share in shares for item in share]
 
 
 # `TEST_CPU_LOG=path make test`: one line per test with its CPU seconds (this process's and

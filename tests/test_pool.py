@@ -88,6 +88,16 @@ def test_bad_node_names_say_what_to_use(name):
     assert check_name("node", "gpu-07_b") == "gpu-07_b"
 
 
+def lab_subnet_tag() -> int:
+    """The third byte of this process's lab subnet, on the host's own routes: distinct for every
+    worker of one test run (the workers' pool tests run side by side), and apart from another
+    run's but by chance (its workers share the run's process as their parent)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 4:
+        return os.getppid() % 62 * 4 + int(worker[2:]) + 1
+    return os.getpid() % 250 + 1
+
+
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -98,7 +108,7 @@ def lab(tmp_path, monkeypatch, prefect_database):
     and b, each with its own address on it. Skipped, saying so, where namespaces cannot be made."""
     # Names of this lab only: the kernel tears down a deleted namespace's links after
     # `ip netns del` returns, so the next pool test in this process must not reuse them.
-    tag, pid = os.getpid() % 250 + 1, f"{os.getpid() % 100000}{next(LABS)}"
+    tag, pid = lab_subnet_tag(), f"{os.getpid() % 100000}{next(LABS)}"
     bridge, names = f"cpbr{pid}", {"a": f"pool-a{pid}", "b": f"pool-b{pid}"}
     head = SUBNET.format(tag, 1)
     try:
