@@ -216,10 +216,18 @@ def pytest_collection_modifyitems(config, items):
     the pool's tests one after another (15 of the run's 16 minutes). So the order is made of
     one share per worker, each of the share's size xdist will cut: its part of the `waits`
     tests, then of the other slow ones, then fast tests to fill it."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    waits = [i for i in items if i.get_closest_marker("waits") is not None]
-    slow = [i for i in items if i.get_closest_marker("waits") is None and i.get_closest_marker("slow") is not None]
-    fast = [i for i in items if i.get_closest_marker("slow") is None and i.get_closest_marker("waits") is None]
+    def kind(item) -> int:
+        return 0 if item.get_closest_marker("waits") else 1 if item.get_closest_marker("slow") else 2
+
+    items[:] = worker_shares(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), kind)
+
+
+def worker_shares(items: list, workers: int, kind) -> list:
+    """`items` in one share per worker, of the sizes xdist's WorkStealingScheduling cuts first;
+    `kind(item)`: 0 mostly waits, 1 slow, 2 fast. Each share: its round-robin part of the kind-0
+    items, then of the kind-1 ones, then kind-2 items to fill it."""
+    waits, slow = [i for i in items if kind(i) == 0], [i for i in items if kind(i) == 1]
+    fast = [i for i in items if kind(i) == 2]
     sizes, left = [], len(items)
     for k in range(workers):  # as xdist's WorkStealingScheduling cuts its first shares
         sizes.append(left // (workers - k))
@@ -227,11 +235,12 @@ def pytest_collection_modifyitems(config, items):
     shares: list[list] = [[] for _ in range(workers)]
     for k, item in enumerate(waits + slow):
         shares[k % workers].append(item)
+    fast.reverse()  # popped from the end, in order
     for share, size in zip(shares, sizes):
         while len(share) < size and fast:
-            share.append(fast.pop(0))
-    shares[-1].extend(fast)  # only when the slow tests alone overfill a share
-    items[:] = [item for share in shares for item in share]
+            share.append(fast.pop())
+    shares[-1].extend(reversed(fast))  # only when the slow tests alone overfill a share
+    return [item for share in shares for item in share]
 
 
 # `TEST_CPU_LOG=path make test`: one line per test with its CPU seconds (this process's and
