@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -226,20 +227,17 @@ def worker_shares(items: list, workers: int, kind) -> list:
     """`items` in one share per worker, of the sizes xdist's WorkStealingScheduling cuts first;
     `kind(item)`: 0 mostly waits, 1 slow, 2 fast. Each share: its round-robin part of the kind-0
     items, then of the kind-1 ones, then kind-2 items to fill it."""
-    waits, slow = [i for i in items if kind(i) == 0], [i for i in items if kind(i) == 1]
-    fast = [i for i in items if kind(i) == 2]
-    sizes, left = [], len(items)
-    for k in range(workers):  # as xdist's WorkStealingScheduling cuts its first shares
-        sizes.append(left // (workers - k))
-        left -= sizes[-1]
+    slow_first = sorted((i for i in items if kind(i) < 2), key=kind)  # stable: the collected order within a kind
+    fast = iter(i for i in items if kind(i) == 2)
     shares: list[list] = [[] for _ in range(workers)]
-    for k, item in enumerate(waits + slow):
+    for k, item in enumerate(slow_first):
         shares[k % workers].append(item)
-    fast.reverse()  # popped from the end, in order
-    for share, size in zip(shares, sizes):
-        while len(share) < size and fast:
-            share.append(fast.pop())
-    shares[-1].extend(reversed(fast))  # only when the slow tests alone overfill a share
+    left = len(items)
+    for k, share in enumerate(shares):  # filled to the sizes xdist's WorkStealingScheduling cuts first
+        size = left // (workers - k)
+        left -= size
+        share.extend(itertools.islice(fast, max(size - len(share), 0)))
+    shares[-1].extend(fast)  # only when the slow tests alone overfill a share
     return [item for share in shares for item in share]
 
 

@@ -89,9 +89,9 @@ def test_bad_node_names_say_what_to_use(name):
 
 
 def lab_subnet_tag() -> int:
-    """The third byte of this process's lab subnet, on the host's own routes: distinct for every
-    worker of one test run (the workers' pool tests run side by side), and apart from another
-    run's but by chance (its workers share the run's process as their parent)."""
+    """The third byte of this process's lab subnet, on the host's own routes: distinct for each
+    of up to four workers of one test run (the workers' pool tests run side by side), and apart
+    from another run's but by chance (its workers share the run's process as their parent)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 4:
         return os.getppid() % 62 * 4 + int(worker[2:]) + 1

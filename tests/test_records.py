@@ -221,7 +221,8 @@ def test_an_agent_store_and_a_host_status_read_back_and_files_that_are_not_read_
     assert read_agent_store(tmp_path) is None and read_host_status(tmp_path, "b") is None  # nothing said yet
     trial_files(tmp_path).control.mkdir(parents=True)
     publish_agent_store(tmp_path, "10.0.0.1:29500", "a")
-    assert (read_agent_store(tmp_path).endpoint, read_agent_store(tmp_path).node) == ("10.0.0.1:29500", "a")
+    store = read_agent_store(tmp_path)
+    assert (store.endpoint, store.node) == ("10.0.0.1:29500", "a")
     write_host_status(tmp_path, "b", 3, "refused", "held by another campaign")
     status = read_host_status(tmp_path, "b")
     assert (status.seq, status.status, status.reason) == (3, "refused", "held by another campaign")

@@ -24,6 +24,10 @@ class FakeWorker:
         self.sent.extend(indices)
 
 
+def kind(name: str) -> int:
+    return 0 if name.startswith("wait") else 1 if name.startswith("slow") else 2
+
+
 def first_shares(order: list[str], workers: int) -> list[list[str]]:
     """The tests xdist's work stealing hands each worker before any finishes."""
     config = SimpleNamespace(getvalue=lambda name: [f"{workers}*popen"] if name == "tx" else None)
@@ -41,7 +45,6 @@ def first_shares(order: list[str], workers: int) -> list[list[str]]:
 def test_each_worker_starts_with_its_share_of_the_waiting_and_slow_tests(workers):
     items = [f"wait{i}" for i in range(8)] + [f"slow{i}" for i in range(70)] + [f"fast{i}" for i in range(480)]
     items = items[1::2] + items[::2]  # collected in any order
-    kind = lambda name: 0 if name.startswith("wait") else 1 if name.startswith("slow") else 2  # noqa: E731
     order = worker_shares(items, workers, kind)
     assert sorted(order) == sorted(items)
     shares = first_shares(order, workers)
@@ -54,5 +57,4 @@ def test_each_worker_starts_with_its_share_of_the_waiting_and_slow_tests(workers
 
 def test_without_workers_the_slow_tests_come_first_in_their_collected_order():
     items = ["fast0", "slow0", "wait0", "fast1", "slow1", "wait1"]
-    kind = lambda name: 0 if name.startswith("wait") else 1 if name.startswith("slow") else 2  # noqa: E731
     assert worker_shares(items, 1, kind) == ["wait0", "wait1", "slow0", "slow1", "fast0", "fast1"]
