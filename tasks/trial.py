@@ -437,7 +437,8 @@ def plan_host_launch(config: TrialConfig, store: str, node: str, lease: dict, ad
     it starts the workers the agent asks for here, which listen on this node's address and watch
     this node's `lease` (training.fence); it writes `ready` once it serves the agent (under a new
     incarnation, which the agent then asks); its output goes to the trial's `train-<node>.log`."""
-    command = [python, "-m", "training.elastic_host", "--store", store, "--node", node, "--lease", json.dumps(lease), "--ready", str(ready)]
+    command = [python, "-m", "training.elastic_host", "--store", store, "--node", node, "--lease", json.dumps(lease), "--ready", str(ready),
+               "--trial-dir", str(config.trial_dir)]
     env = {**launch_env(), BIND_ENV: address, "GLOO_SOCKET_IFNAME": interface}
     log = trial_files(config.trial_dir).log
     return LaunchPlan(command, env, Path.cwd(), trial_files(config.trial_dir).config, log.with_name(f"{log.stem}-{node}{log.suffix}"))

@@ -91,3 +91,28 @@ def test_a_trial_across_nodes_meets_through_the_campaigns_copy_and_keeps_each_no
     assert host.rendezvous("abc").exists()  # the host's own endpoint stays
     assert campaign.log.read_text() == "host: world size 2\n"
     assert (campaign.root / "train-b.log").read_text() == "node b: world size 2\n"
+
+
+def test_an_agents_state_reaches_the_nodes_hosting_its_workers_and_never_its_own(tmp_path):
+    """An elastic agent on node a grown onto node b: its state (written on a by its relay) goes up
+    to the campaign and down to b's host only. a never gets the campaign's older copy over its
+    own, and b's copy never goes back up as b's."""
+    campaign, agent, host = (trial_files(tmp_path / name / "t1") for name in ("campaign", "a", "b"))
+    for files in (campaign, agent, host):
+        files.root.mkdir(parents=True)
+    since, started_at = {}, time.time()
+    agent.agent_state.parent.mkdir(parents=True)
+    write_json_atomic(agent.agent_state, {"seq": 2, "devices": ["a/cpu0", "b/cpu0"], "status": "running"})
+    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, started_at)), {})
+    down = through_json(down_snapshot(campaign.root))
+    apply_down(host.root, down, hosting=True)
+    assert read_json(host.agent_state)["devices"] == ["a/cpu0", "b/cpu0"]
+    assert up_snapshot(host.root, since, started_at, hosting=True)["files"] == {}
+
+    # The agent shrinks off b; the campaign's copy still says it holds b when it is sent down.
+    write_json_atomic(agent.agent_state, {"seq": 3, "devices": ["a/cpu0"], "status": "running"})
+    apply_down(agent.root, down)
+    assert read_json(agent.agent_state)["seq"] == 3
+    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, started_at)), {})
+    apply_down(host.root, through_json(down_snapshot(campaign.root)), hosting=True)
+    assert read_json(host.agent_state)["devices"] == ["a/cpu0"]  # b's host sees it has no part left

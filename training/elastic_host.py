@@ -89,10 +89,11 @@ def stop_key(path: Path) -> str:
 
 
 class Host:
-    def __init__(self, store, node: str, python: str = sys.executable, lease: dict | None = None):
+    def __init__(self, store, node: str, python: str = sys.executable, lease: dict | None = None, trial_dir: Path | None = None):
         """`lease`: this node's own lease of its devices (a pool's node lease file), which its
-        workers watch instead of the agent's node's (training.fence)."""
-        self.store, self.node, self.python, self.lease = store, node, python, lease
+        workers watch instead of the agent's node's (training.fence). `trial_dir`: this node's
+        folder of the trial (its own when the nodes share none), which its workers' config names."""
+        self.store, self.node, self.python, self.lease, self.trial_dir = store, node, python, lease, trial_dir
         self.zygote = None  # started by run(), before the agent asks for anything
         self.workers: dict[str, object] = {}  # wid -> Popen or ForkedProcess
         self.reported: set[str] = set()
@@ -107,13 +108,18 @@ class Host:
         from training.zygote import ZygoteGone
 
         config, text = Path(request["config"]), request["config_text"]
-        if self.lease is not None:  # its workers watch this node's lease: a config of the node's own, beside the trial's
-            config = config.with_name(f"{config.stem}-{self.node}{config.suffix}")
-            text = json.dumps({**json.loads(text), "lease": self.lease}, indent=2, sort_keys=True)
+        if self.lease is not None or self.trial_dir is not None:
+            # Its workers watch this node's lease, in this node's folder: a config of the node's own.
+            changes = ({"lease": self.lease} if self.lease is not None else {}) | \
+                      ({"trial_dir": str(self.trial_dir)} if self.trial_dir is not None else {})
+            config = (self.trial_dir or config.parent) / f"{config.stem}-{self.node}{config.suffix}"
+            text = json.dumps({**json.loads(text), **changes}, indent=2, sort_keys=True)
         if not config.exists() or config.read_text() != text:  # nothing shared with the agent's node:
             config.parent.mkdir(parents=True, exist_ok=True)  # the trial's config travels with the request (signed)
             config.write_text(text)
-        env = worker_env(request["env"], request["wid"], self.store.host, self.store.port)
+        # Rank 0 is on the agent's node, never here: with one checkpoint writer, this node's
+        # workers drop the empty folders each save leaves here (training.checkpoint).
+        env = {**worker_env(request["env"], request["wid"], self.store.host, self.store.port), "GROUP_RANK": "1"}
         args = ["--config", str(config)]
         try:
             proc = self.start_zygote().fork("training.elastic_worker", args, env, Path.cwd(), name=worker_name(request["wid"]))
@@ -215,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the agent's store to answer")
     parser.add_argument("--ready", type=Path, help="a file to write once this host serves the agent")
     parser.add_argument("--lease", type=json.loads, help="this node's lease of its devices (JSON, cluster.leases fence): its workers watch it")
+    parser.add_argument("--trial-dir", type=Path, help="this node's folder of the trial (its own when the nodes share none)")
     args = parser.parse_args(argv)
     from training.process import die_with_parent, skip_final_collection
 
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     address, _, port = args.store.rpartition(":")
     store, beat_store = (dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=args.wait)) for _ in range(2))
-    host = Host(store, args.node, lease=args.lease)
+    host = Host(store, args.node, lease=args.lease, trial_dir=args.trial_dir)
     signal.signal(signal.SIGTERM, lambda *_: (host.kill_all(), os._exit(1)))  # its zygote ends with it
     print(f"elastic host {args.node}: serving the agent at {args.store}", flush=True)
     return host.run(beat_store, args.ready)

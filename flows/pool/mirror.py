@@ -13,8 +13,9 @@ server every node already reaches; each is created once and updated in place:
 - down, one artifact per attempt (campaign → every node of it): the files the campaign
   writes for the trial (the scheduler's batch, an elastic agent's commands, stop files, a
   test's hold file), whole, and deleted on the nodes when the campaign deletes them; the
-  host's rendezvous endpoint, for the other nodes; and the trial's record when the attempt
-  began, which seeds the node's record before its launch.
+  host's rendezvous endpoint, for the other nodes; an elastic agent's state, for the nodes
+  that host its workers (a host ends when the state no longer names its node's devices);
+  and the trial's record when the attempt began, which seeds the node's record before its launch.
 
 Checkpoints do not travel here: the trainer pushes each verified one to `tracking.dvc_remote`
 and a node resuming the trial pulls it (training/checkpoint_remote.py; across nodes rank 0
@@ -60,6 +61,13 @@ def _relayed_patterns(root: Path) -> tuple[str, ...]:
     """What one node writes for the others (the host node's rendezvous endpoint of a trial
     across nodes): up from it, then down to every node."""
     return (_names(root)["rendezvous"],)
+
+
+def _hosted_patterns(root: Path) -> tuple[str, ...]:
+    """What the agent's node writes for the nodes that host its workers (its state, whose
+    devices tell a host when its node has no part left): up from it, then down to the hosts
+    only. Never down to the agent's node, whose relay writes it there."""
+    return (trial_files(root).agent_state.relative_to(root).as_posix(),)
 
 
 def _appended_patterns(root: Path) -> tuple[str, ...]:
@@ -110,11 +118,12 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 # --- the two copies (files only: no I/O with Prefect) ----------------------------------
 
-def up_snapshot(root: Path, since: dict[str, int], started_at: float) -> dict[str, Any]:
+def up_snapshot(root: Path, since: dict[str, int], started_at: float, hosting: bool = False) -> dict[str, Any]:
     """The node's side: what this segment wrote, for the campaign. Whole files written since
     `started_at` (not another segment's left on this node, nor the record it was seeded with);
-    of each appended file, what it added past its size when the segment began (`since`)."""
-    appended, down = _appended_patterns(root), _down_patterns(root)
+    of each appended file, what it added past its size when the segment began (`since`).
+    `hosting`: the segment hosts workers of an agent on another node, whose state it was sent."""
+    appended, down = _appended_patterns(root), _down_patterns(root) + (_hosted_patterns(root) if hosting else ())
     whole, added = {}, {}
     for rel, path in _small_files(root).items():
         if _matches(rel, appended):
@@ -157,7 +166,7 @@ def down_snapshot(root: Path, seed: dict[str, str] | None = None) -> dict[str, A
     """The campaign's side: the files it writes for the trial and those one node wrote for the
     others, and `seed` (the trial's record when the segment was sent, which the node's segment
     goes on from)."""
-    patterns = _down_patterns(root) + _relayed_patterns(root)
+    patterns = _down_patterns(root) + _relayed_patterns(root) + _hosted_patterns(root)
     files = {rel: text for rel, path in _small_files(root).items()
              if _matches(rel, patterns) and (text := _read(path, MAX_FILE_BYTES)) is not None}
     return {"files": files, "seed": seed or {}}
@@ -169,10 +178,11 @@ def record_seed(root: Path) -> dict[str, str]:
     return {rel: text} if text is not None else {}
 
 
-def apply_down(root: Path, snapshot: dict[str, Any], seed: bool = False) -> None:
+def apply_down(root: Path, snapshot: dict[str, Any], seed: bool = False, hosting: bool = False) -> None:
     """The node's side: the campaign's files into the node's folder (`seed`: the record too,
-    before the launch); one the campaign deleted goes here too."""
-    files = snapshot.get("files", {})
+    before the launch); one the campaign deleted goes here too. The agent's state only to a
+    node that hosts its workers (`hosting`)."""
+    files = {rel: text for rel, text in snapshot.get("files", {}).items() if hosting or not _matches(rel, _hosted_patterns(root))}
     for rel, text in {**(snapshot.get("seed", {}) if seed else {}), **files}.items():
         _write(root, rel, text)
     for rel, path in _small_files(root).items():
@@ -242,9 +252,10 @@ class NodeMirror:
     """A node's side, for one segment: the campaign's files down once before the launch,
     then both ways every MIRROR_S in a thread, and a last copy up when the segment ends."""
 
-    def __init__(self, root: Path, keys: dict[str, str], trial: str, node: str):
-        """`keys`: the artifacts' keys the campaign chose for this segment ({"down", "up"})."""
-        self.root = root
+    def __init__(self, root: Path, keys: dict[str, str], trial: str, node: str, hosting: bool = False):
+        """`keys`: the artifacts' keys the campaign chose for this segment ({"down", "up"}).
+        `hosting`: the segment hosts workers of an agent on another node (it is sent its state)."""
+        self.root, self.hosting = root, hosting
         self.down = Channel(keys["down"], f"trial {trial}: the campaign's files for its nodes")
         self.up = Channel(keys["up"], f"trial {trial}: node {node}'s files for the campaign")
         self.since: dict[str, int] = {}
@@ -255,7 +266,7 @@ class NodeMirror:
     def __enter__(self) -> "NodeMirror":
         self.root.mkdir(parents=True, exist_ok=True)
         if (first := self.down.receive()) is not None:
-            apply_down(self.root, first, seed=True)
+            apply_down(self.root, first, seed=True, hosting=self.hosting)
         self.since = appended_sizes(self.root)
         self.started_at = time.time()
         self._thread.start()
@@ -267,13 +278,13 @@ class NodeMirror:
         self.up.send(self.snapshot())  # the segment's last word: its result, record and log
 
     def snapshot(self) -> dict[str, Any]:
-        return up_snapshot(self.root, self.since, self.started_at)
+        return up_snapshot(self.root, self.since, self.started_at, self.hosting)
 
     def _run(self) -> None:
         while not self._stop.wait(MIRROR_S):
             try:
                 if (down := self.down.receive()) is not None:
-                    apply_down(self.root, down)
+                    apply_down(self.root, down, hosting=self.hosting)
                 self.up.send(self.snapshot())
             except Exception as e:  # the server away a moment: the next copy catches up
                 print(f"trial files: copy with the campaign failed ({e.__class__.__name__}: {e}); trying again", flush=True)
@@ -282,12 +293,14 @@ class NodeMirror:
 class CampaignMirror:
     """The campaign's side, for one attempt of a trial: `start` before its segments are sent
     (their files, with the record, are there when they begin), `add` each node it is sent to,
-    `tick` while it runs, `pull` once it ended."""
+    `tick` while it runs, `pull` once it ended. `add` may come from another thread (the
+    campaign's loop starts a host segment while the trial's task copies)."""
 
     def __init__(self, root: Path, attempt: str, trial: str):
         self.root, self.attempt, self.trial = root, attempt, trial
         self.down = Channel(artifact_key(attempt, "down"), f"trial {trial}: the campaign's files for its nodes")
         self.ups: dict[str, tuple[Channel, dict[str, int]]] = {}  # node -> its channel, and what was here before it
+        self._lock = threading.Lock()
         self.applied: dict[str, dict[str, Any]] = {}  # node -> the copy last applied from it (not applied again)
         self.seed: dict[str, str] = {}
 
@@ -299,9 +312,10 @@ class CampaignMirror:
     def add(self, node: str) -> dict[str, str]:
         """A segment sent to `node`: the keys it copies through. Sent again (a node taken back),
         it gets a channel of its own: what its earlier segment copied here stays, once."""
-        sent = sum(key.startswith(f"{node}#") for key in self.ups)
-        up = artifact_key(self.attempt, f"up-{node}-{sent}")
-        self.ups[f"{node}#{sent}"] = (Channel(up, f"trial {self.trial}: node {node}'s files"), appended_sizes(self.root))
+        with self._lock:
+            sent = sum(key.startswith(f"{node}#") for key in self.ups)
+            up = artifact_key(self.attempt, f"up-{node}-{sent}")
+            self.ups[f"{node}#{sent}"] = (Channel(up, f"trial {self.trial}: node {node}'s files"), appended_sizes(self.root))
         return {"down": self.down.key, "up": up}
 
     def tick(self) -> None:
@@ -309,7 +323,9 @@ class CampaignMirror:
         self.pull()
 
     def pull(self) -> None:
-        for node, (channel, base) in self.ups.items():
+        with self._lock:
+            ups = list(self.ups.items())
+        for node, (channel, base) in ups:
             if (up := channel.receive()) is not None and up != self.applied.get(node):
                 apply_up(self.root, up, base)
                 self.applied[node] = up

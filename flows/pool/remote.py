@@ -35,6 +35,7 @@ POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
+_mirrors: dict[str, CampaignMirror] = {}  # a running trial's copy of its files (no shared storage): its hosts' too
 
 
 def recall(trial_id: str) -> None:
@@ -113,24 +114,28 @@ def _all_ended(runs: dict[str, Any], states: dict[str, Any], within_s: float) ->
     return ended
 
 
-def agent_across_nodes(config: TrialConfig, elastic: bool, nodes: int, shared_storage: bool) -> bool:
+def agent_across_nodes(config: TrialConfig, elastic: bool, nodes: int) -> bool:
     """Whether a pool trial runs under our agent, which grows it onto other nodes and shrinks it
-    off them in memory: an elastic trial of our trainer started on one node of a pool whose
-    nodes share the trial's folder. Anything else moves across nodes by a stop and a start
-    (torchrun across them: `Running.relaunch`)."""
-    return elastic and nodes == 1 and shared_storage and config.function is None
+    off them in memory: an elastic trial of our trainer started on one node. Anything else
+    moves across nodes by a stop and a start (torchrun across them: `Running.relaunch`)."""
+    return elastic and nodes == 1 and config.function is None
 
 
 def start_host(config: TrialConfig, node: str, devices: list[Device], node_devices: list[Device], cwd: str, deployment: str,
-               pool: str, campaign: str, store: str, seq: int) -> str:
+               pool: str, campaign: str, store: str, seq: int, shared_storage: bool = True) -> str | None:
     """Send node `node` the segment that hosts `devices` of a trial whose agent (on another node)
     listens at `store`, for the campaign's command `seq` on (flows/pool/segment.py `host`); its
     flow run's id. It leases them in the node's own file first and says so in the trial's
-    `host-<node>.json`, which the campaign waits for before it tells the agent."""
+    `host-<node>.json`, which the campaign waits for before it tells the agent. Without shared
+    storage its files travel with those of the trial's running attempt (None: it has none now)."""
     from prefect.deployments import run_deployment
 
     params = {"config": asdict(config), "devices": [asdict(d) for d in devices], "cwd": cwd, "campaign": campaign, "span": None,
               "elastic": True, "node_devices": [asdict(d) for d in node_devices], "host": {"store": store, "seq": seq}}
+    if not shared_storage:
+        if (mirror := _mirrors.get(config.trial_id)) is None:
+            return None
+        params["files"] = mirror.add(node)
     run = run_deployment(deployment, parameters={**params, "signature": sign(load_secret(pool), params)}, work_queue_name=node,
                          timeout=0, flow_run_name=f"{config.trial_id} host on {node}")
     return str(run.id)
@@ -168,16 +173,13 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     peer that is gone, and the campaign queues the trial again. A function trial (the user's
     loop, whose state we do not know) is not elastic across nodes.
     """
-    from prefect.deployments import run_deployment
-
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
-    secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
     # On one node under our agent, which grows it onto other nodes in memory (hosts there: start_host).
-    agent_across = agent_across_nodes(config, elastic, len(groups), shared_storage)
+    agent_across = agent_across_nodes(config, elastic, len(groups))
     segments = {}  # node -> its segment's parameters (sent again to a node that comes back)
     for i, (node, mine) in enumerate(groups):
         span = ({"nnodes": len(groups), "host": i == 0, "attempt": attempt, "devices": [d.id for d in devices],
@@ -190,6 +192,20 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     mirror = None if shared_storage else CampaignMirror(Path(config.trial_dir), attempt, config.trial_id)
     if mirror is not None:
         mirror.start()  # the nodes find the campaign's files (and the trial's record) when they begin
+        _mirrors[config.trial_id] = mirror  # its host segments' files travel with this attempt's (start_host)
+    try:
+        return _follow_segments(config, devices, pool, elastic, attempt, across, segments, mirror, deployment)
+    finally:
+        _mirrors.pop(config.trial_id, None)
+
+
+def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elastic: bool, attempt: str, across: bool,
+                     segments: dict[str, dict], mirror: CampaignMirror | None, deployment: str) -> dict[str, Any]:
+    """run_remote_trial's segments (`segments`: node -> its parameters), sent and followed until
+    the trial ends on them."""
+    from prefect.deployments import run_deployment
+
+    secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
 
     def copy_files(last: bool = False) -> None:
         if mirror is None:
@@ -244,7 +260,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
             record_nodes("node back")
             print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
-    host = groups[0][0]
+    host = next(iter(segments))  # the first node, which holds the rendezvous
     states: dict[str, Any] = {}
     away: set[str] = set()  # nodes it went on without
     while len(states) < len(runs):

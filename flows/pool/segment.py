@@ -9,8 +9,10 @@ node shares, or (`cluster.shared_storage: false`) in a folder of the node's own,
 the campaign's through Prefect artifacts (`flows/pool/mirror.py`); its checkpoints, in the
 shared folder or through the DVC remote, let the trial resume on another node. An elastic trial on one
 node runs under its agent; its resizes there pass through `flows/pool/relay.py`, which
-leases a grow in the node's lease file before the agent sees it. Resized onto other nodes,
-it is stopped and started again across them, as a trial that spans nodes (below).
+leases a grow in the node's lease file before the agent sees it. Grown onto other nodes, it
+stays under that agent: a host segment on each new node leases its devices there and starts
+the workers the agent asks for (`host`, training.elastic_host), which join in memory. Moved
+off the agent's node, it is stopped and started again across the nodes, as a trial that spans nodes (below).
 
 A trial placed over several nodes gets one segment per node (`span`). Each runs torchrun
 with the c10d rendezvous (`tasks.trial.plan_node_launch`); the host node picks a free port
@@ -118,7 +120,8 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     store on this node's address, published in the trial's folder: `agent-store.json`).
     `host`: {"store", "seq"}: this segment hosts, on this node, `devices` of an elastic trial
     whose agent runs on another node, from the campaign's command `seq` on, until the agent's
-    state no longer names them (training.elastic_host).
+    state (the campaign's copy, sent down with `files` when nothing is shared) no longer
+    names them (training.elastic_host).
     `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
     params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
               "node_devices": node_devices}
@@ -127,13 +130,13 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     cfg = TrialConfig(**config)
     if files is None:
         return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host)
-    if host is not None or agent_across:  # the host reads the agent's state in the trial's folder, which this node does not see
-        raise TrialFailed(f"trial {cfg.trial_id}: an agent across nodes needs the trial's folder shared by the nodes")
     local = node_trial_dir(campaign, cfg.trial_id)
-    cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None)
+    # Over several nodes (torchrun's, or our agent's with hosts elsewhere) rank 0 writes each
+    # whole checkpoint on its node: a node that resumes the trial alone pulls it from the remote.
+    cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None or agent_across or host is not None)
     clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
-    with NodeMirror(local, files, cfg.trial_id, os.environ.get(NODE_ENV, "")):
-        return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices)
+    with NodeMirror(local, files, cfg.trial_id, os.environ.get(NODE_ENV, ""), hosting=host is not None):
+        return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices, agent_across, host)
 
 
 def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,

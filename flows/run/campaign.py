@@ -264,8 +264,8 @@ class CampaignRun:
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
-        if self.pool is not None and agent_across_nodes(config, elastic, len(by_node(devices)), self.shared_storage):
-            job.agent_node = devices[0].node  # its agent there grows it onto other nodes in memory
+        if self.pool is not None and agent_across_nodes(config, elastic, len(by_node(devices))):
+            job.agent_node, job.config = devices[0].node, config  # its agent there grows it onto other nodes in memory
         if serving is not None:
             job.handled.add(serving)
         if stale := pending_request(job.trial_dir, job.handled):  # made for an earlier run of this trial
@@ -373,14 +373,14 @@ class CampaignRun:
     def start_host(self, job: Running, node: str, devices: list[Device], seq: int) -> str | None:
         """The host segment of `job` on `node` (flows.pool.remote.start_host); None when its agent
         has not said where its store listens yet."""
-        files = trial_files(job.trial_dir)
         published = read_agent_store(job.trial_dir)
-        if published is None:
+        if published is None or job.config is None:
             return None
-        config = TrialConfig.from_file(files.config)
-        self.logger.info(f"trial {job.trial.id}: starting its host on {node} for {', '.join(d.id for d in devices)}")
-        return start_host(config, node, devices, [d for d in self.inventory.devices if d.node == node], str(Path.cwd()),
-                          self.deployment, self.pool, self.name, published.endpoint, seq)
+        run = start_host(job.config, node, devices, [d for d in self.inventory.devices if d.node == node], str(Path.cwd()),
+                         self.deployment, self.pool, self.name, published.endpoint, seq, self.shared_storage)
+        if run is not None:
+            self.logger.info(f"trial {job.trial.id}: starting its host on {node} for {', '.join(d.id for d in devices)}")
+        return run
 
     def task_names(self, trial: Trial) -> dict[str, Any]:
         """A trial's task run is found in Prefect by its id, and by its campaign's tag."""

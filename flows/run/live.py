@@ -22,6 +22,7 @@ from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.agent_commands import read_refusal, write_command
 from training.agent_state import read_agent_state
+from training.config import TrialConfig
 from training.host_records import read_host_status
 from training.layout import trial_files
 
@@ -124,6 +125,7 @@ class Running:
     # A pool's trial under our agent on this node, which grows it onto other nodes and shrinks it
     # off them in memory (flows.pool.remote.agent_across_nodes); None: it moves by a relaunch.
     agent_node: str | None = None
+    config: TrialConfig | None = None  # the config its agent started from: its hosts start from it too
     # A grow onto other nodes waiting for their hosts: (command seq, devices, request id,
     # node -> its host segment's flow run, since when).
     hosting: tuple[int, list[Device], str, dict[str, str], float] | None = None
