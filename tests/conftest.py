@@ -181,13 +181,19 @@ def prefect_server_for_campaigns(tmp_path_factory, prefect_database):
 
 
 @pytest.fixture(scope="session")
-def prefect_backend(prefect_server_for_campaigns):
-    """The Prefect API for the flows a test runs in its own process: this process's server,
-    the one its campaigns share (Prefect's own test harness started a second server in each
-    test process, ~10 s of CPU for each). Tests read back only their own flow runs, by id."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def prefect_backend(prefect_database):
+    """Prefect's own test harness (a server on a temporary database) for the flows a test runs
+    in its own process; one per test process, started by the first test that needs it (each
+    start costs ~25 s of CPU). Tests read back only their own flow runs, by id."""
+    import tempfile
+    from unittest import mock
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_server_for_campaigns}):
+    import prefect.testing.utilities as harness
+
+    # Its database a copy of the migrated one: the harness names its file in a new folder.
+    folder = tempfile.mkdtemp(prefix="prefect-harness-")
+    prefect_database(Path(folder) / "prefect-test.db")
+    with mock.patch.object(harness, "mkdtemp", lambda: folder), harness.prefect_test_harness(server_startup_timeout=120):
         yield
 
 
