@@ -89,7 +89,7 @@ def throughput(dry: bool, work: Path) -> dict:
     runs = [("small_cnn", "fp32")] if dry else [("small_cnn", "fp32"), ("resnet,gpt", "bf16")]
     for workloads, precision in runs:
         out = work / f"throughput-{precision}.json"
-        extra = ["--rounds", "1", "--steps", "3", "--warmup", "2"] if dry else ["--rounds", "5"]  # dry: that it runs, not a figure
+        extra = ["--rounds", "1", "--steps", "10", "--warmup", "10"] if dry else ["--rounds", "5"]
         code, text, _ = run([sys.executable, "bench/gpu_throughput.py", "--workloads", workloads, "--precision", precision,
                              "--json", str(out), *extra], timeout=900)
         logs.append(text[-1500:])
@@ -289,7 +289,7 @@ def precision(dry: bool, work: Path) -> dict:
     kinds = ["fp32", "bf16"] if dry else ["fp32", "bf16", "fp16"]
     for kind in kinds:
         out = work / f"precision-{kind}.json"
-        extra = ["--rounds", "1", "--steps", "3", "--warmup", "2"] if dry else ["--rounds", "3"]
+        extra = ["--rounds", "1", "--steps", "10", "--warmup", "10"] if dry else ["--rounds", "3"]
         code, text, _ = run([sys.executable, "bench/gpu_throughput.py", "--workloads", "resnet", "--precision", kind, "--json", str(out),
                              *extra], timeout=900)
         logs.append(text[-1000:])

@@ -196,7 +196,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     try:
         return _follow_segments(config, devices, pool, elastic, attempt, across, segments, mirror, deployment)
     finally:
-        _mirrors.pop(config.trial_id, None)
+        if mirror is not None and _mirrors.get(config.trial_id) is mirror:
+            del _mirrors[config.trial_id]
 
 
 def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elastic: bool, attempt: str, across: bool,
