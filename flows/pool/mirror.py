@@ -182,7 +182,8 @@ def apply_down(root: Path, snapshot: dict[str, Any], seed: bool = False, hosting
     """The node's side: the campaign's files into the node's folder (`seed`: the record too,
     before the launch); one the campaign deleted goes here too. The agent's state only to a
     node that hosts its workers (`hosting`)."""
-    files = {rel: text for rel, text in snapshot.get("files", {}).items() if hosting or not _matches(rel, _hosted_patterns(root))}
+    hosted = () if hosting else _hosted_patterns(root)
+    files = {rel: text for rel, text in snapshot.get("files", {}).items() if not _matches(rel, hosted)}
     for rel, text in {**(snapshot.get("seed", {}) if seed else {}), **files}.items():
         _write(root, rel, text)
     for rel, path in _small_files(root).items():
