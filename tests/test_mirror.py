@@ -5,10 +5,8 @@ artifacts that carry them run in tests/test_pool.py's pool without a shared fold
 from __future__ import annotations
 
 import json
-import os
-import time
 
-from flows.pool.mirror import apply_down, apply_up, appended_sizes, down_snapshot, record_seed, up_snapshot
+from flows.pool.mirror import apply_down, apply_up, appended_sizes, down_snapshot, file_stamps, record_seed, up_snapshot
 from training.agent_commands import read_command, write_command
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
@@ -32,15 +30,14 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     node.log.write_text("an old segment on this node\n")
     (node.control / "node-a").mkdir(parents=True)
     write_json_atomic(node.control / "node-a" / "inner.json", {"seq": 3})
-    write_json_atomic(node.progress, {"step": 999, "state": "held"})  # an old segment's, from before this one
-    os.utime(node.progress, (time.time() - 60, time.time() - 60))
+    write_json_atomic(node.progress, {"step": 999, "state": "held"})  # an old segment's, from just before this one
 
     base, seed = appended_sizes(campaign.root), record_seed(campaign.root)
     apply_down(node.root, through_json(down_snapshot(campaign.root, seed)), seed=True)
     assert read_json(node.record)["attempts"] == 1 and node.hold.exists() and read_json(node.batch) == {"batch_size": 64}
-    since, started_at = appended_sizes(node.root), time.time()
+    since, before = appended_sizes(node.root), file_stamps(node.root)
     # Nothing of this segment yet: neither the record it was seeded with nor the old progress goes up.
-    assert up_snapshot(node.root, since, started_at) == {"files": {}, "appended": {}}
+    assert up_snapshot(node.root, since, before) == {"files": {}, "appended": {}}
 
     # The segment runs: its log grows, the record and progress change, the config names the node's paths.
     with open(node.log, "a") as f:
@@ -48,7 +45,7 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     write_json_atomic(node.record, {"state": "running", "attempts": 2, "devices": ["a/cpu0"]})
     write_json_atomic(node.progress, {"step": 60, "state": "held"})
     write_json_atomic(node.config, {"trial_dir": str(node.root)})
-    snapshot = through_json(up_snapshot(node.root, since, started_at))
+    snapshot = through_json(up_snapshot(node.root, since, before))
     assert not any(rel.startswith("checkpoints") or "node-a" in rel for rel in snapshot["files"]), snapshot["files"]
     apply_up(campaign.root, snapshot, base)
     assert campaign.log.read_text() == "segment 1 on another node\nsegment 2: resumed at step 50\n"
@@ -67,8 +64,8 @@ def test_a_segment_on_a_node_and_the_campaigns_copy_see_each_others_files(tmp_pa
     with open(node.log, "a") as f:
         f.write("step 150: done\n")
     write_json_atomic(node.result, {"steps": 150})
-    apply_up(campaign.root, through_json(up_snapshot(node.root, since, started_at)), base)
-    apply_up(campaign.root, through_json(up_snapshot(node.root, since, started_at)), base)
+    apply_up(campaign.root, through_json(up_snapshot(node.root, since, before)), base)
+    apply_up(campaign.root, through_json(up_snapshot(node.root, since, before)), base)
     assert campaign.log.read_text().count("segment 2") == 1 and campaign.log.read_text().endswith("step 150: done\n")
     assert read_json(campaign.result) == {"steps": 150}
 
@@ -79,12 +76,12 @@ def test_a_trial_across_nodes_meets_through_the_campaigns_copy_and_keeps_each_no
     campaign, host, other = (trial_files(tmp_path / name / "t1") for name in ("campaign", "a", "b"))
     for files in (campaign, host, other):
         files.root.mkdir(parents=True)
-    since, started_at = {}, time.time()
+    since, before = {}, {}
     write_json_atomic(host.rendezvous("abc"), {"endpoint": "10.0.0.2:29400"})
     host.log.write_text("host: world size 2\n")
     (other.root / "train-b.log").write_text("node b: world size 2\n")
     for files in (host, other):
-        apply_up(campaign.root, through_json(up_snapshot(files.root, since, started_at)), {})
+        apply_up(campaign.root, through_json(up_snapshot(files.root, since, before)), {})
     apply_down(other.root, through_json(down_snapshot(campaign.root)))
     assert read_json(other.rendezvous("abc")) == {"endpoint": "10.0.0.2:29400"}
     apply_down(host.root, {"files": {}, "seed": {}})  # a copy from before the endpoint reached the campaign
@@ -100,19 +97,19 @@ def test_an_agents_state_reaches_the_nodes_hosting_its_workers_and_never_its_own
     campaign, agent, host = (trial_files(tmp_path / name / "t1") for name in ("campaign", "a", "b"))
     for files in (campaign, agent, host):
         files.root.mkdir(parents=True)
-    since, started_at = {}, time.time()
+    since, before = {}, {}
     agent.agent_state.parent.mkdir(parents=True)
     write_json_atomic(agent.agent_state, {"seq": 2, "devices": ["a/cpu0", "b/cpu0"], "status": "running"})
-    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, started_at)), {})
+    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, before)), {})
     down = through_json(down_snapshot(campaign.root))
     apply_down(host.root, down, hosting=True)
     assert read_json(host.agent_state)["devices"] == ["a/cpu0", "b/cpu0"]
-    assert up_snapshot(host.root, since, started_at, hosting=True)["files"] == {}
+    assert up_snapshot(host.root, since, before, hosting=True)["files"] == {}
 
     # The agent shrinks off b; the campaign's copy still says it holds b when it is sent down.
     write_json_atomic(agent.agent_state, {"seq": 3, "devices": ["a/cpu0"], "status": "running"})
     apply_down(agent.root, down)
     assert read_json(agent.agent_state)["seq"] == 3
-    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, started_at)), {})
+    apply_up(campaign.root, through_json(up_snapshot(agent.root, since, before)), {})
     apply_down(host.root, through_json(down_snapshot(campaign.root)), hosting=True)
     assert read_json(host.agent_state)["devices"] == ["a/cpu0"]  # b's host sees it has no part left

@@ -29,7 +29,6 @@ import fnmatch
 import os
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +117,26 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 # --- the two copies (files only: no I/O with Prefect) ----------------------------------
 
-def up_snapshot(root: Path, since: dict[str, int], started_at: float, hosting: bool = False) -> dict[str, Any]:
-    """The node's side: what this segment wrote, for the campaign. Whole files written since
-    `started_at` (not another segment's left on this node, nor the record it was seeded with);
-    of each appended file, what it added past its size when the segment began (`since`).
+def file_stamps(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Each file's inode, mtime and size when a segment begins. A file whose stamp is unchanged
+    was not written by the segment. Compared, not timed: an mtime comes from the kernel's coarse
+    clock and can read a few milliseconds before a `time.time()` taken ahead of the write."""
+    stamps = {}
+    for rel, path in _small_files(root).items():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        stamps[rel] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return stamps
+
+
+def up_snapshot(root: Path, since: dict[str, int], before: dict[str, tuple[int, int, int]],
+                hosting: bool = False) -> dict[str, Any]:
+    """The node's side: what this segment wrote, for the campaign. Whole files changed since
+    `before` (their stamps when it began: not another segment's left on this node, nor the
+    record it was seeded with); of each appended file, what it added past its size when the
+    segment began (`since`).
     `hosting`: the segment hosts workers of an agent on another node, whose state it was sent."""
     appended, down = _appended_patterns(root), _down_patterns(root) + (_hosted_patterns(root) if hosting else ())
     whole, added = {}, {}
@@ -139,9 +154,10 @@ def up_snapshot(root: Path, since: dict[str, int], started_at: float, hosting: b
                 continue
         elif not _matches(rel, down) and rel != _names(root)["config"]:
             try:
-                if path.stat().st_mtime < started_at:
-                    continue
+                st = path.stat()
             except OSError:
+                continue
+            if before.get(rel) == (st.st_ino, st.st_mtime_ns, st.st_size):
                 continue
             if (text := _read(path, MAX_FILE_BYTES)) is not None:
                 whole[rel] = text
@@ -260,7 +276,7 @@ class NodeMirror:
         self.down = Channel(keys["down"], f"trial {trial}: the campaign's files for its nodes")
         self.up = Channel(keys["up"], f"trial {trial}: node {node}'s files for the campaign")
         self.since: dict[str, int] = {}
-        self.started_at = 0.0
+        self.before: dict[str, tuple[int, int, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trial-files", daemon=True)
 
@@ -268,8 +284,7 @@ class NodeMirror:
         self.root.mkdir(parents=True, exist_ok=True)
         if (first := self.down.receive()) is not None:
             apply_down(self.root, first, seed=True, hosting=self.hosting)
-        self.since = appended_sizes(self.root)
-        self.started_at = time.time()
+        self.since, self.before = appended_sizes(self.root), file_stamps(self.root)
         self._thread.start()
         return self
 
@@ -279,7 +294,7 @@ class NodeMirror:
         self.up.send(self.snapshot())  # the segment's last word: its result, record and log
 
     def snapshot(self) -> dict[str, Any]:
-        return up_snapshot(self.root, self.since, self.started_at, self.hosting)
+        return up_snapshot(self.root, self.since, self.before, self.hosting)
 
     def _run(self) -> None:
         while not self._stop.wait(MIRROR_S):
