@@ -31,12 +31,12 @@ campaign: setup
 	dvc repro
 
 # Three workers on the two cores: the end-to-end tests wait on processes they start as much
-# as they compute (27 min in one worker, 18–20 with three; four are no faster, the two cores are
-# busy by then). Each worker has its own lease store, Prefect harness, Prefect server for the
-# campaigns its slow tests launch, and temporary folders (tests/conftest.py keys them by process).
-# Work stealing: an idle worker takes tests queued for a busy one (with `--dist load` one
-# worker ran the last six minutes' tests alone).
-XDIST := -n 3 --dist worksteal
+# as they compute (27 min in one worker, 18–20 with three). Each worker has its own lease
+# store, Prefect harness, Prefect server for the campaigns its slow tests launch, and temporary
+# folders (tests/conftest.py keys them by process). Tests are handed out one at a time, in the
+# order tests/conftest.py sets (slow first, the pool's waiting tests spread among them, fast
+# last), to whichever worker frees up: no worker starts a long test after the others have ended.
+XDIST := -n 3 --dist load --maxschedchunk 1
 # One thread per process, as every trainer runs (training/launch.py): three workers share two
 # cores, and torch's threads in a test process only wait on each other there.
 TEST_ENV := OMP_NUM_THREADS=1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -206,39 +205,37 @@ def without_shared_prefect_server(monkeypatch) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow end-to-end tests first, and shared out among the workers: with several workers
-    (`make test` runs three), a long test that starts last keeps one worker busy while the others
-    sit idle. First of all those that mostly wait (`waits`: the pool's nodes, ~2x their CPU in
-    wall time), so that they wait beside the tests that compute.
+    """The slow end-to-end tests first, then the fast ones; the slow tests that mostly wait
+    (`waits`: the pool's nodes and heartbeats, ~0.35 of a core over their wall time) spread
+    through the first three quarters of the slow ones, so that about one waits at any time
+    beside the tests that compute.
 
-    pytest-xdist's work stealing hands each worker a contiguous share of this order to start
-    with and later moves tests from the end of a busy worker's queue to an idle one. Sorted
-    slow-first alone, every `waits` test fell in the first worker's share, which then ran all
-    the pool's tests one after another (15 of the run's 16 minutes). So the order is made of
-    one share per worker, each of the share's size xdist will cut: its part of the `waits`
-    tests, then of the other slow ones, then fast tests to fill it."""
+    `make test` hands out tests one at a time (`--dist load --maxschedchunk 1`: each worker
+    holds its running test and one more), so this order is the order tests start in across the
+    workers: the fast tests fill the end, whatever worker frees up first. Every waiting test
+    first, as before, ran them side by side at the start (the two cores half idle for minutes);
+    handed out in contiguous shares (`--dist worksteal`), one worker started a 50 s test 13
+    minutes in while the others had ended."""
     def kind(item) -> int:
         return 0 if item.get_closest_marker("waits") else 1 if item.get_closest_marker("slow") else 2
 
-    items[:] = worker_shares(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), kind)
+    items[:] = suite_order(items, kind)
 
 
-def worker_shares(items: list, workers: int, kind) -> list:
-    """`items` in one share per worker, of the sizes xdist's WorkStealingScheduling cuts first;
-    `kind(item)`: 0 mostly waits, 1 slow, 2 fast. Each share: its round-robin part of the kind-0
-    items, then of the kind-1 ones, then kind-2 items to fill it."""
-    slow_first = sorted((i for i in items if kind(i) < 2), key=kind)  # stable: the collected order within a kind
-    fast = iter(i for i in items if kind(i) == 2)
-    shares: list[list] = [[] for _ in range(workers)]
-    for k, item in enumerate(slow_first):
-        shares[k % workers].append(item)
-    left = len(items)
-    for k, share in enumerate(shares):  # filled to the sizes xdist's WorkStealingScheduling cuts first
-        size = left // (workers - k)
-        left -= size
-        share.extend(itertools.islice(fast, max(size - len(share), 0)))
-    shares[-1].extend(fast)  # only when the slow tests alone overfill a share
-    return [item for share in shares for item in share]
+def suite_order(items: list, kind) -> list:
+    """`kind(item)`: 0 mostly waits, 1 slow, 2 fast. The slow ones (kind 1) in their collected
+    order, a kind-0 item before every `step`-th of them (spread over three quarters of them),
+    then the fast ones."""
+    waiting = [i for i in items if kind(i) == 0]
+    slow = [i for i in items if kind(i) == 1]
+    fast = [i for i in items if kind(i) == 2]
+    step = max(1, (len(slow) * 3 // 4) // max(len(waiting), 1))
+    order: list = []
+    for k, item in enumerate(slow):
+        if k % step == 0 and waiting:
+            order.append(waiting.pop(0))
+        order.append(item)
+    return order + waiting + fast
 
 
 # `TEST_CPU_LOG=path make test`: one line per test with its CPU seconds (this process's and
