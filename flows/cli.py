@@ -169,7 +169,9 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
-def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
+def _started(params: Path, pool: str | None, rerun: list[str] | None):
+    """Everything before the flow: the spec loaded and checked, Prefect's server booting, the
+    MLflow store, the first trials' zygote. Returns the spec, the server and the trials."""
     _report_to_ui()
     spec = _loaded(params, pool)
     if spec.cluster.pool is None and not spec.cluster.nodes:
@@ -203,6 +205,16 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)
+    import flows.run.campaign  # noqa: F401  (imported here: with the rest of the start)
+
+    return spec, warm, trials
+
+
+def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
+    from training.process import imports_without_gc
+
+    with imports_without_gc():  # the spec, the checks' torch, Prefect's engine: kept for the launch's life
+        spec, warm, trials = _started(params, pool, rerun)
     from flows.run.campaign import campaign_flow
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")

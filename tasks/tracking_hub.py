@@ -43,6 +43,7 @@ from typing import Any
 from tasks.hub_calls import HubCallError, HubGone, registered, use_hub
 from training.metrics import METRICS_SOCKET_ENV, _ignore_signals, _package_root, _Runs
 from training.metrics_hub import Hub
+from training.process import imports_without_gc
 
 # The modules whose `@in_hub` functions the hub serves (imported there, by name, at its start).
 SERVED = ("tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics")
@@ -214,12 +215,13 @@ atexit.register(close_metrics_hub)  # a launch that fails before its flow ends i
 def serve_calls(hub: Hub, sender: threading.Thread, answers, store: str | None = None) -> None:
     """Run the campaign's calls as they come on stdin, until it closes (`store` built first:
     the first call waits for it anyway)."""
-    for module in SERVED:
-        importlib.import_module(module)
-    if store:
-        from tasks.tracking import open_store
+    with imports_without_gc():  # MLflow, matplotlib and the store's engine: kept for the hub's life
+        for module in SERVED:
+            importlib.import_module(module)
+        if store:
+            from tasks.tracking import open_store
 
-        open_store(store)
+            open_store(store)
     ending: threading.Thread | None = None
 
     def end_input() -> threading.Thread:

@@ -9,6 +9,7 @@ dies, which closes that gap at both levels: campaign -> torchrun -> workers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import os
@@ -51,6 +52,28 @@ def skip_final_collection() -> None:
     every other atexit hook has flushed what it holds; open files are closed by refcount as
     always (freezing only spares them the cycle collector)."""
     atexit.register(gc.freeze)
+
+
+@contextlib.contextmanager
+def imports_without_gc():
+    """Import (and build) what the process keeps for its life without the cycle collector, then
+    freeze it. Python's collector runs every few hundred new objects, and an import of torch,
+    Prefect or MLflow makes millions: its passes, each walking the whole growing heap, took 10
+    to 18 % of the import's CPU here (`import training.train, prefect.flow_engine,
+    flows.run.campaign`: 3.3 against 2.7-3.05 s). Frozen, what was imported is never walked
+    again, in this process nor in a child forked from it (a zygote's workers: Python's own
+    advice for a process that forks, which also keeps their pages shared). What becomes
+    garbage in the block is freed by reference counting as always; only cycles made in it stay.
+    Used by a zygote, the campaign's hub and `campaign launch` (tests/test_elastic.py,
+    test_live_resize.py, test_workload.py and test_watch.py side by side: 7.3 % less CPU)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def stop_process_groups(groups, grace_s: float) -> None:

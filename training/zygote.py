@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from training.process import die_with_parent, name_process
+from training.process import die_with_parent, imports_without_gc, name_process
 
 
 class ZygoteCannotFork(RuntimeWarning):
@@ -63,8 +63,9 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
     starter closes its end. Never returns (the children must not come back here either)."""
     for name in ("SIGTERM", "SIGINT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    for module in preload:
-        importlib.import_module(module)
+    with imports_without_gc():  # frozen before the first fork: the workers' collections skip it all
+        for module in preload:
+            importlib.import_module(module)
     # Checked once: between forks the zygote runs nothing but this loop.
     problem = _fork_problem()
     wake_read, wake_write = os.pipe()  # SIGCHLD wakes the select below
