@@ -143,3 +143,21 @@ def test_torchruns_workers_are_forked_from_one_zygote_that_ends_with_the_launch(
         launch.send_signal(signal.SIGKILL)
         launch.wait()
     wait_for(lambda: all(running_state(pid) is None for pid in [zygote, *workers]), 30, "the zygote and its workers gone")
+
+
+def test_what_a_process_keeps_for_its_life_is_frozen_and_the_collector_back_on():
+    """training.process.imports_without_gc, as a zygote's preload uses it: no collection during
+    the block, everything made in it frozen after (never walked again), the collector on again."""
+    import gc
+
+    from training.process import imports_without_gc
+
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    try:
+        with imports_without_gc():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= before + len(kept)
+    finally:
+        gc.unfreeze()  # this test process's collector as it was
