@@ -205,8 +205,6 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None):
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)
-    import flows.run.campaign  # noqa: F401  (imported here: with the rest of the start)
-
     return spec, warm, trials
 
 
@@ -215,7 +213,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
 
     with imports_without_gc():  # the spec, the checks' torch, Prefect's engine: kept for the launch's life
         spec, warm, trials = _started(params, pool, rerun)
-    from flows.run.campaign import campaign_flow
+        from flows.run.campaign import campaign_flow
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")

@@ -58,8 +58,8 @@ def skip_final_collection() -> None:
 def imports_without_gc():
     """Import (and build) what the process keeps for its life without the cycle collector, then
     freeze it. Python's collector runs every few hundred new objects, and an import of torch,
-    Prefect or MLflow makes millions: its passes, each walking the whole growing heap, took 10
-    to 18 % of the import's CPU here (`import training.train, training.worker,
+    Prefect or MLflow makes millions: its passes (the oldest generation's walk the whole growing
+    heap) took 10 to 18 % of the import's CPU here (`import training.train, training.worker,
     prefect.flow_engine, flows.run.campaign`: 3.31-3.47 CPU-s, 2.72-3.05 with it off). Frozen, what was imported is never walked
     again, in this process nor in a child forked from it (a zygote's workers: Python's own
     advice for a process that forks, which also keeps their pages shared). What becomes

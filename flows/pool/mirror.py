@@ -117,18 +117,20 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 # --- the two copies (files only: no I/O with Prefect) ----------------------------------
 
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """A file's inode, mtime and size (None: it is gone)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def file_stamps(root: Path) -> dict[str, tuple[int, int, int]]:
-    """Each file's inode, mtime and size when a segment begins. A file whose stamp is unchanged
-    was not written by the segment. Compared, not timed: an mtime comes from the kernel's coarse
-    clock and can read a few milliseconds before a `time.time()` taken ahead of the write."""
-    stamps = {}
-    for rel, path in _small_files(root).items():
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        stamps[rel] = (st.st_ino, st.st_mtime_ns, st.st_size)
-    return stamps
+    """Each file's stamp when a segment begins. A file whose stamp is unchanged was not written
+    by the segment. Compared, not timed: an mtime comes from the kernel's coarse clock and can
+    read a few milliseconds before a `time.time()` taken ahead of the write."""
+    return {rel: stamp for rel, path in _small_files(root).items() if (stamp := _stamp(path)) is not None}
 
 
 def up_snapshot(root: Path, since: dict[str, int], before: dict[str, tuple[int, int, int]],
@@ -153,11 +155,7 @@ def up_snapshot(root: Path, since: dict[str, int], before: dict[str, tuple[int, 
             except OSError:
                 continue
         elif not _matches(rel, down) and rel != _names(root)["config"]:
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if before.get(rel) == (st.st_ino, st.st_mtime_ns, st.st_size):
+            if (stamp := _stamp(path)) is None or before.get(rel) == stamp:
                 continue
             if (text := _read(path, MAX_FILE_BYTES)) is not None:
                 whole[rel] = text
