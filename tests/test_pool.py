@@ -421,6 +421,80 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         end_launch_and_workers(launch, [worker])
 
 
+@pytest.mark.slow
+@pytest.mark.waits
+def test_nobody_without_the_pools_secret_runs_code_on_a_node(tmp_path, lab):
+    """The lab's server requires the pool's auth string, and node a's real worker serves it.
+    A flow run of the pool's deployment asked for without the auth string, or with a wrong
+    one, is refused by the server (401) and never made. Asked for with the auth string but a
+    config that names code to run (`model.target`: os:system), unsigned or signed and then
+    changed, it reaches the node's worker, whose segment refuses it before anything else:
+    the flow run fails saying why, nothing ran, no trial folder was made and node a's lease
+    file holds nothing."""
+    import base64
+    import urllib.error
+    import urllib.request
+    from dataclasses import asdict
+
+    from prefect.deployments import run_deployment
+    from prefect.settings import temporary_settings
+
+    from cluster.leases import LeaseStore
+    from flows.pool.nodes import call
+    from flows.pool.remote import prepare_pool
+    from flows.pool.secret import sign
+    from training.config import TrialConfig
+
+    head, api, nodes = lab
+    ns, address = nodes["a"]
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 1)
+    pwned, evil_dir = tmp_path / "pwned", tmp_path / "evil"
+    forged = TrialConfig(trial_id="evil", seed=0, model={"target": "os:system", "kwargs": {"command": f"touch {pwned}"}}, data={},
+                         steps=1, batch_size=1, lr=0.1, trial_dir=str(evil_dir))
+    device = {"id": "a/cpu0", "node": "a", "index": 0, "kind": "cpu", "name": "CPU core 0", "memory_bytes": 1 << 30}
+    params = {"config": asdict(forged), "devices": [device], "cwd": str(tmp_path), "campaign": "intruder", "span": None,
+              "elastic": False, "node_devices": [device]}
+    try:
+        with temporary_settings(updates=pool_settings(api)):
+            deployment = prepare_pool("lab")
+            deployment_id = call(lambda client: client.read_deployment_by_name(deployment)).id
+
+            def create_flow_run(auth: str | None) -> int:
+                request = urllib.request.Request(f"{api}/deployments/{deployment_id}/create_flow_run", method="POST",
+                                                 data=json.dumps({"parameters": params, "work_queue_name": "a"}).encode(),
+                                                 headers={"Content-Type": "application/json"})
+                if auth is not None:
+                    request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as response:
+                        return response.status
+                except urllib.error.HTTPError as e:
+                    return e.code
+
+            assert create_flow_run(None) == 401
+            assert create_flow_run("campaign:guessed") == 401
+            assert call(lambda client: client.read_flow_runs()) == []  # neither was made
+
+            # Signed by the pool's key for a harmless model, then the model swapped on the way.
+            signature = sign(load_secret("lab"), {**params, "config": {**params["config"], "model": {"name": "mlp"}}})
+            sent = {"unsigned segment": run_deployment(deployment, parameters=params, work_queue_name="a", timeout=0),
+                    "does not verify": run_deployment(deployment, parameters={**params, "signature": signature},
+                                                      work_queue_name="a", timeout=0)}
+
+            def ended(run_id):
+                state = call(lambda client: client.read_flow_run(run_id)).state
+                return state if state is not None and state.is_final() else None
+
+            for why, run in sent.items():
+                state = wait_for(lambda: ended(run.id), 180, f"the flow run refused for {why!r} to end on node a")
+                assert state.is_failed() and why in " ".join((state.message or "").split()), (why, state)
+        assert not pwned.exists() and not evil_dir.exists()
+        assert LeaseStore(tmp_path / "leases-a.db").leases() == []
+        assert worker.poll() is None  # the node goes on serving the pool
+    finally:
+        end_launch_and_workers(None, [worker])
+
+
 def start_mlflow_server(folder: Path, host: str) -> tuple[subprocess.Popen, str]:
     """An MLflow server on the head's address, its store in `folder` (the nodes reach it over the network)."""
     from flows.servers.ui import MLFLOW_SERVER_ENV, free_port, healthy
