@@ -267,16 +267,17 @@ def main() -> None:
     finally:
         nodes.close()
         shutil.rmtree(work, ignore_errors=True)
-    table = Table(title=f"1 node -> 2 nodes at step ~{args.grow_at}, checkpoint every {args.checkpoint_every} steps "
+    # The decision comes at the first progress write past --grow-at (its column: how far past).
+    table = Table(title=f"1 node -> 2 nodes once past step {args.grow_at}, checkpoint every {args.checkpoint_every} steps "
                         f"(medians of {args.rounds} rounds)")
-    for column in ("way", "latency s", "pause s", "steps lost", "recorded pause s"):
+    for column in ("way", "step at decision", "latency s", "pause s", "steps lost", "recorded pause s"):
         table.add_column(column, justify="right" if column != "way" else "left")
     labels = (("agent", "our agent across nodes (in memory)"), ("elastic", "torchrun elastic (--nnodes=1:2, node b joins)"),
                        ("relaunch", "stop + relaunch from the DVC remote"), ("stop file", "stop at a checkpoint + relaunch (a pool's move)"))
     for way, label in ((way, label) for way, label in labels if way in ways):
         rows = results[way]
         table.add_row(label, *(f"{statistics.median(r[key] for r in rows):.2f}" if key in rows[0] else "-"
-                               for key in ("latency_s", "pause_s", "steps_lost", "recorded_pause_s")))
+                               for key in ("step_at_decision", "latency_s", "pause_s", "steps_lost", "recorded_pause_s")))
     console.print(table)
 
 
