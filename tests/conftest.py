@@ -108,6 +108,26 @@ def wait_for(check, timeout: float, what: str, every: float = 0.2):
         time.sleep(every)
 
 
+def http_status(url: str, auth: str | None = None, body: dict | None = None, timeout: float = 30) -> int:
+    """The HTTP status a GET (or, with `body`, a JSON POST) to `url` gets; `auth`: Prefect's
+    basic auth string ("user:password"), sent as its Authorization header."""
+    import base64
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"} if body is not None else {})
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 @pytest.fixture(scope="session")
 def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits

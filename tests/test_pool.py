@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import running_state, trainer_rank, wait_for
+from conftest import http_status, running_state, trainer_rank, wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -431,9 +431,6 @@ def test_nobody_without_the_pools_secret_runs_code_on_a_node(tmp_path, lab):
     changed, it reaches the node's worker, whose segment refuses it before anything else:
     the flow run fails saying why, nothing ran, no trial folder was made and node a's lease
     file holds nothing."""
-    import base64
-    import urllib.error
-    import urllib.request
     from dataclasses import asdict
 
     from prefect.deployments import run_deployment
@@ -460,16 +457,8 @@ def test_nobody_without_the_pools_secret_runs_code_on_a_node(tmp_path, lab):
             deployment_id = call(lambda client: client.read_deployment_by_name(deployment)).id
 
             def create_flow_run(auth: str | None) -> int:
-                request = urllib.request.Request(f"{api}/deployments/{deployment_id}/create_flow_run", method="POST",
-                                                 data=json.dumps({"parameters": params, "work_queue_name": "a"}).encode(),
-                                                 headers={"Content-Type": "application/json"})
-                if auth is not None:
-                    request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-                try:
-                    with urllib.request.urlopen(request, timeout=30) as response:
-                        return response.status
-                except urllib.error.HTTPError as e:
-                    return e.code
+                return http_status(f"{api}/deployments/{deployment_id}/create_flow_run", auth,
+                                   {"parameters": params, "work_queue_name": "a"})
 
             assert create_flow_run(None) == 401
             assert create_flow_run("campaign:guessed") == 401

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
-from conftest import campaign_cli
+from conftest import campaign_cli, http_status
 from flows.pool.secret import SECRET_ENV, PoolSecretError, init_secret, load_secret, secret_path, sign, verify
 
 
@@ -99,10 +99,7 @@ def test_pool_init_writes_the_secret_and_a_worker_without_one_exits_2(folder):
 def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, prefect_database):
     """`campaign pool server` is Prefect's server with the pool's auth string: a request
     without it gets 401, one with it is served."""
-    import base64
     import time
-    import urllib.error
-    import urllib.request
 
     from flows.servers.ui import free_port
 
@@ -116,14 +113,7 @@ def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, pref
     api = f"http://127.0.0.1:{port}/api"
 
     def get(path: str, auth: str | None) -> int:
-        request = urllib.request.Request(api + path)
-        if auth:
-            request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return response.status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return http_status(api + path, auth, timeout=5)
 
     try:
         deadline = time.time() + 120
@@ -131,7 +121,7 @@ def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, pref
             try:
                 if get("/health", None) == 200:
                     break
-            except (urllib.error.URLError, OSError):
+            except OSError:  # not listening yet (urllib's URLError is an OSError)
                 pass
             assert server.poll() is None and time.time() < deadline, (folder / "server.log").read_text()[-2000:]
             time.sleep(0.5)
