@@ -842,7 +842,14 @@ def run_spread_campaign(tmp_path, digits_npz, api, nodes, folder, apart, hide) -
         stops = re.findall(r"stopped at step (\d+) for a resize \(checkpoint saved\)", log)
         moves = [(e["reason"], e["devices"]) for e in map(json.loads, (runs / "spread" / "allocations.jsonl").read_text().splitlines())]
         # In memory: one start, then every move by the agent on a (its host on b started b's worker), no stop.
-        resizes = [(e["from"], e["to"], e["mode"]) for e in map(json.loads, (trial_dir / "resizes.jsonl").read_text().splitlines())]
+        events = [json.loads(line) for line in (trial_dir / "resizes.jsonl").read_text().splitlines()]
+        resizes = [(e["from"], e["to"], e["mode"]) for e in events]
+        # The test holds each generation at its first step until its next command: that wait is
+        # recorded apart (`held`), and the pause is what the move itself took, its parts' sum.
+        assert any(e["pause_breakdown_s"].get("held", 0) > 0 for e in events), events
+        for e in events:
+            parts = sum(v for k, v in e["pause_breakdown_s"].items() if k != "held")
+            assert e["pause_s"] > 0 and abs(parts - e["pause_s"]) < 1e-6, e
         both, grow, shrink = ["a/cpu0", "b/cpu0"], (["a/cpu0"], ["a/cpu0", "b/cpu0"], "resize"), (["a/cpu0", "b/cpu0"], ["a/cpu0"], "resize")
         # A resize is recorded at its generation's first step, which a held trial may not take
         # before the next move (it holds at a control step): the one b's loss cut short may lack its line.

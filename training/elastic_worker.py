@@ -141,9 +141,15 @@ def pause_breakdown(marks: dict[str, float]) -> dict[str, float]:
 
 
 def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
-    """Rank 0 of a new generation: the event, in the trial's record and its MLflow run."""
+    """Rank 0 of a new generation: the event, in the trial's record and its MLflow run.
+
+    A test that holds the trial at its control steps (hold_at_step) holds it at the new
+    generation's first step too, until its next command: that wait is the test's, not the
+    resize's, so it is left out of the pause and the latency and shown as `held`."""
     request = assignment.get("request")
     now = time.time()
+    held = trainer.held_s - timings["held_before"]
+    trained_at = now - held  # when the first step would have ended without the test's hold
     world = len(assignment["members"])
     trainer.metrics.log(trainer.progress_step, world_size=world)
     if not request:
@@ -151,15 +157,15 @@ def record_resize(trainer: Trainer, assignment: dict, timings: dict) -> None:
     marks = {
         "requested": request["requested_at"], "ready": request["ready_at"], "last_step": request["last_step_at"],
         "stopped": request["stopped_at"], "assigned": timings["assigned"], "process_group": timings["attached"],
-        "state": timings["state"], "first_step": now,
+        "state": timings["state"], "first_step": trained_at,
     }
     event = ResizeEvent(
         time=now, step=trainer.step, seq=request["seq"], mode=request["mode"],
         before=tuple(request["from"]), after=tuple(request["to"]),
-        pause_s=now - request["last_step_at"], latency_s=now - request["requested_at"],
+        pause_s=trained_at - request["last_step_at"], latency_s=trained_at - request["requested_at"],
         # What the new size trains with: the same batch (reproducible), or its own (goodput).
         batch_size=trainer.phase.batch_size, lr=trainer.start_lr, samples_seen=trainer.phase.samples,
-        goodput=trainer.cfg.goodput, pause_breakdown_s=pause_breakdown(marks))
+        goodput=trainer.cfg.goodput, pause_breakdown_s=pause_breakdown(marks) | ({"held": held} if held > 0 else {}))
     append_resize(trainer.cfg.trial_dir, event)
     trainer.metrics.log(trainer.progress_step, resize_pause_s=event.pause_s, resize_latency_s=event.latency_s)
     # Readable on the run's page; every figure is in resizes.jsonl and the metrics above.
@@ -212,6 +218,7 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
         print(f"trial {cfg.trial_id}: generation {gen} on {len(members)} device(s) ({', '.join(members)}), "
               f"calling {cfg.function['target']}", flush=True)
     report = (lambda: record_resize(trial, assignment, timings)) if rank == 0 else None
+    timings["held_before"] = trial.held_s
     result = trial.train(after_first_step=report)
     if rank == 0:
         if result is not None:
@@ -269,6 +276,7 @@ def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, b
                   f"step {trainer.step}, state from {assignment['source']}", flush=True)
         report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
         should_stop = StopFlag(Path(assignment["stop_path"]), rank, cfg.control_every, trainer.device, _stop_store(assignment, store))
+        timings["held_before"] = trainer.held_s
         result = trainer.train(should_stop, after_first_step=report)
         if result is not None:  # finished: the result is written, nothing more to do
             if rank == 0:

@@ -285,6 +285,10 @@ class FunctionTrial:
     def progress_step(self) -> int:
         return self.step
 
+    # A test's hold comes after a report (TrialContext._hold), never inside a generation's first
+    # step: nothing to leave out of a resize's pause (training.elastic_worker record_resize).
+    held_s = 0.0
+
     def attach(self, rank: int, world_size: int, local_rank: int, stop_requested: Callable[[], bool] | None = None) -> None:
         self.ctx = TrialContext(self.cfg, rank, world_size, local_rank, self.device, stop_requested)
         self.ctx.checkpointer.clean_stale()

@@ -157,6 +157,7 @@ class Trainer(Stateful):
         self._allocated_after_setup = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self._pending_logs: list[LogWindow] = []  # log windows whose loss is on its way to the host
         self.last_step_at: float | None = None  # wall time the latest step completed
+        self.held_s = 0.0  # time a test has held it at a step (hold_at_step), in all: not part of a resize's pause
         self.latest: dict[str, float] = {}
         self.env: DistEnv | None = None
         self.ddp: DDP | None = None
@@ -657,8 +658,10 @@ class Trainer(Stateful):
             return
         if self.is_rank0:
             self.write_progress("held")
+        since = time.time()
         while hold.exists() and not (stop_requested is not None and stop_requested()):
             time.sleep(HOLD_POLL_S)
+        self.held_s += time.time() - since
 
     def close(self) -> None:
         self.feed.close()

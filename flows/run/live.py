@@ -225,8 +225,8 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
     (`flows.pool.remote.recall`). A resize onto other nodes, or of a trial that spans nodes,
     is not done in place by the trial's agent (one node's): the trial stops at a checkpoint
     and starts again on the new devices (`Running.relaunch`, done by the campaign once it
-    has stopped), a torchrun across the nodes (`--nnodes=1:N`). `hosts`: in a pool whose nodes
-    share the trial's folder, a trial under our agent (`job.agent_node`) grows onto other nodes
+    has stopped), a torchrun across the nodes (`--nnodes=1:N`). `hosts`: in a pool (whether or
+    not its nodes share the trial's folder), a trial under our agent (`job.agent_node`) grows onto other nodes
     and shrinks off them in memory instead: a host segment on each new node first, then the
     agent's command; and when its agent went on without a node it lost, the campaign adopts it."""
     if job.relaunch is not None:
