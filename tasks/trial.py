@@ -171,7 +171,7 @@ NODE_RESTARTS = 3  # node losses (or worker failures) a trial rides through befo
 
 
 def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, role: NodeRole,
-                     python: str = sys.executable) -> LaunchPlan:
+                     python: str = sys.executable, node: str | None = None) -> LaunchPlan:
     """This node's torchrun for a trial over `role.nnodes` nodes, `devices` of them here.
 
     Every node runs the same command with its own address: the c10d rendezvous gathers them
@@ -182,8 +182,18 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
     without it) and a node that starts the same command later is taken in (the agents see it
     waiting and restart the workers with it). The host node's loss ends the trial: it holds
     the rendezvous store.
+
+    `node`: this node's name, when it is not the host: its config and log are its own
+    (`trial-<node>.json`, `train-<node>.log`; the host's are the trial's). Each node's config
+    names its own lease, which its workers watch: in a folder the nodes share, one file for
+    all would give some node's workers another node's lease, and fence them when that node
+    is lost.
     """
     trial_dir = Path(config.trial_dir)
+    files = trial_files(trial_dir)
+    config_path, log_path = files.config, files.log
+    if node is not None and not role.host:
+        config_path, log_path = (path.with_name(f"{path.stem}-{node}{path.suffix}") for path in (config_path, log_path))
     env = {**visible_devices_env(devices), **launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
            BIND_ENV: role.address}
     # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
@@ -200,9 +210,9 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
         python, "-m", "training.launch", *nodes, f"--nproc-per-node={len(devices)}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={role.endpoint}", f"--rdzv-id={config.trial_id}",
         f"--rdzv-conf={rendezvous_conf}", f"--local-addr={role.address}",
-        "-m", "training.train", "--config", str(trial_files(trial_dir).config),
+        "-m", "training.train", "--config", str(config_path),
     ]
-    return LaunchPlan(command, env, cwd, trial_files(trial_dir).config, trial_files(trial_dir).log)
+    return LaunchPlan(command, env, cwd, config_path, log_path)
 
 
 def _warm_command(device: Device, python: str) -> tuple[list[str], dict[str, str]]:

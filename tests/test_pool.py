@@ -334,6 +334,18 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers, folder, apart, 
             assert listening(ns) <= {address, "127.0.0.1"}, (node, listening(ns))
         assert any(address == nodes["a"][1] for address in listening(nodes["a"][0]))  # the rendezvous store, on the host node
 
+        # Each node's workers watch their own node's lease, named in a config of the node's own
+        # (in a shared folder, one config for both once named node b's lease on node a too).
+        on = lambda node: runs / across if apart is None else tmp_path / f"node-{node}" / "pooled" / across  # noqa: E731
+        assert "@a:" in read_json(on("a") / "trial.json")["lease"]["holder"]
+        assert "@b:" in read_json(on("b") / "trial-b.json")["lease"]["holder"]
+        # The checkpoint at step 50 is saved in the background: held at 60, the trial may still be
+        # writing it. Node b dies once it is in view where rank 0 writes it (nothing shared: and
+        # on the DVC remote, where node b, back, pulls it from), as a resume from 50 needs.
+        rank0_checkpoints = on("a") / "checkpoints"
+        wait_for(lambda: (found := latest_valid_checkpoint(rank0_checkpoints)) is not None and found.name == "step-00000050"
+                 and (apart is None or (tmp_path / "remote" / "index" / "pooled" / across / "step-00000050.json").exists()),
+                 120, "the checkpoint at step 50 in view")
         kill_node("b")  # node b dies: its worker, flow runs and trial processes, at once
         said = lambda: " ".join((tmp_path / "launch.log").read_text(errors="replace").split())  # noqa: E731
         wait_for(lambda: f"trial {across}: node b stopped beating; it goes on without it" in said(), 120, "node b left behind")

@@ -77,6 +77,13 @@ def _appended_patterns(root: Path) -> tuple[str, ...]:
     return n["log"], (log.parent / f"{log.stem}-*{log.suffix}").as_posix(), n["resizes"]
 
 
+def _config_patterns(root: Path) -> tuple[str, ...]:
+    """A node's config of the trial (`trial.json`, or `trial-<node>.json` on a node that is not
+    the trial's first): its own paths and lease, never copied up."""
+    config = Path(_names(root)["config"])
+    return config.as_posix(), (config.parent / f"{config.stem}-*{config.suffix}").as_posix()
+
+
 def _matches(rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(rel, pattern) for pattern in patterns)
 
@@ -154,7 +161,7 @@ def up_snapshot(root: Path, since: dict[str, int], before: dict[str, tuple[int, 
                     added[rel] = f.read().decode("utf-8", errors="replace")
             except OSError:
                 continue
-        elif not _matches(rel, down) and rel != _names(root)["config"]:
+        elif not _matches(rel, down + _config_patterns(root)):
             if (stamp := _stamp(path)) is None or before.get(rel) == stamp:
                 continue
             if (text := _read(path, MAX_FILE_BYTES)) is not None:

@@ -172,9 +172,7 @@ def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, camp
             return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)
         if elastic:  # moved by the campaign (a resize): it stops at a checkpoint when this attempt's stop file is there
             cfg = dataclasses.replace(cfg, stop_path=str(trial_files(cfg.trial_dir).stop(span["attempt"])))
-        plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span))
-        if not span["host"]:  # one log per node; the host's is the trial's train.log
-            plan = dataclasses.replace(plan, log_path=plan.log_path.with_name(f"train-{node}.log"))
+        plan = plan_node_launch(cfg, placed, Path(cwd), rendezvous_role(cfg, span), node=node)  # its own config and log
         return run_plan(plan, cfg, placed, record=span["host"], all_devices=span["devices"])
     finally:
         heartbeat.release(holder)
