@@ -33,7 +33,7 @@ from training.loopback import BIND_ENV
 from training.process import die_with_parent, stop_process_groups
 from training.zygote import Zygote, ZygoteGone
 from training.launch import launch_env
-from training.layout import trial_files
+from training.layout import of_node, trial_files
 
 LOG_TAIL_CHARS = 3000
 
@@ -193,7 +193,7 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
     files = trial_files(trial_dir)
     config_path, log_path = files.config, files.log
     if node is not None and not role.host:
-        config_path, log_path = (path.with_name(f"{path.stem}-{node}{path.suffix}") for path in (config_path, log_path))
+        config_path, log_path = of_node(config_path, node), of_node(log_path, node)
     env = {**visible_devices_env(devices), **launch_env(), "GLOO_SOCKET_IFNAME": role.interface, "MASTER_ADDR": role.address,
            BIND_ENV: role.address}
     # Which node hosts the store is said, not guessed from host names (which name the machine, not the node's address).
@@ -451,7 +451,7 @@ def plan_host_launch(config: TrialConfig, store: str, node: str, lease: dict, ad
                "--trial-dir", str(config.trial_dir)]
     env = {**launch_env(), BIND_ENV: address, "GLOO_SOCKET_IFNAME": interface}
     log = trial_files(config.trial_dir).log
-    return LaunchPlan(command, env, Path.cwd(), trial_files(config.trial_dir).config, log.with_name(f"{log.stem}-{node}{log.suffix}"))
+    return LaunchPlan(command, env, Path.cwd(), trial_files(config.trial_dir).config, of_node(log, node))
 
 
 def run_host(plan: LaunchPlan, config: TrialConfig, ready: Path, on_ready: Callable[[], None], done: Callable[[], bool],

@@ -45,6 +45,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from training.layout import of_node
+
 BEAT_S = 0.5
 LOST_S = 5.0  # no beat for this long: the node is taken as lost (its workers as killed)
 POLL_S = 0.01
@@ -112,7 +114,7 @@ class Host:
             # Its workers watch this node's lease, in this node's folder: a config of the node's own.
             changes = ({"lease": self.lease} if self.lease is not None else {}) | \
                       ({"trial_dir": str(self.trial_dir)} if self.trial_dir is not None else {})
-            config = (self.trial_dir or config.parent) / f"{config.stem}-{self.node}{config.suffix}"
+            config = of_node((self.trial_dir or config.parent) / config.name, self.node)
             text = json.dumps({**json.loads(text), **changes}, indent=2, sort_keys=True)
         if not config.exists() or config.read_text() != text:  # nothing shared with the agent's node:
             config.parent.mkdir(parents=True, exist_ok=True)  # the trial's config travels with the request (signed)

@@ -118,6 +118,13 @@ def campaign_files(campaign_dir: str | Path) -> CampaignFiles:
     return CampaignFiles(Path(campaign_dir))
 
 
+def of_node(path: str | Path, node: str) -> Path:
+    """A node's own copy of a trial's file (`trial-b.json`, `train-b.log`): a node other than the
+    trial's first keeps its config (its own lease and folder) and its log under its name."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-{node}{path.suffix}")
+
+
 def agent_state_in(control: str | Path) -> Path:
     """The elastic agent's state file in a control folder (a trial's, or a relay's inner one)."""
     return Path(control) / "state.json"

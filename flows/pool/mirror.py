@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from training.files import write_atomic
-from training.layout import COMMANDS_GLOB, trial_files
+from training.layout import COMMANDS_GLOB, of_node, trial_files
 
 MIRROR_S = 1.0  # how often each side copies
 MAX_FILE_BYTES = 256 * 1024  # a whole file larger than this is not copied (none of the trial's records is near it)
@@ -73,15 +73,14 @@ def _appended_patterns(root: Path) -> tuple[str, ...]:
     """Files each segment appends to (the log, each other node's log of a trial across nodes,
     the resize log): only its part travels, after the earlier segments'."""
     n = _names(root)
-    log = Path(n["log"])
-    return n["log"], (log.parent / f"{log.stem}-*{log.suffix}").as_posix(), n["resizes"]
+    return n["log"], of_node(n["log"], "*").as_posix(), n["resizes"]
 
 
 def _config_patterns(root: Path) -> tuple[str, ...]:
     """A node's config of the trial (`trial.json`, or `trial-<node>.json` on a node that is not
     the trial's first): its own paths and lease, never copied up."""
-    config = Path(_names(root)["config"])
-    return config.as_posix(), (config.parent / f"{config.stem}-*{config.suffix}").as_posix()
+    config = _names(root)["config"]
+    return config, of_node(config, "*").as_posix()
 
 
 def _matches(rel: str, patterns: tuple[str, ...]) -> bool:
