@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -51,8 +52,9 @@ def one_run(way: str, folder: Path) -> list[dict]:
                           cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{way}: the test failed:\n{done.stdout[-3000:]}")
-    # The campaign's copy of the trial's folder (with nothing shared, node a's own is beside it).
-    (record,) = [p for p in folder.rglob("resizes.jsonl") if "runs" in p.parts and not any(x.startswith("node-") for x in p.parts)]
+    # The campaign's copy of the trial's folder, under its runs folder (with nothing shared, node
+    # a's own is beside it, under node-a/, which has none).
+    (record,) = [p for p in folder.rglob("resizes.jsonl") if "runs" in p.parts]
     return [json.loads(line) for line in record.read_text().splitlines()]
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     console = Console(width=150)
-    console.print(f"python {platform.python_version()} on {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores")
+    console.print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cores")
     figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
     work = Path(tempfile.mkdtemp(prefix="pool-moves-"))
     try:
