@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -279,3 +281,32 @@ if _CPU_LOG:
         with open(_CPU_LOG, "a") as log:
             log.write(f"{_cpu_seconds() - cpu:.1f}\t{time.perf_counter() - wall:.1f}\t{item.nodeid}"
                       f"\t{started:.1f}\t{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\n")
+
+
+def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:
+    """SIGSTOP the lease holder `pid` (a campaign, a pool node's segment) at a moment it holds
+    no write transaction on the lease file.
+
+    Stopped inside one (a few ms per heartbeat; longer on a loaded host, and it once happened
+    in CI), it keeps SQLite's write lock: every other campaign then waits, sharing nothing,
+    until it resumes or dies (the README says so). That is not what this test is about, so
+    such a stop is undone and tried again."""
+    for _ in range(200):
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"T", 10, "the stop", every=0.01)
+        conn = sqlite3.connect(lease_db, timeout=0.5, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock: free unless the stopped process holds it
+            conn.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(pid, signal.SIGCONT)
+            # Let it finish that transaction before the next stop: stopped again at once, it
+            # could spend most of the retries stopped, and its leases expire before the test's stall.
+            with sqlite3.connect(lease_db, timeout=30, isolation_level=None) as running:
+                running.execute("BEGIN IMMEDIATE")
+                running.execute("ROLLBACK")
+            running.close()
+        finally:
+            conn.close()
+    pytest.fail(f"process {pid} held the lease file's write lock at each of 200 stops")

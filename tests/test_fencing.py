@@ -27,7 +27,7 @@ from flows.run.campaign import HOLD_ENV
 from training.files import read_json
 from training.layout import campaign_files, trial_files
 
-from conftest import running_state, trainer_rank, wait_for
+from conftest import running_state, stall_outside_a_lease_transaction, trainer_rank, wait_for
 
 pytestmark = pytest.mark.slow  # two real campaigns, torchrun trials
 
@@ -122,34 +122,6 @@ def hold_trials(campaign: Path) -> None:
     for trial in record["trials"]:
         (campaign / trial["id"]).mkdir(parents=True, exist_ok=True)
         trial_files(campaign / trial["id"]).hold.touch()
-
-
-def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:
-    """SIGSTOP the campaign at a moment it holds no write transaction on the lease file.
-
-    Stopped inside one (a few ms per heartbeat; longer on a loaded host, and it once happened
-    in CI), it keeps SQLite's write lock: every other campaign then waits, sharing nothing,
-    until it resumes or dies (the README says so). That is not what this test is about, so
-    such a stop is undone and tried again."""
-    for _ in range(200):
-        os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"T", 10, "the stop", every=0.01)
-        conn = sqlite3.connect(lease_db, timeout=0.5, isolation_level=None)
-        try:
-            conn.execute("BEGIN IMMEDIATE")  # the write lock: free unless the stopped process holds it
-            conn.execute("ROLLBACK")
-            return
-        except sqlite3.OperationalError:
-            os.kill(pid, signal.SIGCONT)
-            # Let it finish that transaction before the next stop: stopped again at once, it
-            # could spend most of the retries stopped, and its leases expire before the test's stall.
-            with sqlite3.connect(lease_db, timeout=30, isolation_level=None) as running:
-                running.execute("BEGIN IMMEDIATE")
-                running.execute("ROLLBACK")
-            running.close()
-        finally:
-            conn.close()
-    pytest.fail("the campaign held the lease file's write lock at each of 200 stops")
 
 
 def last_renewal(lease_db: Path, pid: int) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import http_status, running_state, trainer_rank, wait_for
+from conftest import http_status, running_state, stall_outside_a_lease_transaction, trainer_rank, wait_for
 from cluster.inventory import declared_inventory, DeclaredNode
 from cluster.types import Link
 from flows.pool.nodes import PoolError, PoolNode, check_name, inventory_from_json, inventory_to_json, live, pool_inventory
@@ -722,7 +722,7 @@ def test_a_stalled_holder_on_a_pool_node_never_shares_its_devices(tmp_path, digi
 
         wait_for(training, 240, "the trial's two workers on node a, training")
         (holder_pid,) = {lease.pid for lease in node_leases.leases()}
-        os.kill(holder_pid, signal.SIGSTOP)
+        stall_outside_a_lease_transaction(holder_pid, tmp_path / "leases-a.db")
         stalled_at = time.monotonic()
         # Its last renewal, read once it can renew no more: the reclaim deadline runs from there
         # (the renewal before the stop may have come up to a heartbeat period late, under load).
