@@ -7,6 +7,7 @@ carries the end of the trial's log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prefect import task
 
@@ -365,15 +366,18 @@ def close_warm_workers() -> None:
         zygote.close()
 
 
-def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
-    def refuse_if_stopping() -> None:
-        if _stopped.is_set():
-            raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
-        if config.trial_id in _revoked:
-            raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
+def _refuse_if_stopping(config: TrialConfig, refused: str = "not launched") -> None:
+    """TrialStopped, saying `refused` and why, once the campaign stops or the trial's leases
+    are lost: nothing of the trial starts then (called under _live_lock)."""
+    if _stopped.is_set():
+        raise TrialStopped(f"trial {config.trial_id}: {refused}, the campaign is stopping (its devices are being released)")
+    if config.trial_id in _revoked:
+        raise TrialStopped(f"trial {config.trial_id}: {refused}, its leases were lost")
 
+
+def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
     with _live_lock:
-        refuse_if_stopping()
+        _refuse_if_stopping(config)
         idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
         worker = idle.pop() if idle else None
         _idle_workers[warm_key(plan)] = idle
@@ -381,7 +385,7 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
         worker = WarmWorker(plan.command, plan.env, plan.cwd)
     with _live_lock:
         try:
-            refuse_if_stopping()  # a stop that came while the worker was made finds no group of it to stop
+            _refuse_if_stopping(config)  # a stop that came while the worker was made finds no group of it to stop
         except TrialStopped:
             worker.discard()
             raise
@@ -419,11 +423,18 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
         control = plan.control or control_dir(config)
         clear_commands(control)
         write_command(control, 0, list(plan.workers))
+    with _registered_group(plan, config, "not launched") as proc:
+        return proc.wait()
+
+
+@contextlib.contextmanager
+def _registered_group(plan: LaunchPlan, config: TrialConfig, refused: str) -> Iterator[subprocess.Popen]:
+    """Start `plan`'s command in a process group of its own, registered as the trial's: a
+    campaign that stops, or the trial's lease lost, ends it (SIGTERM to the group). Not started
+    (TrialStopped, saying `refused` and why) once either has happened; ended if the caller is
+    interrupted; unregistered when it has ended."""
     with open(plan.log_path, "ab") as log, _live_lock:
-        if _stopped.is_set():
-            raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping (its devices are being released)")
-        if config.trial_id in _revoked:
-            raise TrialStopped(f"trial {config.trial_id}: not launched, its leases were lost")
+        _refuse_if_stopping(config, refused)
         proc = subprocess.Popen(
             plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -431,7 +442,7 @@ def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
         )
         _live_groups[proc.pid] = config.trial_id  # start_new_session: the group id is its pid
     try:
-        return proc.wait()
+        yield proc
     except BaseException:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
@@ -461,13 +472,7 @@ def run_host(plan: LaunchPlan, config: TrialConfig, ready: Path, on_ready: Calla
     once ready, `done()` says its node has no part in the trial any more; then it is ended
     (SIGTERM: it kills its workers first). Its exit code. A campaign that stops, or a lease
     lost, ends it as it ends any trial process (its group is registered)."""
-    with open(plan.log_path, "ab") as log, _live_lock:
-        if _stopped.is_set() or config.trial_id in _revoked:
-            raise TrialStopped(f"trial {config.trial_id}: no host started, the campaign is stopping or its leases were lost")
-        proc = subprocess.Popen(plan.command, cwd=plan.cwd, env={**os.environ, **plan.env}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_torchrun_dies_with_campaign)
-        _live_groups[proc.pid] = config.trial_id
-    try:
+    with _registered_group(plan, config, "no host started") as proc:
         up = ended = False
         while True:
             try:
@@ -480,13 +485,6 @@ def run_host(plan: LaunchPlan, config: TrialConfig, ready: Path, on_ready: Calla
             if up and not ended and done():
                 os.killpg(proc.pid, signal.SIGTERM)
                 ended = True
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
-        raise
-    finally:
-        with _live_lock:
-            _live_groups.pop(proc.pid, None)
 
 
 def log_tail(path: Path) -> str:

@@ -17,9 +17,7 @@ import torch
 from conftest import wait_for
 from training.checkpoint import Checkpointer
 from training.checkpoint_remote import CheckpointRemote, resolve_remote
-from training.files import read_json
 from training.spec import SpecError, check_tracking, parse_spec
-from training.layout import trial_files
 
 
 def save(checkpointer: Checkpointer, step: int) -> None:
@@ -105,18 +103,12 @@ def test_a_killed_trial_resumes_from_the_remote_on_a_machine_without_its_folder(
     """SIGKILL to the campaign while its trial holds at step 65 (checkpoints every 20, pushed
     to a directory remote); the runs folder is deleted, as on another machine; launching
     again pulls step 60 from the remote and finishes from there."""
-    from test_function import write_params
+    from test_function import launch_held_at_65, write_params
 
     write_params(tmp_path, "far", {"kwargs": {"every": 10, "save_every": 20}, "steps": 100},
                  tracking={"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "runs_dir": str(tmp_path / "runs"),
                            "summary": str(tmp_path / "s.json"), "dvc_remote": str(tmp_path / "remote")})
-    root = tmp_path / "runs" / "far"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "65"})
-    trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
-    trial_files(trial_dir).hold.touch()
-    wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
-    assert proc.poll() is None
+    proc, trial_dir = launch_held_at_65(tmp_path, tmp_path / "runs" / "far")
     # Step 60's push runs beside training: under load it may still be on its way at the hold.
     wait_for(lambda: any((tmp_path / "remote" / "index").rglob("step-00000060.json")) or proc.poll() is not None, 120, "step 60 on the remote")
     assert proc.poll() is None

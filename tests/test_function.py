@@ -251,6 +251,18 @@ def test_function_trials_report_to_mlflow_and_the_study_and_a_raising_one_fails_
     assert len(complete) == 1 and complete[0].value == pytest.approx(result["metrics"]["val_loss"])
 
 
+def launch_held_at_65(tmp_path: Path, root: Path) -> tuple[subprocess.Popen, Path]:
+    """`campaign launch` of tmp_path's params.yaml, its one trial (under `root`) held at step
+    65; the campaign process and the trial's folder, once it holds there."""
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "65"})
+    trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
+    trial_files(trial_dir).hold.touch()
+    wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
+    assert proc.poll() is None
+    return proc, trial_dir
+
+
 @pytest.mark.slow
 def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_step_twice(tmp_path):
     """SIGKILL to the campaign while the trial is held after reporting step 70 (saved every 20
@@ -258,13 +270,7 @@ def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_
     step once."""
     write_params(tmp_path, "kill", {"kwargs": {"every": 10, "save_every": 20}, "steps": 120},
                  resources={"devices": 2}, cluster={"cpu_slots": 2})
-    root = tmp_path / "runs" / "kill"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "CAMPAIGN_HOLD_AT_STEP": "65"})
-    trial_dir = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None) if root.is_dir() else None, 300, "the trial's folder")
-    trial_files(trial_dir).hold.touch()
-    wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held" or proc.poll() is not None, 300, "the hold")
-    assert proc.poll() is None
+    proc, trial_dir = launch_held_at_65(tmp_path, tmp_path / "runs" / "kill")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_for(lambda: not any(str(trial_dir).encode() in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)),

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from conftest import REPO
 

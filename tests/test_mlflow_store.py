@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from mlflow import MlflowClient
 
 from tasks.mlflow_store import make_from_template

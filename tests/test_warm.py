@@ -164,7 +164,6 @@ def test_a_forked_worker_that_dies_mid_trial_is_reported_with_its_signal_and_not
 def test_a_campaign_killed_outright_takes_its_zygote_and_forked_workers_with_it(tmp_path):
     """SIGKILL to the campaign runs none of its cleanup: the zygote sees its socket close and
     exits, and its workers die with it (their parent-death signal)."""
-    import signal
     import textwrap
 
     campaign = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
