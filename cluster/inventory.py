@@ -273,8 +273,7 @@ def _cpu_inventory(node: str, slots: int | None) -> Inventory:
     if count < 1:
         raise InventoryError(f"cpu_slots={slots} on {node}: a node needs at least one CPU slot")
     # A core's share of the host's memory, whatever the number of slots: slots of one host are
-    # alike however many each node of a pool on it declares (a whole-device request is sized
-    # to the largest device, so a larger slot elsewhere would make every other one too small).
+    # alike however many each node of a pool on it declares.
     memory = _host_memory_bytes() // len(cores)
     # More slots than cores is allowed (small DDP tests on a 2-core box): slots then
     # share cores round-robin, which is what the pinning in the trainer will do.

@@ -5,7 +5,8 @@ bench/packing_bench.py replay thousands of tasks onto thousands of GPUs with the
 
 Rules every policy keeps:
 - A device holds requests while their memory fits: `used + placed <= memory_bytes`. A request
-  asking for a device's whole memory therefore takes it only when nothing else is on it.
+  asking for a device's whole memory therefore takes it only when nothing else is on it; one
+  for `WHOLE_DEVICE` takes any device whole, whatever its memory (claim_bytes).
 - A request for n devices gets n distinct devices at once, or nothing.
 - Gangs stay on one node; with `multi_node=True` one that no single node can hold right now
   may spread over the fewest nodes.
@@ -29,7 +30,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from cluster.types import Device, Inventory, Link, Placement, Request
+from cluster.types import WHOLE_DEVICE, Device, Inventory, Link, Placement, Request, claim_bytes
 from training.errors import CampaignError
 
 Policy = Literal["fgd", "best-fit", "first-fit", "random-fit"]
@@ -66,22 +67,30 @@ class _Fragmentation:
     For a node and a kind of request m, the fragment is the free memory that m cannot use:
     all of it if the node lacks m.devices devices with m.memory_bytes free each, otherwise
     the free memory of the devices with less than m.memory_bytes free. A node's
-    fragmentation is the weighted mean over the workload's kinds.
+    fragmentation is the weighted mean over the workload's kinds. A whole-device kind needs
+    a device's capacity free: the device untouched.
     """
 
     def __init__(self, workload: Sequence[Demand]) -> None:
         kinds = [k for k in workload if k.weight > 0]
         self.mem = np.array([k.memory_bytes for k in kinds], dtype=np.int64)
+        self.whole = self.mem == WHOLE_DEVICE
         self.need = np.array([k.devices for k in kinds], dtype=np.int64)
         weights = np.array([k.weight for k in kinds], dtype=np.float64)
         self.p = weights / weights.sum() if kinds else weights
 
-    def stats(self, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node row of `free` (k, G; absent devices are -1): S, K (k, C) and T (k,).
+    def need_bytes(self, cap: np.ndarray) -> np.ndarray:
+        """The bytes each kind needs free on devices of capacity `cap` (any shape): (..., C), or
+        (C,) when no kind is for whole devices (numpy broadcasts it)."""
+        return np.where(self.whole, cap[..., None], self.mem) if self.whole.any() else self.mem
+
+    def stats(self, free: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per node row of `free` and `cap` (k, G; absent devices: free -1, cap 0): S, K (k, C)
+        and T (k,).
 
         S: free memory on devices too small for each kind; K: devices big enough; T: free.
         """
-        fits = free[:, :, None] >= self.mem
+        fits = free[:, :, None] >= self.need_bytes(cap)
         held = np.maximum(free, 0)
         small = np.where(fits, 0, held[:, :, None]).sum(axis=1)
         return small, fits.sum(axis=1), held.sum(axis=1)
@@ -91,22 +100,23 @@ class _Fragmentation:
         return (np.where(lacking, total[..., None], small) * self.p).sum(axis=-1)
 
     def after_one(
-        self, free: np.ndarray, small: np.ndarray, big: np.ndarray, total: np.ndarray,
-        mem: np.ndarray,
+        self, free: np.ndarray, cap: np.ndarray, small: np.ndarray, big: np.ndarray, total: np.ndarray,
+        taken: np.ndarray,
     ) -> np.ndarray:
-        """Fragmentation of each slot's node after `mem[i]` more is taken from that slot.
+        """Fragmentation of each slot's node after `taken[i, j]` more is taken from slot j.
 
-        free (j,), small/big (j, C), total (j,) describe each slot and its node; the result
-        is (R, j) for the R sizes in `mem`. Only one device changes, so S and K are patched
-        rather than recomputed over the whole node.
+        free, cap (j,), small/big (j, C), total (j,) describe each slot and its node; `taken`
+        and the result are (R, j) for R requests. Only one device changes, so S and K are
+        patched rather than recomputed over the whole node.
         """
-        left = free[None, :] - mem[:, None]
-        fit_before = free[:, None] >= self.mem
-        fit_after = left[:, :, None] >= self.mem
+        left = free[None, :] - taken
+        need = self.need_bytes(cap)  # (j, C)
+        fit_before = free[:, None] >= need
+        fit_after = left[:, :, None] >= need
         big2 = big - fit_before + fit_after
         small2 = (small - np.where(fit_before, 0, free[:, None])
                   + np.where(fit_after, 0, np.maximum(left, 0)[:, :, None]))
-        return self.frag(small2, big2, total[None, :] - mem[:, None])
+        return self.frag(small2, big2, total[None, :] - taken)
 
 
 class Packer:
@@ -157,7 +167,7 @@ class Packer:
         mem, count = request.memory_bytes, request.devices
         if count > len(self._devices):
             return None
-        feasible = self._free >= mem
+        feasible = self._free >= self._need(mem)
         if self.policy == "random-fit":
             self._node_draw = self._rng.random(len(self._node_slots))
             self._slot_draw = self._rng.random(len(self._devices))
@@ -174,7 +184,7 @@ class Packer:
     def release(self, placement: Placement) -> None:
         """Give back what `placement` took (a trial ended or shrank)."""
         slots = np.array([self._slot_of[i] for i in placement.device_ids], dtype=np.int64)
-        self._free[slots] += placement.memory_bytes
+        self._free[slots] += self._need(placement.memory_bytes, slots)
         assert (self._free[slots] <= self._cap[slots]).all(), "released more than was taken"
         self._refresh(np.unique(self._slot_node[slots]))
 
@@ -206,6 +216,7 @@ class Packer:
         )
         self._slot_of = {d.id: s for s, d in enumerate(self._devices)}
         self._cap = np.array([d.memory_bytes for d in self._devices], dtype=np.int64)
+        self._cap_ext = np.append(self._cap, 0)  # the padded node matrix's "no device" holds nothing
         node_of = {n: i for i, n in enumerate(nodes)}
         self._slot_node = np.array([node_of[d.node] for d in self._devices], dtype=np.int64)
         width = max((len(m) for m in members.values()), default=1)
@@ -257,14 +268,23 @@ class Packer:
 
     # -- bookkeeping --------------------------------------------------------------------
 
+    def _need(self, mem: int, slots: np.ndarray | None = None) -> int | np.ndarray:
+        """The bytes a request of `mem` per device takes of each slot, or of `slots` (claim_bytes):
+        `mem` itself (a number, which numpy broadcasts) but for a whole-device request."""
+        if mem != WHOLE_DEVICE:
+            return mem
+        return self._cap if slots is None else self._cap[slots]
+
     def _take(self, slots: np.ndarray, mem: int) -> None:
-        assert (self._free[slots] >= mem).all(), "placing where memory does not fit"
-        self._free[slots] -= mem
+        need = self._need(mem, slots)
+        assert (self._free[slots] >= need).all(), "placing where memory does not fit"
+        self._free[slots] -= need
         self._refresh(np.unique(self._slot_node[slots]))
 
     def _refresh(self, nodes: np.ndarray) -> None:
         """Recompute the fragmentation state of `nodes` after their free memory changed."""
-        small, big, total = self._model.stats(self._free_ext[self._node_slots[nodes]])
+        slots = self._node_slots[nodes]
+        small, big, total = self._model.stats(self._free_ext[slots], self._cap_ext[slots])
         self._small[nodes], self._big[nodes], self._total[nodes] = small, big, total
         self._node_frag[nodes] = self._model.frag(small, big, total)
         self._version[nodes] += 1
@@ -276,12 +296,13 @@ class Packer:
     def _one_slot_costs(self, slots: np.ndarray, mems: np.ndarray) -> np.ndarray:
         """Growth of fragmentation from putting each of `mems` on each of `slots` (R, j)."""
         node = self._slot_node[slots]
-        free = self._free[slots]
+        free, cap = self._free[slots], self._cap[slots]
+        taken = np.where(mems[:, None] == WHOLE_DEVICE, cap[None, :], mems[:, None])
         after = self._model.after_one(
-            free, self._small[node], self._big[node], self._total[node], mems
+            free, cap, self._small[node], self._big[node], self._total[node], taken
         )
         cost = after - self._node_frag[node][None, :]
-        cost[free[None, :] < mems[:, None]] = np.inf
+        cost[free[None, :] < taken] = np.inf
         return cost
 
     def _fgd_row(self, mem: int) -> np.ndarray:
@@ -299,8 +320,9 @@ class Packer:
     def _slot_keys(self, mem: int, feasible: np.ndarray) -> list[np.ndarray]:
         """Lexicographic keys per slot, lower is better; +inf in the first where it cannot fit."""
         node = self._slot_node
-        free_after = (self._free - mem).astype(np.float64)
-        node_after = np.where(feasible, (self._total[node] - mem).astype(np.float64), np.inf)
+        need = self._need(mem)
+        free_after = (self._free - need).astype(np.float64)
+        node_after = np.where(feasible, (self._total[node] - need).astype(np.float64), np.inf)
         if self.policy == "fgd":
             return [self._fgd_row(mem), node_after, free_after]
         if self.policy == "best-fit":
@@ -335,15 +357,16 @@ class Packer:
         self, cand: np.ndarray, chosen: np.ndarray, mem: int, count: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The policy's two keys for putting the gang on each candidate node's chosen slots."""
-        left = (self._total[cand] - count * mem).astype(np.float64)
+        need = np.broadcast_to(self._need(mem, chosen), chosen.shape)  # (candidates, count)
+        left = (self._total[cand] - need.sum(axis=1)).astype(np.float64)
         if self.policy == "fgd":
             free = self._free_ext[self._node_slots[cand]]
             pos = chosen - self._node_slots[cand, :1]
-            np.put_along_axis(free, pos, np.take_along_axis(free, pos, axis=1) - mem, axis=1)
-            after = self._model.frag(*self._model.stats(free))
+            np.put_along_axis(free, pos, np.take_along_axis(free, pos, axis=1) - need, axis=1)
+            after = self._model.frag(*self._model.stats(free, self._cap_ext[self._node_slots[cand]]))
             return after - self._node_frag[cand], left
         if self.policy == "best-fit":
-            return left, (self._free[chosen] - mem).sum(axis=1).astype(np.float64)
+            return left, (self._free[chosen] - need).sum(axis=1).astype(np.float64)
         if self.policy == "first-fit":
             return cand.astype(np.float64), np.zeros(len(cand))
         return self._node_draw[cand], np.zeros(len(cand))
@@ -449,7 +472,7 @@ def check_fits(
         caps.setdefault(d.node, []).append(d.memory_bytes)
     for req in requests:
         _validate(req)
-        room = [sum(c >= req.memory_bytes for c in node) for node in caps.values()]
+        room = [sum(req.whole or c >= req.memory_bytes for c in node) for node in caps.values()]
         fits = (sum(room) if multi_node else max(room, default=0)) >= req.devices
         if fits:
             continue
@@ -512,7 +535,8 @@ def resize_devices(
     if target <= len(current):
         return tuple(current[:target])
     node = inventory.device(current[0]).node
-    free = [d for d in inventory.devices if d.id not in current and used.get(d.id, 0) + memory_bytes <= d.memory_bytes]
+    free = [d for d in inventory.devices
+            if d.id not in current and used.get(d.id, 0) + claim_bytes(memory_bytes, d.memory_bytes) <= d.memory_bytes]
     candidates = [d for d in free if d.node == node]
     candidates.sort(key=lambda d: (max(inventory.link(d.id, c) for c in current), sum(inventory.link(d.id, c) for c in current), d.index))
     if spread:

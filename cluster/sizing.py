@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar, Union
 
-from cluster.types import Inventory, Request
+from cluster.types import WHOLE_DEVICE, Inventory, Request
 from training.errors import CampaignError
 
 T = TypeVar("T")
@@ -89,8 +89,9 @@ def size_request(
 ) -> SizedRequest:
     """Decide a trial's sizes and memory per device on this inventory.
 
-    - memory unset: a whole device (exclusive). A number: that many GiB per device, so trials
-      may share a GPU. `auto`: the measured estimate at each size.
+    - memory unset: a whole device (exclusive), of any memory (`whole_devices`). A number:
+      that many GiB per device, so trials may share a GPU. `auto`: the measured estimate at
+      each size.
     - CPU slots are never shared: one process per core.
     - devices `auto`: the fewest devices of one node on which the estimate fits.
     """
@@ -116,12 +117,21 @@ def size_request(
 
     sizes = range(low, high + 1)
     if inventory.kind == "cpu" or memory_gb is None:
-        memory = [device_memory] * len(sizes)
+        memory = [whole_devices(inventory, estimate.per_device(n) if estimate else None) for n in sizes]
     elif memory_gb == "auto":
         memory = [estimate.per_device(n) for n in sizes]
     else:
         memory = [int(memory_gb * 2**30)] * len(sizes)
     return SizedRequest(trial_id, low, high, tuple(memory))
+
+
+def whole_devices(inventory: Inventory, need_bytes: int | None) -> int:
+    """The memory per device of a request for whole devices that must each hold `need_bytes`
+    (None: not known): WHOLE_DEVICE, any device, where the smallest device holds it; otherwise
+    the largest device's memory, which only devices that large can give."""
+    if need_bytes is None or need_bytes <= min((d.memory_bytes for d in inventory.devices), default=0):
+        return WHOLE_DEVICE
+    return max(d.memory_bytes for d in inventory.devices)
 
 
 def device_seconds(estimate: MemoryEstimate, steps: int, passes_per_step: int = 1) -> float:

@@ -66,17 +66,34 @@ class Inventory:
         return self.devices[0].kind if self.devices else "cpu"
 
 
+# The memory per device of a request for whole devices: each device it gets is its own, all
+# of its memory, whatever that is. A number would be one device's memory, and a pool whose
+# nodes' devices differ would hold such a trial only on the devices of that much. Larger than
+# any device: code that compares it as bytes finds it fits nowhere, never on a shared device.
+WHOLE_DEVICE = 2**62
+
+
+def claim_bytes(memory_bytes: int, capacity_bytes: int) -> int:
+    """What a request of `memory_bytes` per device takes of a device of `capacity_bytes`."""
+    return capacity_bytes if memory_bytes == WHOLE_DEVICE else memory_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """What one trial needs to start: `devices` devices with `memory_bytes` free on each.
 
     A request whose memory equals a device's whole memory takes the device exclusively;
-    a smaller one may share the device with other trials, by memory.
+    a smaller one may share the device with other trials, by memory. `WHOLE_DEVICE` takes
+    each device exclusively, whatever its memory.
     """
 
     trial_id: str
     devices: int
     memory_bytes: int
+
+    @property
+    def whole(self) -> bool:
+        return self.memory_bytes == WHOLE_DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +102,11 @@ class Placement:
 
     trial_id: str
     device_ids: tuple[str, ...]
-    memory_bytes: int  # per device
+    memory_bytes: int  # per device, as requested: WHOLE_DEVICE takes each device's capacity (claim_bytes)
+
+    def claims(self, capacity: Mapping[str, int]) -> dict[str, int]:
+        """The bytes to lease on each device, of its `capacity` (bytes per device id)."""
+        return {d: claim_bytes(self.memory_bytes, capacity[d]) for d in self.device_ids}
 
 
 class StepTimeModel(Protocol):

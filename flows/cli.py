@@ -302,7 +302,8 @@ def plan(params: Path = PARAMS) -> None:
     for request in first_wave:
         placement = packer.place(request)
         where = ", ".join(placement.device_ids) if placement else "waits for devices"
-        table.add_row(request.trial_id, str(request.devices), f"{request.memory_bytes / 2**30:.2f} GiB", where)
+        memory = "whole device" if request.whole else f"{request.memory_bytes / 2**30:.2f} GiB"
+        table.add_row(request.trial_id, str(request.devices), memory, where)
     console.print(table)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.sizing import MemoryEstimate, SizedRequest, SizingError, device_seconds, measure_memory, packing_pays, size_request
+from cluster.sizing import MemoryEstimate, SizedRequest, SizingError, device_seconds, measure_memory, packing_pays, size_request, whole_devices
 from cluster.types import Inventory
 from training.spec import CampaignSpec, TrialSpec
 from tasks.grid import Trial
@@ -76,8 +76,7 @@ def size_trials(spec: CampaignSpec, trials: list[Trial], inventory: Inventory) -
     if spec.resources.memory_gb == "auto" and inventory.kind == "gpu" and not packing_pays(list(seconds.values()), expected_trials(spec, trials)):
         # Too little work to share a GPU for: each trial gets whole devices, and warm workers
         # run them back to back (bench/gpu_suite.py measured the default campaign 0.88x packed).
-        whole = max(d.memory_bytes for d in inventory.devices)
-        sized = {tid: replace(r, memory_for=(whole,) * len(r.memory_for)) for tid, r in sized.items()}
+        sized = {tid: replace(r, memory_for=tuple(whole_devices(inventory, m) for m in r.memory_for)) for tid, r in sized.items()}
     return sized
 
 

@@ -1,7 +1,8 @@
 """Properties of cluster/packing.py over random inventories, requests and leases.
 
 Each property is checked against a plain-Python replay of the free memory, independent of
-the packer's numpy bookkeeping.
+the packer's numpy bookkeeping. Nodes differ in their devices' memory, and requests for
+whole devices (WHOLE_DEVICE) take any device whole, whatever its memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from cluster.packing import (
     POLICIES, Demand, Packer, PlacementError, check_fits, pack, resize_devices, workload_of,
 )
-from cluster.types import Device, Inventory, Link, Placement, Request
+from cluster.types import WHOLE_DEVICE, Device, Inventory, Link, Placement, Request
 
 GIB = 2**30
 SIZES = (8 * GIB, 16 * GIB, 24 * GIB)
@@ -43,7 +44,7 @@ def requests(draw, n_max: int = 14) -> list[Request]:
     out = []
     for i in range(draw(st.integers(1, n_max))):
         whole = draw(st.booleans())
-        mem = draw(st.sampled_from(SIZES)) if whole else draw(st.integers(1, 26 * GIB))
+        mem = draw(st.sampled_from((*SIZES, WHOLE_DEVICE))) if whole else draw(st.integers(1, 26 * GIB))
         out.append(Request(f"t{i}", draw(st.integers(1, 5)), mem))
     return out
 
@@ -62,10 +63,15 @@ def cases():
     )
 
 
+def taken(memory_bytes: int, device: Device) -> int:
+    """What a request of `memory_bytes` per device takes of `device`, written out."""
+    return device.memory_bytes if memory_bytes == WHOLE_DEVICE else memory_bytes
+
+
 def fits_now(req: Request, free: dict[str, int], inv: Inventory, multi_node: bool) -> bool:
     room = {n: 0 for n in inv.nodes}
     for d in inv.devices:
-        room[d.node] += free[d.id] >= req.memory_bytes
+        room[d.node] += free[d.id] >= taken(req.memory_bytes, d)
     return (sum(room.values()) if multi_node else max(room.values())) >= req.devices
 
 
@@ -83,14 +89,14 @@ def test_every_placement_is_whole_and_memory_is_never_overcommitted(case):
         assert len(p.device_ids) == len(set(p.device_ids)) == req.devices
         assert p.memory_bytes == req.memory_bytes
         for dev in p.device_ids:
-            free[dev] -= p.memory_bytes
+            free[dev] -= taken(p.memory_bytes, inv.device(dev))
             sharers[dev].append(p)
         if not multi_node:
             assert len({inv.device(d).node for d in p.device_ids}) == 1
     assert all(f >= 0 for f in free.values()), free
     for dev, ps in sharers.items():
         cap = inv.device(dev).memory_bytes
-        if any(p.memory_bytes >= cap for p in ps):  # exclusive: alone, on a device free of leases
+        if any(taken(p.memory_bytes, inv.device(dev)) >= cap for p in ps):  # exclusive: alone, on a device free of leases
             assert len(ps) == 1 and used.get(dev, 0) == 0
 
 
@@ -102,7 +108,7 @@ def test_a_request_is_left_out_only_when_it_does_not_fit_at_its_turn(case):
     for req in reqs:
         assert (req.trial_id in placed) == fits_now(req, free, inv, multi_node), req
         for dev in placed[req.trial_id].device_ids if req.trial_id in placed else ():
-            free[dev] -= req.memory_bytes
+            free[dev] -= taken(req.memory_bytes, inv.device(dev))
 
 
 @given(cases(), st.integers(0, 3))
@@ -129,9 +135,10 @@ def measured(inv: Inventory, free: dict[str, int], workload: list[Demand]) -> fl
     """The ATC'23 measure, written out: free memory each kind cannot use, weighted."""
     total, weights = 0.0, sum(k.weight for k in workload)
     for node in inv.nodes:
-        left = [free[d.id] for d in inv.devices if d.node == node]
+        devices = [d for d in inv.devices if d.node == node]
+        left = [free[d.id] for d in devices]
         for kind in workload:
-            usable = [f for f in left if f >= kind.memory_bytes]
+            usable = [free[d.id] for d in devices if free[d.id] >= taken(kind.memory_bytes, d)]
             lost = sum(left) if len(usable) < kind.devices else sum(left) - sum(usable)
             total += kind.weight * lost / weights
     return total
@@ -146,16 +153,16 @@ def test_fgd_puts_each_single_device_request_where_fragmentation_grows_least(inv
         placement = packer.place(req)
         if placement is None or req.devices > 1:
             for dev in placement.device_ids if placement else ():
-                free[dev] -= req.memory_bytes
+                free[dev] -= taken(req.memory_bytes, inv.device(dev))
             continue
         after = {}
-        for dev in (d for d in free if free[d] >= req.memory_bytes):
-            free[dev] -= req.memory_bytes
+        for dev in (d for d in free if free[d] >= taken(req.memory_bytes, inv.device(d))):
+            free[dev] -= taken(req.memory_bytes, inv.device(dev))
             after[dev] = measured(inv, free, workload)
-            free[dev] += req.memory_bytes
+            free[dev] += taken(req.memory_bytes, inv.device(dev))
         (chosen,) = placement.device_ids
         assert after[chosen] == pytest.approx(min(after.values()), rel=1e-9, abs=1e-3)
-        free[chosen] -= req.memory_bytes
+        free[chosen] -= taken(req.memory_bytes, inv.device(chosen))
 
 
 @given(st.lists(st.lists(st.sampled_from([0, 300, 500, 1000]), min_size=1, max_size=6),
@@ -192,7 +199,7 @@ def free_after(inv: Inventory, placements: list[Placement]) -> dict[str, int]:
     free = {d.id: d.memory_bytes for d in inv.devices}
     for p in placements:
         for dev in p.device_ids:
-            free[dev] -= p.memory_bytes
+            free[dev] -= taken(p.memory_bytes, inv.device(dev))
     return free
 
 
@@ -302,3 +309,35 @@ def test_a_resize_grows_on_its_node_and_spreads_to_the_fullest_other_node_only_w
     assert resize_devices(inventory, ["a/gpu0", "b/gpu0"], 3, 8 * GIB, spanning, spread=True) == ("a/gpu0", "b/gpu0", "a/gpu1")
     assert resize_devices(inventory, ["a/gpu0", "a/gpu1", "c/gpu1"], 2, 8 * GIB, used, spread=True) == ("a/gpu0", "a/gpu1")
     assert resize_devices(inventory, ["a/gpu0"], 7, 8 * GIB, used, spread=True) is None
+
+
+def test_whole_devices_are_taken_on_nodes_whose_devices_differ_in_memory():
+    """A lab of a 40 GiB box and an 80 GiB box: four one-device trials for whole devices run
+    on all four devices, each alone; a shared request finds no room on them while they run,
+    and an 80 GiB number (the old way to ask for a whole device) fits only the large box."""
+    inv = Inventory(one_node(40 * GIB, 2, name="small").devices + one_node(80 * GIB, 2, name="large").devices)
+    whole = [Request(f"w{i}", 1, WHOLE_DEVICE) for i in range(4)]
+    check_fits(whole, inv)
+    for policy in POLICIES:
+        packer = Packer(inv, policy=policy)
+        placed = [packer.place(r) for r in whole]
+        assert all(placed) and sorted(d for p in placed for d in p.device_ids) == sorted(d.id for d in inv.devices), policy
+        assert all(packer.free_bytes(d.id) == 0 for d in inv.devices)  # each device taken whole: nothing left to share
+        assert packer.place(Request("shared", 1, GIB)) is None
+        packer.release(placed[0])
+        assert packer.free_bytes(placed[0].device_ids[0]) == inv.device(placed[0].device_ids[0]).memory_bytes
+    by_number = pack([Request(f"n{i}", 1, 80 * GIB) for i in range(4)], inv)
+    assert sorted(d for p in by_number for d in p.device_ids) == ["large/gpu0", "large/gpu1"]
+    # A whole device is never one another trial shares, however little it holds.
+    assert pack([Request("w", 1, WHOLE_DEVICE)], inv, {"small/gpu0": 1, "small/gpu1": 1, "large/gpu0": 1}) == [
+        Placement("w", ("large/gpu1",), WHOLE_DEVICE)]
+    assert Placement("w", ("small/gpu0",), WHOLE_DEVICE).claims({"small/gpu0": 40 * GIB}) == {"small/gpu0": 40 * GIB}
+
+
+def test_a_whole_device_trial_grows_onto_a_device_of_another_size():
+    devices = [Device("a/gpu0", "a", 0, "gpu", "g", 40 * GIB), Device("b/gpu0", "b", 0, "gpu", "g", 80 * GIB),
+               Device("b/gpu1", "b", 1, "gpu", "g", 80 * GIB)]
+    inventory = Inventory(tuple(devices), {})
+    used = {"a/gpu0": 40 * GIB, "b/gpu1": GIB}  # its own device, and a little of another trial's on b/gpu1
+    assert resize_devices(inventory, ["a/gpu0"], 2, WHOLE_DEVICE, used, spread=True) == ("a/gpu0", "b/gpu0")
+    assert resize_devices(inventory, ["a/gpu0"], 3, WHOLE_DEVICE, used, spread=True) is None  # b/gpu1 is not whole

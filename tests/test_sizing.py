@@ -55,7 +55,7 @@ def test_per_device_memory_shrinks_only_with_activations():
 
 def test_fixed_range_and_memory_forms():
     inv = gpus(8)
-    assert size_request("t", 2, None, inv).at(2).memory_bytes == 16 * GIB  # a whole GPU
+    assert size_request("t", 2, None, inv).at(2).whole  # a whole GPU
     shared = size_request("t", 1, 3.5, inv)
     assert shared.at(1).memory_bytes == int(3.5 * GIB)
     ranged = size_request("t", (2, 4), None, inv)
@@ -68,7 +68,7 @@ def test_cpu_slots_are_never_shared():
     inv = discover(nvml=None, cpu_slots=2)
     assert inv.kind == "cpu"
     request = size_request("t", 1, 0.001, inv)
-    assert request.at(1).memory_bytes == inv.devices[0].memory_bytes
+    assert request.at(1).whole
 
 
 def test_auto_picks_fewest_devices_that_fit():
@@ -112,7 +112,7 @@ def test_trials_too_short_to_pay_for_a_process_each_get_a_whole_gpu(digits_npz):
     at a time on a warm worker: each packed trial paid a process's start for 0.5 s of work."""
     inv = gpus(2, memory_gib=16)
     short = size_trials(small_trials(digits_npz, steps=10), expand_grid(small_trials(digits_npz, steps=10)), inv)
-    assert {r.at(1).memory_bytes for r in short.values()} == {16 * GIB}
+    assert all(r.at(1).whole for r in short.values())
     placed = pack([r.at(1) for r in short.values()], inv)
     assert len({p.device_ids for p in placed}) == len(placed) == 2  # one trial per GPU, the rest wait
     # The same trials with enough steps share; and on CPU slots nothing changes.
@@ -142,6 +142,23 @@ def test_the_estimate_counts_the_evaluation_peak_the_data_on_the_device_and_the_
     assert plain.ops_per_step >= 6  # two matmuls, an activation, the loss, and their backward
     bf16 = measure_memory(model, x, y, F.cross_entropy, 1, on_gpu=False, autocast_dtype=torch.bfloat16)
     assert bf16.activations_bytes < plain.activations_bytes  # saved under autocast: half the bytes
+
+
+def test_a_whole_device_is_any_device_unless_the_trial_needs_more_than_the_smallest():
+    """On a 16 GiB and a 40 GiB node, a whole-device trial takes any device; one whose
+    estimate needs more than 16 GiB asks for 40 GiB, which only the large node has."""
+    from cluster.sizing import whole_devices
+    from cluster.types import WHOLE_DEVICE
+
+    inv = declared_inventory([DeclaredNode("small", 2, 16 * GIB), DeclaredNode("large", 2, 40 * GIB)])
+    assert whole_devices(inv, None) == whole_devices(inv, 16 * GIB) == WHOLE_DEVICE
+    assert whole_devices(inv, 16 * GIB + 1) == 40 * GIB
+    assert size_request("t", (1, 4), None, inv).at(3).whole
+    est = MemoryEstimate(params_bytes=GIB, grads_bytes=GIB, optimizer_bytes=GIB, activations_bytes=30 * GIB, margin=1.0)
+    auto = size_request("t", "auto", None, inv, est)  # 3 + 30/n GiB: one device of the large node holds 33
+    assert (auto.min_devices, auto.at(1).memory_bytes) == (1, 40 * GIB)
+    small = MemoryEstimate(params_bytes=GIB, grads_bytes=GIB, optimizer_bytes=GIB, activations_bytes=10 * GIB, margin=1.0)
+    assert size_request("t", "auto", None, inv, small).at(1).whole  # 13 GiB: any device holds it
 
 
 def test_start_size_leaves_room_for_the_queue():
@@ -177,6 +194,27 @@ def test_campaign_plan_places_on_the_declared_cluster(tmp_path, digits_npz):
     path.write_text(yaml.safe_dump(spec))
     result = campaign_cli("plan", str(path))
     assert result.returncode == 2 and "'b'" in result.stderr  # the inconsistent node is named
+
+
+def test_campaign_plan_gives_whole_devices_of_every_size(tmp_path, digits_npz):
+    """A lab of a 40 GiB box and an 80 GiB box: four trials for a whole device each start on
+    all four devices, not only on the 80 GiB ones."""
+    import yaml
+
+    from conftest import campaign_cli
+
+    spec = {
+        "campaign": {"name": "lab"}, "model": {"name": "small_cnn", "width": 8}, "data": {"path": str(digits_npz)},
+        "training": {"steps": 10, "batch_size": 64, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2, 0.3, 0.4]},
+        "cluster": {"nodes": [{"name": "small", "devices": 2, "memory_gb": 40}, {"name": "large", "devices": 2, "memory_gb": 80}]},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = campaign_cli("plan", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "waits for devices" not in result.stdout and result.stdout.count("whole device") == 4, result.stdout
+    for device in ("small/gpu0", "small/gpu1", "large/gpu0", "large/gpu1"):
+        assert device in result.stdout, result.stdout
 
 
 def test_the_default_campaign_fits_a_one_gpu_machine(digits_npz):

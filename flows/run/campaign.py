@@ -26,7 +26,7 @@ from cluster.inventory import DeclaredNode, declared_inventory, discover
 from cluster.leases import LeaseStore, LeaseStoreBusy
 from cluster.packing import Packer, check_fits, workload_of
 from cluster.sizing import SizedRequest, start_size
-from cluster.types import Device, Inventory, Placement
+from cluster.types import WHOLE_DEVICE, Device, Inventory, Placement
 from training.spec import CampaignSpec, check_data, load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
 from tasks.search import Drawn, Search
@@ -233,7 +233,7 @@ class CampaignRun:
         """Lease the placement's devices and launch the trial on them; False if they were taken.
         `serving`: the resize request this start carries out (`relaunch`), not a stale one."""
         holder = f"{self.name}/{trial.id}@{os.getpid()}"
-        if not self.store.acquire(holder, {d: placement.memory_bytes for d in placement.device_ids}, self.capacity, campaign=self.name):
+        if not self.store.acquire(holder, placement.claims(self.capacity), self.capacity, campaign=self.name):
             return False  # another campaign took a device a moment ago, or it is its turn: next round
         self.heartbeat.add(holder)
         request = self.requests[trial.id]
@@ -249,7 +249,7 @@ class CampaignRun:
             config = dataclasses.replace(config, lease=self.store.fence(holder))
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
-        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.memory_bytes)
+        log_allocation(self.root, trial.id, placement.device_ids, "start", None if placement.memory_bytes == WHOLE_DEVICE else placement.memory_bytes)
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
         if self.pool is not None:

@@ -17,7 +17,7 @@ from cluster.inventory import visible_devices_env
 from cluster.leases import LeaseLost, LeaseStore, LeaseStoreBusy
 from cluster.packing import resize_devices
 from cluster.sizing import SizedRequest
-from cluster.types import Device, Inventory
+from cluster.types import Device, Inventory, claim_bytes
 from tasks.grid import Trial
 from tasks.resize import answer, pending_request
 from training.agent_commands import read_refusal, write_command
@@ -214,7 +214,7 @@ def adopt_agent_shrink(job: Running, store: LeaseStore) -> str | None:
 
 def claims(job: Running, devices: list[Device]) -> dict[str, int]:
     memory = job.request.at(len(devices)).memory_bytes if devices else 0
-    return {d.id: memory for d in devices}
+    return {d.id: claim_bytes(memory, d.memory_bytes) for d in devices}
 
 
 def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int],

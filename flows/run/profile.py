@@ -20,8 +20,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from cluster.leases import Lease, LeaseStore, LeaseUnavailable
 from cluster.packing import Packer
-from cluster.sizing import SizedRequest
-from cluster.types import Device, Inventory, Request
+from cluster.sizing import SizedRequest, whole_devices
+from cluster.types import WHOLE_DEVICE, Device, Inventory, Request
 from flows.run.campaign import checked_requests, inventory_for
 from training.spec import load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
@@ -79,13 +79,14 @@ def free_devices(inventory: Inventory, request: SizedRequest, leases: Sequence[L
         used[lease.device_id] = used.get(lease.device_id, 0) + lease.memory_bytes
         holders.setdefault(lease.device_id, []).append(lease.holder)
     count = min(request.max_devices, largest_node_size(inventory))
-    whole = max(d.memory_bytes for d in inventory.devices)
+    need = request.memory_for[0]  # whole devices that hold what the trial asks at its smallest size
+    whole = whole_devices(inventory, None if need == WHOLE_DEVICE else need)
     placement = Packer(inventory, used).place(Request(request.trial_id, count, whole))
     if placement is None:
         held = [f"{d} (held by {', '.join(holders[d])})" for d in sorted(holders)]
         raise DevicesBusyError(
             f"trial {request.trial_id} is profiled on {count} whole device(s) of one node, and too few are free now: "
-            f"{'; '.join(held) or 'none is held, but the free ones have less memory than the largest device'}. "
+            f"{'; '.join(held) or 'none is held, but the free ones have less memory than the trial needs'}. "
             "Profile it when they are released (`campaign cluster` shows who holds what)."
         )
     return [inventory.device(d) for d in placement.device_ids]
