@@ -104,6 +104,11 @@ class Placement:
     device_ids: tuple[str, ...]
     memory_bytes: int  # per device, as requested: WHOLE_DEVICE takes each device's capacity (claim_bytes)
 
+    @property
+    def shared_bytes(self) -> int | None:
+        """The memory per device of a placement that shares its devices by memory; None for whole devices."""
+        return None if self.memory_bytes == WHOLE_DEVICE else self.memory_bytes
+
     def claims(self, capacity: Mapping[str, int]) -> dict[str, int]:
         """The bytes to lease on each device, of its `capacity` (bytes per device id)."""
         return {d: claim_bytes(self.memory_bytes, capacity[d]) for d in self.device_ids}

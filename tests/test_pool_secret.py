@@ -131,3 +131,35 @@ def test_the_pools_server_answers_only_clients_with_its_auth_string(folder, pref
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+def test_a_node_leases_what_a_shared_trial_asks_and_the_signature_covers_it(folder, monkeypatch):
+    """Trials that share a GPU by memory lease their share of it in the node's lease file, so
+    two campaigns' 4 GiB trials hold one 16 GiB GPU together and a whole-device one waits; a
+    segment whose memory was changed after it was signed is refused before it leases."""
+    from cluster.leases import LeaseStore
+    from cluster.types import WHOLE_DEVICE, Device
+    from flows.pool.segment import node_claims, trial_segment
+    from training.config import TrialConfig
+
+    gib = 2**30
+    gpu = Device("a/gpu0", "a", 0, "gpu", "GPU 0", 16 * gib)
+    capacity = {gpu.id: gpu.memory_bytes}
+    store = LeaseStore(folder / "leases.db")
+    assert node_claims([gpu], 4 * gib) == {gpu.id: 4 * gib} and node_claims([gpu], WHOLE_DEVICE) == {gpu.id: 16 * gib}
+    assert store.acquire("one/t@a:1", node_claims([gpu], 4 * gib), capacity, pid=os.getpid(), campaign="one")
+    assert store.acquire("two/t@a:2", node_claims([gpu], 4 * gib), capacity, pid=os.getpid(), campaign="two")
+    assert not store.acquire("three/t@a:3", node_claims([gpu], WHOLE_DEVICE), capacity, pid=os.getpid(), campaign="three")
+
+    path = init_secret("lab", folder)
+    monkeypatch.setenv(SECRET_ENV, str(path))
+    monkeypatch.setenv("CAMPAIGN_NODE", "a")
+    monkeypatch.setenv("CAMPAIGN_LEASE_DB", str(folder / "leases.db"))
+    config = TrialConfig(trial_id="t", seed=0, model={"name": "mlp"}, data={}, steps=1, batch_size=1, lr=0.1,
+                         trial_dir=str(folder / "t"))
+    params = {"config": asdict(config), "devices": [asdict(gpu)], "cwd": str(folder), "campaign": "four", "span": None,
+              "elastic": False, "node_devices": None, "memory_bytes": 4 * gib}
+    signature = sign(load_secret("lab", folder), params)
+    with pytest.raises(PoolSecretError):
+        trial_segment.fn(**{**params, "memory_bytes": gib}, signature=signature)
+    assert {lease.holder for lease in store.leases()} == {"one/t@a:1", "two/t@a:2"} and not (folder / "t").exists()

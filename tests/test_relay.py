@@ -62,3 +62,27 @@ def test_an_earlier_segments_state_in_the_agents_folder_is_not_read_as_a_shrink(
         wait_for(lambda: relay.rounds >= 5, 10, "five relay rounds", every=0.02)
         assert leased(store) == {"a/cpu0"}
         assert read_json(outer / "state.json") is None and read_command(inner, 1) is None
+
+
+def test_a_trial_that_shares_its_gpus_grows_onto_one_another_campaign_shares_too(tmp_path):
+    """Several small trials share a GPU by memory, as the campaign packed them: a relay of a
+    trial at 4 GiB per device leases 4 GiB of the new device, beside another campaign's 4 GiB
+    on a 16 GiB GPU; one for whole devices is refused it."""
+    gib = 2**30
+    capacity = {"a/gpu0": 16 * gib, "a/gpu1": 16 * gib}
+    store = LeaseStore(tmp_path / "leases.db")
+    outer, inner = tmp_path / "control", tmp_path / "control" / "node-a"
+    assert store.acquire("c/t@a:1", {"a/gpu0": 4 * gib}, capacity, pid=os.getpid())
+    assert store.acquire("other/u@a:2", {"a/gpu1": 4 * gib}, capacity, pid=os.getpid())
+    with CommandRelay(outer, inner, store, "c/t@a:1", capacity, ["a/gpu0"], 4 * gib):
+        write_command(outer, 1, [{"id": "a/gpu0"}, {"id": "a/gpu1"}])
+        wait_for(lambda: read_command(inner, 1), 10, "the grow forwarded", every=0.02)
+    assert sorted((lease.holder, lease.device_id, lease.memory_bytes) for lease in store.leases()) == [
+        ("c/t@a:1", "a/gpu0", 4 * gib), ("c/t@a:1", "a/gpu1", 4 * gib), ("other/u@a:2", "a/gpu1", 4 * gib)]
+    store.release("c/t@a:1")
+    assert store.acquire("w/x@a:3", {"a/gpu0": 4 * gib}, capacity, pid=os.getpid())
+    whole_outer = tmp_path / "whole"
+    with CommandRelay(whole_outer, whole_outer / "node-a", store, "w/x@a:3", capacity, ["a/gpu0"]):  # whole devices (the default)
+        write_command(whole_outer, 1, [{"id": "a/gpu0"}, {"id": "a/gpu1"}])
+        refused = wait_for(lambda: read_refusal(whole_outer, 1), 10, "the relay", every=0.02)
+    assert "a/gpu1 held by another campaign" in refused.reason

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from cluster.leases import LeaseStore
+from cluster.types import WHOLE_DEVICE, claim_bytes
 from training.agent_commands import clear_commands, read_command, refuse
 from training.agent_state import read_agent_state
 
@@ -28,9 +29,11 @@ POLL_S = 0.05  # a resize waits for its joiners' start-up (seconds) anyway
 
 
 class CommandRelay:
-    def __init__(self, outer: Path, inner: Path, store: LeaseStore, holder: str, capacity: dict[str, int], held: list[str]):
+    def __init__(self, outer: Path, inner: Path, store: LeaseStore, holder: str, capacity: dict[str, int], held: list[str],
+                 memory_bytes: int = WHOLE_DEVICE):
         self.outer, self.inner = outer, inner
         self.store, self.holder, self.capacity = store, holder, capacity
+        self.memory_bytes = memory_bytes  # per device: what a grow leases of each new one (claim_bytes)
         self.held = set(held)  # devices this trial holds in the node's lease file
         self.next_outer, self.next_inner = 1, 1  # sequence 0 (the start) is the launch's, in both folders
         self.to_outer = {0: 0}  # the agent's sequence numbers -> the campaign's
@@ -62,7 +65,8 @@ class CommandRelay:
         while (command := read_command(self.outer, self.next_outer)) is not None:
             # This node's devices only: another node's are leased in its own file by its host's segment.
             new = [d for d in command.device_ids if d not in self.held and d in self.capacity]
-            if new and not self.store.acquire(self.holder, {d: self.capacity[d] for d in new}, self.capacity):
+            claims = {d: claim_bytes(self.memory_bytes, self.capacity[d]) for d in new}
+            if new and not self.store.acquire(self.holder, claims, self.capacity):
                 # Not forwarded: the agent never sees it, and the campaign is told why.
                 refuse(self.outer, self.next_outer, f"node lease file: {', '.join(new)} held by another campaign")
                 self.next_outer += 1

@@ -122,7 +122,7 @@ def agent_across_nodes(config: TrialConfig, elastic: bool, nodes: int) -> bool:
 
 
 def start_host(config: TrialConfig, node: str, devices: list[Device], node_devices: list[Device], cwd: str, deployment: str,
-               pool: str, campaign: str, store: str, seq: int, shared_storage: bool = True) -> str | None:
+               pool: str, campaign: str, store: str, seq: int, shared_storage: bool = True, memory_bytes: int | None = None) -> str | None:
     """Send node `node` the segment that hosts `devices` of a trial whose agent (on another node)
     listens at `store`, for the campaign's command `seq` on (flows/pool/segment.py `host`); its
     flow run's id. It leases them in the node's own file first and says so in the trial's
@@ -132,6 +132,8 @@ def start_host(config: TrialConfig, node: str, devices: list[Device], node_devic
 
     params = {"config": asdict(config), "devices": [asdict(d) for d in devices], "cwd": cwd, "campaign": campaign, "span": None,
               "elastic": True, "node_devices": [asdict(d) for d in node_devices], "host": {"store": store, "seq": seq}}
+    if memory_bytes is not None:  # shares its devices by memory (None: whole devices)
+        params["memory_bytes"] = memory_bytes
     if not shared_storage:
         if (mirror := _mirrors.get(config.trial_id)) is None:
             return None
@@ -156,12 +158,14 @@ def by_node(devices: list[Device]) -> list[tuple[str, list[Device]]]:
 
 @task
 def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
-                     elastic: bool = False, node_devices: list[Device] = (), shared_storage: bool = True) -> dict[str, Any]:
+                     elastic: bool = False, node_devices: list[Device] = (), shared_storage: bool = True,
+                     memory_bytes: int | None = None) -> dict[str, Any]:
     """One segment of a trial on its node(s) of `pool`: the trial's result, {"preempted": True}
     (an elastic trial resized to zero), or {"node_lost": node}. `node_devices`: every device of
     an elastic trial's node, which it may grow onto. `shared_storage`: the nodes see the
     trial's folder; else the node keeps its own and the files travel through the Prefect
-    API (flows/pool/mirror.py), copied here every poll.
+    API (flows/pool/mirror.py), copied here every poll. `memory_bytes`: the trial's memory per
+    device where it shares its devices by memory (None: whole devices), leased on each node.
 
     A trial placed on several nodes gets one flow run per node (torchrun's c10d rendezvous
     between them). It is elastic across them (`--nnodes=1:N`, tasks/trial.py): when a node
@@ -189,6 +193,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                           "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
         if agent_across:
             segments[node]["agent_across"] = True
+        if memory_bytes is not None:
+            segments[node]["memory_bytes"] = memory_bytes
     mirror = None if shared_storage else CampaignMirror(Path(config.trial_dir), attempt, config.trial_id)
     if mirror is not None:
         mirror.start()  # the nodes find the campaign's files (and the trial's record) when they begin

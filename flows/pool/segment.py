@@ -33,7 +33,7 @@ from typing import Any
 from prefect import flow
 
 from cluster.leases import LeaseStore
-from cluster.types import Device
+from cluster.types import WHOLE_DEVICE, Device, claim_bytes
 from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
 from flows.pool.secret import node_secret, verify
@@ -110,8 +110,11 @@ def _host_segment(cfg: TrialConfig, placed: list[Device], host: dict[str, Any], 
 def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: str, campaign: str,
                   span: dict[str, Any] | None = None, elastic: bool = False,
                   node_devices: list[dict[str, Any]] | None = None, files: dict[str, str] | None = None,
-                  signature: str | None = None, agent_across: bool = False, host: dict[str, Any] | None = None) -> dict[str, Any]:
+                  signature: str | None = None, agent_across: bool = False, host: dict[str, Any] | None = None,
+                  memory_bytes: int | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
+    `memory_bytes`: the trial's memory per device where it shares its devices by memory (None:
+    whole devices): what it leases of each in the node's lease file.
     `files`: the campaign's folder is not on this node (`cluster.shared_storage: false`): the
     trial runs in a folder of this node's, its files copied through these artifacts
     ({"down", "up"}: flows/pool/mirror.py), and, across nodes, rank 0 writes its whole
@@ -126,30 +129,39 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
               "node_devices": node_devices}
     params |= ({"agent_across": True} if agent_across else {}) | ({"host": host} if host is not None else {})
+    params |= {"memory_bytes": memory_bytes} if memory_bytes is not None else {}
     verify(node_secret(), params | ({"files": files} if files is not None else {}), signature)
     cfg = TrialConfig(**config)
     if files is None:
-        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host)
+        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host, memory_bytes)
     local = node_trial_dir(campaign, cfg.trial_id)
     # Over several nodes (torchrun's, or our agent's with hosts elsewhere) rank 0 writes each
     # whole checkpoint on its node: a node that resumes the trial alone pulls it from the remote.
     cfg = dataclasses.replace(cfg, trial_dir=str(local), one_checkpoint_writer=span is not None or agent_across or host is not None)
     clear_commands(control_dir(cfg))  # an earlier segment's here are not this one's (the campaign's start from 1)
     with NodeMirror(local, files, cfg.trial_id, os.environ.get(NODE_ENV, ""), hosting=host is not None):
-        return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices, agent_across, host)
+        return _run_segment(cfg, devices, str(local.parent), campaign, span, elastic, node_devices, agent_across, host, memory_bytes)
+
+
+def node_claims(placed: list[Device], memory_bytes: int) -> dict[str, int]:
+    """What a segment leases of each of its devices in the node's lease file: the trial's
+    memory per device where it shares them (several small trials on one GPU, as the campaign
+    packed them), each device's capacity for whole devices (claim_bytes)."""
+    return {d.id: claim_bytes(memory_bytes, d.memory_bytes) for d in placed}
 
 
 def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
                  elastic: bool, node_devices: list[dict[str, Any]] | None, agent_across: bool = False,
-                 host: dict[str, Any] | None = None) -> dict[str, Any]:
+                 host: dict[str, Any] | None = None, memory_bytes: int | None = None) -> dict[str, Any]:
     placed = [Device(**d) for d in devices]
+    memory = WHOLE_DEVICE if memory_bytes is None else memory_bytes
     node = os.environ.get(NODE_ENV, "")
     if any(d.node != node for d in placed):
         raise TrialFailed(f"trial {cfg.trial_id}: sent to node {node!r} with devices of {sorted({d.node for d in placed})}")
     store = LeaseStore()
     holder = f"{campaign}/{cfg.trial_id}@{node}:{os.getpid()}"
     capacity = {d["id"]: d["memory_bytes"] for d in node_devices or []} | {d.id: d.memory_bytes for d in placed}
-    if not store.acquire(holder, {d.id: d.memory_bytes for d in placed}, capacity, campaign=campaign):
+    if not store.acquire(holder, node_claims(placed, memory), capacity, campaign=campaign):
         if host is not None:  # the campaign, which waits for this before it tells the agent, says the grow is refused
             write_host_status(cfg.trial_dir, node, host["seq"], "refused", f"node lease file: {', '.join(d.id for d in placed)} held by another campaign")
             return {"host": node, "refused": True}
@@ -166,7 +178,7 @@ def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, camp
             plan = plan_launch(cfg, placed, Path(cwd), elastic=True, control=inner)
             if agent_across:
                 plan = _agent_across_nodes(plan, cfg, node)
-            with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed]):
+            with CommandRelay(control_dir(cfg), inner, store, holder, capacity, [d.id for d in placed], memory):
                 return run_plan(plan, cfg, placed)
         if span is None:
             return run_plan(plan_launch(cfg, placed, Path(cwd)), cfg, placed)

@@ -249,7 +249,7 @@ class CampaignRun:
             config = dataclasses.replace(config, lease=self.store.fence(holder))
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
-        log_allocation(self.root, trial.id, placement.device_ids, "start", None if placement.memory_bytes == WHOLE_DEVICE else placement.memory_bytes)
+        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.shared_bytes)
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
         if self.pool is not None:
@@ -259,7 +259,7 @@ class CampaignRun:
                 clear_commands(trial_files(self.root / trial.id).control)
             future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices,
-                self.shared_storage)
+                self.shared_storage, placement.shared_bytes)
         else:
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
@@ -376,8 +376,10 @@ class CampaignRun:
         published = read_agent_store(job.trial_dir)
         if published is None or job.config is None:
             return None
+        memory = job.request.at(len(job.devices)).memory_bytes  # at its size now: no less than it needs grown (less batch each)
         run = start_host(job.config, node, devices, [d for d in self.inventory.devices if d.node == node], str(Path.cwd()),
-                         self.deployment, self.pool, self.name, published.endpoint, seq, self.shared_storage)
+                         self.deployment, self.pool, self.name, published.endpoint, seq, self.shared_storage,
+                         None if memory == WHOLE_DEVICE else memory)
         if run is not None:
             self.logger.info(f"trial {job.trial.id}: starting its host on {node} for {', '.join(d.id for d in devices)}")
         return run
