@@ -252,7 +252,7 @@ class Allocation:
     """One line of `<campaign>/allocations.jsonl`: who had which device when. Each change of a
     trial's devices is a line (start, resize, moving, preempted, end, failed, lease lost), its
     devices those it holds from then on ([]: none); a start says how much of each device the
-    packer gave the trial (its memory estimate)."""
+    packer gave the trial (its memory estimate; a whole device's memory, its first device's)."""
 
     time: float
     trial: str

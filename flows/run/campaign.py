@@ -249,7 +249,8 @@ class CampaignRun:
             config = dataclasses.replace(config, lease=self.store.fence(holder))
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
-        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.shared_bytes)
+        # What it holds of its first device: its estimate where it shares, the device's memory where whole.
+        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.claims(self.capacity)[placement.device_ids[0]])
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
         if self.pool is not None:
