@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -132,11 +133,68 @@ class _Corrupt(Exception):
     """The file's content cannot be trusted (internal: triggers a rebuild)."""
 
 
+# The host's one store, whoever runs: a folder every local user reaches, under no one's HOME
+# (a store per HOME, user or container gave each its own devices). /var/tmp survives a reboot
+# and is shared by every user on the host; a lease never outlives a boot (`_death_reason`).
+HOST_DIR_ENV = "CAMPAIGN_HOST_DIR"  # moves the host's store folder (the same for every user of the host)
+DEFAULT_HOST_DIR = Path("/var/tmp/campaign")
+DB_ENV = "CAMPAIGN_LEASE_DB"  # one file of the caller's choosing (tests; a store shared some other way)
+
+
+def host_dir() -> Path:
+    return Path(os.environ.get(HOST_DIR_ENV) or DEFAULT_HOST_DIR)
+
+
 def default_path() -> Path:
-    if env := os.environ.get("CAMPAIGN_LEASE_DB"):
+    if env := os.environ.get(DB_ENV):
         return Path(env).expanduser()
-    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(state) / "campaign" / "leases.db"
+    return host_dir() / "leases.db"
+
+
+def is_host_store(path: Path) -> bool:
+    """Whether `path` is the host's shared store (its folder and files made usable by every user)."""
+    return not os.environ.get(DB_ENV) and Path(path) == host_dir() / "leases.db"
+
+
+def prepare_host_dir(folder: Path) -> None:
+    """The host store's folder, made if missing as /tmp is (1777: every user may create files
+    there, and only a file's owner may remove or rename it, so no user can delete the store
+    from under the others); checked if present. An administrator may instead make it for one
+    group of GPU users (`chgrp gpu DIR; chmod 3770 DIR`): the store's files then follow the
+    folder's group. LeaseStoreError (exit 2) naming the folder and the fix if this user cannot
+    use it: a private store instead would share the devices with nobody."""
+    try:
+        made = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        info = folder.lstat()
+        if made and stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+            os.chmod(folder, 0o1777)  # mkdir honours the umask
+            info = folder.lstat()
+    except OSError as e:
+        raise LeaseStoreError(_no_access(folder, str(e))) from e
+    if not stat.S_ISDIR(info.st_mode):
+        raise LeaseStoreError(_no_access(folder, "it is not a folder (a link or a file is never followed)"))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LeaseStoreError(_no_access(folder, f"mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}, "
+                                                 f"group gid {info.st_gid}: user uid {os.geteuid()} may not write there"))
+
+
+def check_host_files(db: Path) -> None:
+    """Every file of the host store that exists is writable by this user (SQLite needs the -wal
+    and -shm files even to read); else LeaseStoreError naming the file and its owner."""
+    for path in (db, *(Path(f"{db}{suffix}") for suffix in (".lock", "-wal", "-shm"))):
+        with suppress(FileNotFoundError):
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode) or not os.access(path, os.R_OK | os.W_OK):
+                raise LeaseStoreError(_no_access(db.parent, f"{path.name} has mode {stat.S_IMODE(info.st_mode):o} and "
+                                                            f"owner uid {info.st_uid}: user uid {os.geteuid()} may not write it"))
+
+
+def _no_access(folder: Path, why: str) -> str:
+    return (f"cannot use the host's device lease store in {folder} ({why}). Every user of this host's devices leases "
+            f"them there: ask the host's administrator to make it writable for them (`mkdir -p {folder} && chmod 1777 "
+            f"{folder}`, or for one group: `chgrp GROUP {folder} && chmod 3770 {folder}`), or set {HOST_DIR_ENV} to the "
+            f"same writable folder for every user of the host")
 
 
 class LeaseStore:
@@ -157,6 +215,7 @@ class LeaseStore:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._verified = False
+        self._shared_ready = False  # the host store's folder and files checked (once per store)
         self._held: dict[str, _Held] = {}
         self._held_lock = threading.Lock()  # the heartbeat thread renews while callers acquire
 
@@ -446,6 +505,8 @@ class LeaseStore:
         """Shared for every transaction, exclusive to rebuild: no one works on a file
         while it is being moved aside, and two processes never rebuild in turn."""
         lock_path = self.path.with_name(self.path.name + ".lock")
+        if not self._shared_ready and is_host_store(self.path):
+            self._share_host_store(lock_path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides who shares it
@@ -458,6 +519,26 @@ class LeaseStore:
             yield
         finally:
             os.close(fd)  # closing drops the lock
+
+    def _share_host_store(self, lock_path: Path) -> None:
+        """The host's store, usable by every user of the host: its folder made or checked, its
+        files made before SQLite would (with the umask's mode) and given the folder's sharing."""
+        folder = self.path.parent
+        prepare_host_dir(folder)
+        shared = 0o666 if folder.stat().st_mode & 0o002 else 0o660
+        for path in (self.path, lock_path):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, shared)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise LeaseStoreError(_no_access(folder, f"{path.name}: {e}")) from e
+            try:
+                os.fchmod(fd, shared)  # past the umask; SQLite gives its -wal and -shm this mode too
+            finally:
+                os.close(fd)
+        check_host_files(self.path)
+        self._shared_ready = True
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         """Creates the schema in a new file, or checks an existing one; once per store. A
@@ -487,7 +568,15 @@ class LeaseStore:
             for suffix in ("", "-wal", "-shm", "-journal"):
                 # A stale -wal beside a new file could be replayed into it: move all.
                 if Path(f"{self.path}{suffix}").exists():
-                    os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+                    try:
+                        os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+                    except PermissionError as e:  # the host store's folder: only a file's owner moves it
+                        owner = Path(f"{self.path}{suffix}").stat().st_uid
+                        raise LeaseStoreError(f"lease database {self.path} is corrupt ({reason}) and only its owner "
+                                              f"(uid {owner}) or root may move it aside: ask them to run any `campaign` "
+                                              f"command, or remove {self.path}* as root") from e
+            if is_host_store(self.path):  # the new file shared with every user as the first was
+                self._share_host_store(self.path.with_name(self.path.name + ".lock"))
             with self._connection() as conn:
                 conn.execute("BEGIN IMMEDIATE")
                 _create(

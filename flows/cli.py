@@ -157,6 +157,26 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+_ownership = None  # this process's hold on its campaign (flows/run/owner.py), for the process's life
+
+
+def _own_the_run(spec, command: str) -> None:
+    """Before anything runs: the host's lease store is usable by this user (else exit 2, not a
+    private store that shares the devices with nobody), and no other run of this campaign is
+    alive (else exit 2 naming it)."""
+    global _ownership
+    from cluster.leases import LeaseError, LeaseStore
+    from flows.run.owner import claim_campaign
+    from tasks.records import campaign_dir
+
+    with _bad_input():
+        try:
+            LeaseStore().leases()
+        except LeaseError:
+            pass  # busy: the flow waits it out as it runs
+        _ownership = claim_campaign(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), spec.campaign.name, command)
+
+
 def _report_to_ui() -> None:
     """While `campaign ui` runs for this folder, flows report to its Prefect server (set
     before Prefect is imported: it reads its settings then)."""
@@ -169,11 +189,12 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
-def _started(params: Path, pool: str | None, rerun: list[str] | None):
+def _started(params: Path, pool: str | None, rerun: list[str] | None, command: str = "launch"):
     """Everything before the flow: the spec loaded and checked, Prefect's server booting, the
     MLflow store, the first trials' zygote. Returns the spec, the server and the trials."""
     _report_to_ui()
     spec = _loaded(params, pool)
+    _own_the_run(spec, command)
     if spec.cluster.pool is None and not spec.cluster.nodes:
         from cluster.inventory import discover, keep_off_cores, spare_cores
 
@@ -208,11 +229,12 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None):
     return spec, warm, trials
 
 
-def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None) -> None:
+def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None,
+            command: str = "launch") -> None:
     from training.process import imports_without_gc
 
     with imports_without_gc():  # the spec, the checks' torch, Prefect's engine: kept for the launch's life
-        spec, warm, trials = _started(params, pool, rerun)
+        spec, warm, trials = _started(params, pool, rerun, command)
         from flows.run.campaign import campaign_flow
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
@@ -235,6 +257,8 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         _fail(str(e), code=1)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if _ownership is not None:  # the run has ended: another may start
+            _ownership.release()
     best = summary.get("best")
     pruned = f", {summary['pruned']} pruned" if summary.get("pruned") else ""
     score = next(((k, v) for k, v in (best or {}).items() if k != "trial"), None)
@@ -275,7 +299,7 @@ RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished
 def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL,
            rerun: Optional[list[str]] = RERUN) -> None:
     """Resume a campaign (the same as launching its spec again); --rerun TRIAL trains a finished trial again."""
-    _launch(params, live, pool, rerun)
+    _launch(params, live, pool, rerun, command="resume")
 
 
 @app.command()

@@ -64,6 +64,15 @@ def campaign_cli(*args: str, cwd: Path | None = None):
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def as_uid(uid: int) -> list[str]:
+    """The command prefix that runs a command as another Unix user (`uid`, its own group, no
+    others; the tests run as root). It keeps only CAP_DAC_READ_SEARCH, so that it can reach
+    this interpreter under root's private home: it reads what any user may read there, and
+    writes only where the uid itself may (access() and every write follow the uid alone)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search"]
+
+
 def trainer_rank(pid: int) -> int | None:
     """The local rank of a trial's torchrun worker (`python -m training.train`, or forked from
     its launch's zygote, whose command line and /proc environ it shows, and whose name says its

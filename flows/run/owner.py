@@ -1,0 +1,151 @@
+"""One live run per campaign: `launch` and `resume` own their campaign's folder while they run.
+
+Two runs of one campaign would train the same trial twice at once, delete each other's
+checkpoints in flight and send MLflow every step twice. So a run takes the campaign's owner
+lock before anything else: an exclusive `flock` on `<runs_dir>/<campaign>/owner.lock`, a
+kernel lock that dies with its holder (a SIGKILL, the OOM killer, a reboot), so a dead owner
+is never waited for and two live ones can never both hold it. Beside it `owner.json` says who
+holds it (host, pid, user, since), for the refusal's message, and is renewed every few
+seconds: a folder shared between hosts whose file system does not carry locks across them
+(some NFS set-ups) still refuses a second run while the first one's record is fresh.
+
+`campaign status`, `logs` and `resize` never take the lock: they keep working beside the run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import getpass
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from training.errors import CampaignError
+from training.files import read_status_json, write_json_atomic
+
+LOCK_NAME, RECORD_NAME = "owner.lock", "owner.json"
+RENEW_S = 5.0  # how often the owner's record is renewed
+FRESH_S = 30.0  # another host's record younger than this: its run is alive
+
+
+class CampaignBusy(CampaignError):
+    """The campaign already has a live run (the message names it and what to do)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    host: str
+    pid: int
+    user: str
+    since: float
+    renewed: float
+    command: str
+
+    def describe(self) -> str:
+        return (f"`campaign {self.command}` by {self.user} on host {self.host}, pid {self.pid}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}")
+
+
+def _owner_problem(raw) -> str | None:
+    if not isinstance(raw, dict) or set(raw) != set(Owner.__dataclass_fields__):
+        return "not an owner record"
+    return None
+
+
+def read_owner(campaign_dir: Path) -> Owner | None:
+    raw = read_status_json(campaign_dir / RECORD_NAME, _owner_problem)
+    try:
+        return None if raw is None else Owner(**raw)
+    except TypeError:
+        return None
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a uid with no name (a container's)
+        return f"uid {os.getuid()}"
+
+
+class CampaignOwnership:
+    """The held lock and the thread that renews the record; `release` when the run ends (the
+    kernel drops the lock by itself if the process dies first)."""
+
+    def __init__(self, campaign_dir: Path, fd: int, owner: Owner):
+        self.campaign_dir, self.fd, self.owner = campaign_dir, fd, owner
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="campaign-owner", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            try:
+                write_json_atomic(self.campaign_dir / RECORD_NAME, asdict(self.owner) | {"renewed": time.time()}, durable=False)
+            except OSError:
+                pass  # a full or read-only disk: the kernel lock still holds on this host
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            (self.campaign_dir / RECORD_NAME).unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self.fd)  # drops the lock
+
+
+def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwnership:
+    """Own the campaign's folder for this process's run, or CampaignBusy naming the live owner."""
+    try:
+        campaign_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(campaign_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CampaignError(f"cannot take campaign {name}'s owner lock in {campaign_dir} ({e}): the runs folder "
+                            "(tracking.runs_dir) must be writable") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CampaignBusy(_busy(name, _holder(campaign_dir))) from None
+    other = read_owner(campaign_dir)
+    if other is not None and other.host != socket.gethostname() and time.time() - other.renewed < FRESH_S:
+        os.close(fd)  # a live run on another host of a shared folder, whose lock did not reach us
+        raise CampaignBusy(_busy(name, other))
+    now = time.time()
+    owner = Owner(socket.gethostname(), os.getpid(), _user(), now, now, command)
+    write_json_atomic(campaign_dir / RECORD_NAME, asdict(owner), durable=False)
+    return CampaignOwnership(campaign_dir, fd, owner)
+
+
+def _holder(campaign_dir: Path, wait_s: float = 5.0) -> Owner | None:
+    """The record of the run that holds the lock: the holder writes it just after it took the
+    lock, so a run refused in that moment waits for it (a leftover of a dead run names a
+    process that is gone here, and is not the holder's)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        owner = read_owner(campaign_dir)
+        if owner is not None and (owner.host != socket.gethostname() or _alive(owner.pid)):
+            return owner
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _busy(name: str, owner: Owner | None) -> str:
+    who = owner.describe() if owner is not None else "another process (its owner.json is not readable yet)"
+    return (f"campaign {name} is already running: {who}. A second run would train its trials twice; watch the "
+            f"running one with `campaign status --watch` or `campaign logs -f TRIAL`, or wait for it to end (or stop "
+            f"it: SIGTERM or Ctrl-C in its terminal) and run this again")
