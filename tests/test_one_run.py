@@ -1,0 +1,130 @@
+"""One live run per campaign: a second `launch` (or `resume`) of a campaign whose run is alive
+is refused before anything runs, exit 2, naming the run that holds it; a dead run's hold is
+gone with it (a kernel lock)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.run.owner import RECORD_NAME, CampaignBusy, claim_campaign, read_owner
+from training.files import write_json_atomic
+
+from conftest import REPO, campaign_cli, wait_for
+
+HOLD = """
+import sys
+from pathlib import Path
+from flows.run.owner import claim_campaign
+claim_campaign(Path(sys.argv[1]), "c", "launch")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def holder(folder: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_run_is_refused_naming_the_first(tmp_path):
+    first = holder(tmp_path / "c")
+    try:
+        with pytest.raises(CampaignBusy, match=rf"already running: `campaign launch` by .* pid {first.pid}, since") as refused:
+            claim_campaign(tmp_path / "c", "c", "resume")
+        assert "campaign status --watch" in str(refused.value)
+    finally:
+        first.stdin.close()
+        first.wait(timeout=60)
+    claim_campaign(tmp_path / "c", "c", "launch").release()  # its run ended in order: free again
+    assert not (tmp_path / "c" / RECORD_NAME).exists()
+
+
+def test_a_dead_runs_hold_is_taken_over(tmp_path):
+    first = holder(tmp_path / "c")
+    os.kill(first.pid, signal.SIGKILL)  # no cleanup: its record stays, naming a process that is gone
+    first.wait()
+    assert read_owner(tmp_path / "c").pid == first.pid
+    ours = claim_campaign(tmp_path / "c", "c", "launch")
+    try:
+        assert read_owner(tmp_path / "c").pid == os.getpid()
+    finally:
+        ours.release()
+
+
+def test_a_fresh_record_of_another_host_refuses_a_stale_one_does_not(tmp_path):
+    """A folder shared between hosts whose file system keeps locks per host: the record decides."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    other = {"host": f"not-{socket.gethostname()}", "pid": 1, "user": "someone", "since": time.time() - 100,
+             "renewed": time.time(), "command": "launch"}
+    write_json_atomic(folder / RECORD_NAME, other)
+    with pytest.raises(CampaignBusy, match=f"on host not-{socket.gethostname()}, pid 1"):
+        claim_campaign(folder, "c", "launch")
+    write_json_atomic(folder / RECORD_NAME, other | {"renewed": time.time() - 600})  # that run died long ago
+    claim_campaign(folder, "c", "launch").release()
+
+
+def write_params(folder: Path, digits: Path, steps: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "twice"}, "data": {"path": str(digits)}, "model": {"name": "mlp"},
+        "training": {"steps": steps, "batch_size": 16, "lr": 0.05, "checkpoint_every": 50, "eval_every": 100000},
+        "resources": {"devices": 1}, "cluster": {"cpu_slots": 1},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(folder / "runs"), "summary": str(folder / "s.json")},
+    }))
+
+
+def launch(folder: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live"], cwd=folder,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "300"})
+
+
+def finished_lines(folder: Path) -> int:
+    return sum(log.read_text().count("finished") for log in (folder / "runs" / "twice").glob("*/train.log"))
+
+
+@pytest.mark.slow
+def test_two_launches_at_once_one_runs_the_other_is_refused(tmp_path, digits_npz):
+    write_params(tmp_path, digits_npz, steps=200)
+    a, b = launch(tmp_path), launch(tmp_path)
+    outputs = {p.pid: p.communicate(timeout=600) for p in (a, b)}
+    codes = sorted([a.returncode, b.returncode])
+    assert codes == [0, 2], outputs
+    ran, refused = (a, b) if a.returncode == 0 else (b, a)
+    message = outputs[refused.pid][1]
+    assert "already running" in message and f"pid {ran.pid}" in message, message
+    result = next((tmp_path / "runs" / "twice").glob("*/result.json"))
+    assert result.exists()
+    assert finished_lines(tmp_path) == 1, "the trial trained twice"
+
+
+@pytest.mark.slow
+def test_a_launch_while_the_campaign_trains_is_refused_and_status_works_beside_it(tmp_path, digits_npz):
+    write_params(tmp_path, digits_npz, steps=100000)
+    first = launch(tmp_path)
+    try:
+        wait_for(lambda: list((tmp_path / "runs" / "twice").glob("*/progress.json")) or first.poll() is not None, 300,
+                 "the first run's trial to train")
+        assert first.poll() is None, first.communicate()
+        second = subprocess.run([sys.executable, "-m", "flows.cli", "resume", "params.yaml", "--no-live"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "300"})
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "already running" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr
+        status = campaign_cli("status", "twice", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert status.returncode == 0 and "running" in status.stdout, status.stdout + status.stderr
+        assert first.poll() is None  # the refused run touched nothing of the live one
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    claim_campaign(tmp_path / "runs" / "twice", "twice", "launch").release()  # the first run's end freed the campaign
