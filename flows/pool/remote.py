@@ -23,7 +23,7 @@ from prefect import task
 
 from cluster.types import Device, Inventory
 from flows.pool.mirror import CampaignMirror
-from flows.pool.secret import load_secret, sign
+from flows.pool.secret import load_secret, signed_segment
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result, log_allocation
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
@@ -138,7 +138,7 @@ def start_host(config: TrialConfig, node: str, devices: list[Device], node_devic
         if (mirror := _mirrors.get(config.trial_id)) is None:
             return None
         params["files"] = mirror.add(node)
-    run = run_deployment(deployment, parameters={**params, "signature": sign(load_secret(pool), params)}, work_queue_name=node,
+    run = run_deployment(deployment, parameters=signed_segment(load_secret(pool), params), work_queue_name=node,
                          timeout=0, flow_run_name=f"{config.trial_id} host on {node}")
     return str(run.id)
 
@@ -226,7 +226,7 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
         if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
             segments[node]["files"] = mirror.add(node)
         return run_deployment(
-            deployment, parameters={**segments[node], "signature": sign(secret, segments[node])},
+            deployment, parameters=signed_segment(secret, segments[node]),  # a new attempt each send: a node runs each once
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
         ).id
 

@@ -36,7 +36,7 @@ from cluster.leases import LeaseStore
 from cluster.types import WHOLE_DEVICE, Device, claim_bytes
 from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
-from flows.pool.secret import node_secret, verify
+from flows.pool.secret import accept_segment, node_secret
 from flows.pool.relay import CommandRelay
 from tasks.trial import (LaunchPlan, NodeRole, TrialFailed, control_dir, plan_host_launch, plan_launch, plan_node_launch, revoke,
                          run_host, run_plan)
@@ -111,7 +111,8 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
                   span: dict[str, Any] | None = None, elastic: bool = False,
                   node_devices: list[dict[str, Any]] | None = None, files: dict[str, str] | None = None,
                   signature: str | None = None, agent_across: bool = False, host: dict[str, Any] | None = None,
-                  memory_bytes: int | None = None) -> dict[str, Any]:
+                  memory_bytes: int | None = None, attempt_id: str | None = None,
+                  expires_at: float | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
     `memory_bytes`: the trial's memory per device where it shares its devices by memory (None:
     whole devices): what it leases of each in the node's lease file.
@@ -125,12 +126,17 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     whose agent runs on another node, from the campaign's command `seq` on, until the agent's
     state (the campaign's copy, sent down with `files` when nothing is shared) no longer
     names them (training.elastic_host).
-    `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py)."""
+    `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py).
+    `attempt_id`, `expires_at`: what the signature binds the segment to: this node runs each
+    attempt once, and none past its expiry (a replay of a signed segment is refused)."""
     params = {"config": config, "devices": devices, "cwd": cwd, "campaign": campaign, "span": span, "elastic": elastic,
               "node_devices": node_devices}
     params |= ({"agent_across": True} if agent_across else {}) | ({"host": host} if host is not None else {})
     params |= {"memory_bytes": memory_bytes} if memory_bytes is not None else {}
-    verify(node_secret(), params | ({"files": files} if files is not None else {}), signature)
+    params |= {"files": files} if files is not None else {}
+    # Only those sent: a segment signed without them verifies, and is then refused for lacking them.
+    params |= {key: value for key, value in (("attempt_id", attempt_id), ("expires_at", expires_at)) if value is not None}
+    accept_segment(node_secret(), params, signature, node=os.environ.get(NODE_ENV, ""))  # before anything is leased or run
     cfg = TrialConfig(**config)
     if files is None:
         return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host, memory_bytes)
