@@ -423,7 +423,8 @@ def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str):
 
 
 def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
-    """The campaign's trials as a table, whether every one has ended, and the checkpoints refused."""
+    """The campaign's trials as a table, whether every one has ended, and the lines under it: the
+    checkpoints refused, and why a trial ended as it did where its state alone does not say."""
     from flows.run.live_view import trials_table
     from tasks.records import campaign_status
 
@@ -434,6 +435,8 @@ def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
                + (" (the trial stays finished; `campaign resume --rerun " + r.trial_id + "` trains it again)"
                   if r.state in ("finished", "pruned") else "")
                for r in rows for checkpoint, why in r.refused]
+    # Why a trial ended as it did, where its state alone does not say (a stalled trial).
+    refused += [f"trial {r.trial_id} {r.state}: {r.reason}" for r in rows if r.reason]
     return trials_table(name, rows), all(r.state in TERMINAL for r in rows), refused
 
 

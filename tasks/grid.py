@@ -12,6 +12,8 @@ from typing import Any
 from training.spec import CampaignSpec, TrialSpec, set_path
 from training.config import LOADER_FIELDS
 
+NOT_TRAINED = ("stall_timeout_s",)  # training settings that are not part of a trial's identity
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -31,8 +33,10 @@ def trial_id(spec: TrialSpec, overrides: dict[str, Any]) -> str:
     Changing anything that affects training (steps, seed, a non-grid field) changes the id,
     so a resume never continues a checkpoint under different settings.
     """
-    # How batches are fed (loader workers, device residency) does not change what is trained.
-    canonical = json.dumps(spec.model_dump(mode="json", exclude={"data": set(LOADER_FIELDS)}), sort_keys=True)
+    # How batches are fed (loader workers, device residency) and how long a stall is waited
+    # out do not change what is trained.
+    canonical = json.dumps(spec.model_dump(mode="json", exclude={"data": set(LOADER_FIELDS), "training": set(NOT_TRAINED)}),
+                           sort_keys=True)
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
     readable = "-".join(f"{key.split('.')[-1]}{_short(v)}" for key, v in overrides.items())
     return f"{readable}-{digest}" if readable else digest

@@ -195,6 +195,7 @@ class TrialRecord:
     attempts: int = 0
     intervals: tuple[dict[str, Any], ...] = ()  # {"devices", "start", "end"}: who had which device when
     exit_code: int | None = None
+    reason: str | None = None  # why it ended as it did, where the state alone does not say (a stall)
     updated: float | None = None
     schema: int = TRIAL_SCHEMA
 
@@ -211,6 +212,8 @@ def _trial_record_problem(raw: Any) -> str | None:
         return "devices or intervals that are not lists"
     if not isinstance(raw.get("attempts", 0), int):
         return "attempts is not a whole number"
+    if not isinstance(raw.get("reason") or "", str):
+        return "a reason that is not text"
     return None
 
 
@@ -312,6 +315,7 @@ class TrialStatus:
     metrics: dict[str, float]
     checkpoint: str | None
     refused: tuple[tuple[str, str], ...] = ()  # (checkpoint, why) newer than `checkpoint`, not trusted
+    reason: str | None = None  # the record's word on why it ended so (a failed trial: stalled at step N for S s)
 
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
@@ -331,6 +335,7 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
         metrics=dict(result["metrics"] if result else progress.metrics if progress else {}),
         checkpoint=str(latest) if latest else None,
         refused=tuple((d.name, why) for d, why in refused),
+        reason=record.reason if state == record.state else None,
     )
 
 

@@ -25,6 +25,7 @@ from cluster.inventory import visible_devices_env
 from cluster.types import Device
 from tasks.records import TrialRecord, completed_result, update_record
 from tasks.trial_log import LogForwarder
+from tasks.watchdog import Watchdog
 from training.config import TrialConfig
 from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
@@ -45,6 +46,11 @@ class TrialFailed(CampaignError):
 
 class TrialStopped(TrialFailed):
     """The campaign stopped the trial (SIGTERM, an error of its own): not the trial's fault."""
+
+
+class TrialStalled(TrialFailed):
+    """The trial's step stood still past training.stall_timeout_s (tasks/watchdog.py): its
+    stacks are in its log, it was stopped, and it is not retried (it would hang again)."""
 
 
 PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
@@ -494,7 +500,12 @@ def log_tail(path: Path) -> str:
         return ""
 
 
-@task(retries=1, retry_delay_seconds=2)
+def _retried_unless_stalled(task, task_run, state) -> bool:
+    """run_trial's retry condition: a stalled trial is not retried into the same hang."""
+    return not isinstance(state.data, TrialStalled)
+
+
+@task(retries=1, retry_delay_seconds=2, retry_condition_fn=_retried_unless_stalled)
 def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: bool = False, warm: bool = False) -> dict[str, Any]:
     """One segment of a trial on its devices; a retry resumes from the last checkpoint.
 
@@ -503,6 +514,14 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     if campaign_stopping(config.trial_id):  # a retry after a stop: leave the record as the stop wrote it
         raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping or its leases were lost")
     return run_plan(plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm), config, devices)
+
+
+def segment_watchdog(plan: LaunchPlan, config: TrialConfig, across_nodes: bool = False) -> Watchdog:
+    """The segment's stall watchdog (tasks/watchdog.py), stopping the trial's process groups of
+    this process. A trial across nodes is not watched: its rank 0, which writes its progress,
+    may be on a node whose files this one does not see."""
+    return Watchdog(Path(config.trial_dir), None if across_nodes else config.stall_timeout_s, plan.log_path,
+                    lambda: trial_process_groups(config.trial_id))
 
 
 def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], record: bool = True,
@@ -517,12 +536,12 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
         return update_record(trial_dir, **fields) if record else TrialRecord()
 
     ids = all_devices or [d.id for d in devices]
-    held = update(state="running", devices=ids)
+    held = update(state="running", devices=ids, reason=None)
     # Who had which device when: one interval per attempt.
     intervals = [*held.intervals, {"devices": ids, "start": time.time(), "end": None}]
     update(attempts=held.attempts + 1, intervals=intervals)
     try:
-        with LogForwarder(plan.log_path):
+        with LogForwarder(plan.log_path), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog:
             code = apply_launch(plan, config)
     finally:
         intervals[-1]["end"] = time.time()
@@ -537,6 +556,11 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     if config.trial_id in _revoked:
         update(state="lease lost", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
+    if watchdog.stall is not None:  # stopped by its watchdog: a final failure, its devices free for the queue
+        update(state="failed", exit_code=code, reason=watchdog.stall.reason)
+        raise TrialStalled(f"trial {config.trial_id} {watchdog.stall.reason}: stopped, not retried (training.stall_timeout_s: "
+                           f"{config.stall_timeout_s}; raise it, or null, if it was only slow); its Python stacks are in "
+                           f"{plan.log_path}:\n{log_tail(plan.log_path)}")
     if (plan.elastic and code == PREEMPTED) or (code == 0 and config.stop_path and Path(config.stop_path).exists()):
         update(state="preempted", exit_code=code)  # stopped at a checkpoint, by its agent or its stop file
         return {"preempted": True}

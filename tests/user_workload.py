@@ -10,6 +10,8 @@ from pathlib import Path
 PACKAGE = "labwork"
 
 NETS = '''
+import threading
+
 import torch
 from torch import nn
 
@@ -36,6 +38,32 @@ def wrong_input(width=8):
 
 def not_a_module():
     return "a string"
+
+
+def wait_forever():
+    """What a hung collective or a deadlocked data loader looks like from outside: no step ends."""
+    threading.Event().wait()
+
+
+class StallsAt(nn.Module):
+    """A linear model whose training forward pass blocks for good at step `step` (0: never):
+    the campaign's watchdog sees a stalled trial."""
+
+    def __init__(self, step=0, classes=10):
+        super().__init__()
+        self.step, self.calls = step, 0
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, classes))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1  # one call per step (no gradient accumulation): call n is step n - 1
+            if self.step and self.calls > self.step:
+                wait_forever()
+        return self.body(x)
+
+
+def stalls_at(step=0):
+    return StallsAt(step)
 '''
 
 DATA = '''

@@ -65,6 +65,9 @@ class TrialConfig:
     # checkpoint at the first control step after this file appears (a resize moves it).
     stop_path: str | None = None
     hold_at_step: int | None = None  # tests: wait before this step (and each control step after) while `hold` exists in trial_dir
+    # The campaign's watchdog (tasks/watchdog.py): seconds without progress before the trial counts as
+    # stalled, "auto" (derived from its measured step time) or None (never). The trainer does not read it.
+    stall_timeout_s: float | str | None = "auto"
     pruning: dict[str, Any] | None = None  # early stopping: the study to report to (training.pruning.Pruning)
     trial_dir: str = "."  # checkpoints, progress and result files live here
     mlflow_tracking_uri: str | None = None

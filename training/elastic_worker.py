@@ -31,7 +31,7 @@ from training.elastic_host import stop_key
 from training.fence import stops_when_fenced, watch_lease
 from training.files import read_json, write_json_atomic
 from training.metrics import result_line
-from training.process import die_with_parent, skip_final_collection
+from training.process import die_with_parent, dump_stacks_on_request, skip_final_collection
 from training.train import pick_device
 from training.trainer import DistEnv, Trainer
 from training.resize_log import ResizeEvent, append_resize
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()
     skip_final_collection()  # a trial's end is seen when its processes have exited
+    dump_stacks_on_request()  # a stalled trial's stacks, to its log (tasks/watchdog.py)
     cfg = TrialConfig.from_file(args.config)
     watch_lease(cfg.lease)  # a stalled campaign's lease ends this worker (training.fence)
     wid = os.environ["CAMPAIGN_WORKER_ID"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import os
 import signal
@@ -31,6 +32,19 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
+
+
+STACKS_SIGNAL = signal.SIGUSR1  # a trial process that gets it writes its Python stacks (tasks/watchdog.py sends it)
+
+
+def dump_stacks_on_request() -> None:
+    """STACKS_SIGNAL makes this process write every thread's Python stack to its stderr (a
+    trial's train.log), and go on: what the campaign's watchdog asks of a stalled trial
+    before it stops it. faulthandler writes from the signal handler itself, so a process
+    stuck in C (a collective, a lock, a sleep) answers too. Kept across fork (a zygote's
+    children, a loader's workers); to a process that did not ask for it the signal is fatal,
+    so the watchdog sends it only to those that catch it."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
 
 
 def name_process(name: str) -> None:

@@ -7,6 +7,7 @@ each culprit as a field path (e.g. `grid.training.lr[1]`) with what would be val
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -174,6 +175,23 @@ class TrainingSection(Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of training.target (grid key training.kwargs.x)")
     check: str | None = Field(default=None, pattern=TARGET, description="a dry run of your function (ctx, **kwargs) on two samples with "
                               "one report and one save, run before the campaign starts")
+    stall_timeout_s: Union[float, Literal["auto"], None] = Field(
+        default="auto",
+        description="seconds a running trial may go without progress (a step done, or a function trial's report; from its "
+                    "launch, its first word) before it counts as stalled: its Python stacks go to its train.log, it is stopped, "
+                    "recorded failed and not retried (tasks/watchdog.py). null: never; auto (unset): the longest of 300 s, "
+                    "10 times its measured step time and 3 times the longest wait between two of its steps seen so far "
+                    "(evaluations and checkpoints included), so 300 s before its first step (imports, compile, data loading)")
+
+    @field_validator("stall_timeout_s", mode="before")
+    @classmethod
+    def _stall_timeout(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError("must be a number of seconds > 0, null (never counted stalled) or auto (from the trial's measured "
+                             "step time, at least 300 s)")
+        return float(value)
 
     @model_validator(mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from training.config import TrialConfig
 from training.fence import stops_when_fenced, watch_lease
 from training.loopback import BIND_ENV, patch_torch_stores
 from training.metrics import result_line
-from training.process import die_with_parent, skip_final_collection
+from training.process import die_with_parent, dump_stacks_on_request, skip_final_collection
 from training.trainer import DistEnv, Trainer
 
 
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()  # torchrun gives workers their own session: never outlive it
     skip_final_collection()  # a trial's end is seen when its processes have exited
+    dump_stacks_on_request()  # a stalled trial's stacks, to its log (tasks/watchdog.py)
     cfg = TrialConfig.from_file(args.config)
     watch_lease(cfg.lease)  # before anything touches the device: a stalled campaign's lease ends this worker
     env = DistEnv.from_environ()

@@ -582,7 +582,9 @@ class Trainer(Stateful):
                 break
             if self.step % cfg.checkpoint_every == 0 and not self.done:
                 self.save_checkpoint(blocking=False)
-            if self.is_rank0 and self.step % cfg.log_every == 0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
+            # At any step, not only log steps: the campaign's watchdog (tasks/watchdog.py) takes a
+            # step that stands still for a stall, however far apart the log steps are.
+            if self.is_rank0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
                 self.write_progress("running")
                 progress_at = self.last_step_at
         self.save_checkpoint(blocking=True)  # the final state is durable before the result says so

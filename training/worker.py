@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from training.config import TrialConfig
 from training.metrics import close_shared_sink, share_sink
-from training.process import die_with_parent, skip_final_collection
+from training.process import die_with_parent, dump_stacks_on_request, skip_final_collection
 from training.fence import stops_when_fenced, watch_lease
 from training.train import pick_device, train_trial
 from training.trainer import DistEnv
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()
     skip_final_collection()  # a campaign's end waits for its idle workers to exit
+    dump_stacks_on_request()  # a stalled trial's stacks, to its log while it runs (stderr is that log then)
     share_sink()  # one MLflow sink for all the trials of this worker
     with os.fdopen(args.reply_fd, "w", buffering=1) as reply:
         for line in sys.stdin:

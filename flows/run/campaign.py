@@ -149,7 +149,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
         logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, max_batch_size=t.max_batch_size, reduction=t.reduction, max_device_batch=t.max_device_batch,
         schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
-        log_every=t.log_every, eval_every=t.eval_every, trial_dir=str(trial_dir.resolve()),
+        log_every=t.log_every, eval_every=t.eval_every, stall_timeout_s=t.stall_timeout_s, trial_dir=str(trial_dir.resolve()),
         mlflow_tracking_uri=tracking_uri(spec.tracking), mlflow_run_id=mlflow_run_id,
         checkpoint_remote=checkpoint_remote(spec, trial),
     )

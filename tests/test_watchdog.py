@@ -1,0 +1,258 @@
+"""The watchdog for stalled trials (tasks/watchdog.py, `training.stall_timeout_s`): the rule on
+a fake clock, the stack dump and stop on real processes, and a campaign whose first trial
+hangs while the one queued behind it on the same device still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.watchdog import AUTO, FLOOR_S, Seen, StallClock, Watchdog, catches, default_limit_s, dump_stacks, seen_in
+from training.progress import progress_now
+from training.spec import SpecError, parse_spec
+
+
+def running(step: int, step_time_s: float | None = None, updated: float | None = None) -> Seen:
+    """As the project's loop writes it: a new write when the step has moved."""
+    return Seen("running", step, step_time_s, float(step) if updated is None else updated)
+
+
+# --- the rule, on a fake clock -------------------------------------------------------------
+
+
+def test_a_step_that_stands_still_past_the_timeout_is_a_stall():
+    clock = StallClock(10.0, launched_at=0.0)
+    for t in range(0, 20, 2):  # a step every 2 s: never 10 s without one
+        assert clock.observe(running(t // 2), float(t)) is None
+    assert clock.observe(running(9), 28.0) is None  # 10 s since step 9 came (at 18 s): not yet past
+    stall = clock.observe(running(9), 28.5)
+    assert stall is not None and stall.reason == "stalled at step 9 for 10 s" and not stall.silent
+
+
+def test_nothing_since_the_launch_is_a_stall_counted_from_the_launch():
+    clock = StallClock(10.0, launched_at=100.0)
+    assert clock.observe(Seen(None, 0), 109.0) is None
+    stall = clock.observe(Seen(None, 40), 111.0)  # an earlier segment's step: where it resumes
+    assert stall.silent and stall.reason == "stalled at step 40 for 11 s (no progress since its launch)"
+    # The first write after the launch is progress: the clock starts again from it.
+    clock = StallClock(10.0, launched_at=100.0)
+    assert clock.observe(running(40), 109.0) is None and clock.observe(running(40), 118.0) is None
+    assert clock.observe(running(40), 119.5) is not None
+
+
+def test_a_progress_file_from_before_the_launch_counts_as_none():
+    earlier = progress_now("held", 12, 100, 1, 8, {"step_time_s": 0.5})
+    assert seen_in(earlier, launched_at=earlier.updated + 1) == Seen(None, 12)
+    assert seen_in(earlier, launched_at=earlier.updated - 1) == Seen("held", 12, 0.5, earlier.updated)
+    assert seen_in(None, launched_at=0.0) == Seen(None, 0)
+
+
+def test_a_function_trial_is_alive_while_it_reports_and_stalled_once_it_stops():
+    """ctx.report writes the progress file (at most once a second): a report is progress even
+    at a step it reported before; no report for the timeout is a stall."""
+    clock = StallClock(10.0, launched_at=0.0)
+    for t in range(1, 60, 5):
+        assert clock.observe(Seen("running", 7, None, updated=float(t)), float(t)) is None
+    assert clock.observe(Seen("running", 7, None, updated=56.0), 66.0) is None
+    assert clock.observe(Seen("running", 7, None, updated=56.0), 66.5).reason == "stalled at step 7 for 10 s"
+
+
+@pytest.mark.parametrize("state", ["held", "resizing", "finished"])
+def test_held_resizing_or_finished_is_never_a_stall(state):
+    clock = StallClock(10.0, launched_at=0.0)
+    assert clock.observe(running(3), 1.0) is None
+    assert clock.observe(Seen(state, 3), 2.0) is None
+    assert clock.observe(Seen(state, 3), 10_000.0) is None
+    # Running again (a hold released, a new generation): the clock starts at the change.
+    assert clock.observe(running(3), 10_001.0) is None
+    assert clock.observe(running(3), 10_010.0) is None
+    assert clock.observe(running(3), 10_011.5).reason == "stalled at step 3 for 10 s"
+
+
+def test_null_never_stalls():
+    clock = StallClock(None, launched_at=0.0)
+    assert clock.limit_s() is None
+    assert clock.observe(Seen(None, 0), 1e9) is None
+    assert clock.observe(running(5), 2e9) is None and clock.observe(running(5), 9e9) is None
+
+
+def test_the_default_is_a_floor_a_multiple_of_the_step_time_and_of_the_longest_gap():
+    assert default_limit_s(None, 0.0) == FLOOR_S == 300.0
+    assert default_limit_s(0.1, 2.0) == 300.0  # fast steps: the floor
+    assert default_limit_s(60.0, 0.0) == 600.0  # 10 step times
+    assert default_limit_s(1.0, 200.0) == 600.0  # 3 times the longest wait between two steps
+
+
+def test_auto_learns_its_limit_from_the_trial():
+    clock = StallClock(AUTO, launched_at=0.0)
+    assert clock.limit_s() == FLOOR_S  # before the first step: imports, compile, data loading
+    assert clock.observe(Seen(None, 0), 299.0) is None
+    assert clock.observe(running(0), 250.0) is None  # its first write, after a long start...
+    assert clock.observe(running(1, step_time_s=1.0), 251.0) is None
+    assert clock.limit_s() == FLOOR_S  # ...does not count as a wait between steps
+    clock.observe(running(2, step_time_s=1.0), 252.0)
+    clock.observe(running(3, step_time_s=1.0), 402.0)  # an evaluation: 150 s for one step
+    assert clock.limit_s() == 450.0
+    assert clock.observe(running(3), 402.0 + 449.0) is None  # the next evaluation may take as long again, and more
+    assert clock.observe(running(3), 402.0 + 451.0).reason == "stalled at step 3 for 451 s"
+    slow = StallClock(AUTO, launched_at=0.0)
+    slow.observe(running(7, step_time_s=90.0), 1.0)
+    assert slow.limit_s() == 900.0
+    assert slow.observe(running(7), 899.0) is None and slow.observe(running(7), 902.0) is not None
+
+
+# --- the spec --------------------------------------------------------------------------------
+
+SPEC = {"campaign": {"name": "w"}, "data": {"path": "data/digits.npz"}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 20, "batch_size": 16, "lr": 0.1}}
+
+
+def spec_with(value):
+    return parse_spec({**SPEC, "training": {**SPEC["training"], "stall_timeout_s": value}})
+
+
+def test_the_setting_is_seconds_null_or_auto_and_reaches_the_trial_config(tmp_path):
+    from cluster.sizing import SizedRequest
+    from flows.run.campaign import trial_config
+    from tasks.grid import expand_grid
+
+    assert parse_spec(SPEC).training.stall_timeout_s == AUTO
+    assert spec_with(None).training.stall_timeout_s is None
+    assert spec_with(45).training.stall_timeout_s == 45.0
+    for bad in (0, -5, "soon", True, float("inf")):
+        message = str(pytest.raises(SpecError, spec_with, bad).value)
+        assert "training.stall_timeout_s" in message and "number of seconds > 0, null" in message, message
+    (trial,) = expand_grid(spec_with(45))
+    config = trial_config(spec_with(45), trial, tmp_path / trial.id, None, SizedRequest(trial.id, 1, 1, (0,)))
+    assert config.stall_timeout_s == 45.0
+    assert json.loads(config.to_json())["stall_timeout_s"] == 45.0  # the trial's config file says it too
+    # How long a stall is waited out is not part of what is trained: the trial keeps its id.
+    assert {t.id for t in expand_grid(parse_spec(SPEC))} == {trial.id} == {t.id for t in expand_grid(spec_with(None))}
+
+
+# --- the stack dump and stop, on real processes ------------------------------------------------
+
+HANGS = textwrap.dedent("""
+    import subprocess, threading
+    from training.process import dump_stacks_on_request
+
+    def wait_forever():
+        threading.Event().wait()
+
+    dump_stacks_on_request()
+    child = subprocess.Popen(["sleep", "600"])  # in the group too, and SIGUSR1 would kill it: not sent it
+    print(child.pid, flush=True)
+    wait_forever()
+""")
+
+
+def start_hanging_trial(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    log = tmp_path / "train.log"
+    proc = subprocess.Popen([sys.executable, "-c", HANGS], stdout=subprocess.PIPE, stderr=open(log, "ab"), start_new_session=True,
+                            text=True, cwd=Path(__file__).resolve().parent.parent)
+    sleeper = int(proc.stdout.readline())
+    return proc, sleeper, log
+
+
+def test_the_stacks_go_to_the_log_and_only_processes_that_catch_it_are_signalled(tmp_path):
+    proc, sleeper, log = start_hanging_trial(tmp_path)
+    try:
+        assert catches(proc.pid, signal.SIGUSR1) and not catches(sleeper, signal.SIGUSR1)
+        assert dump_stacks([proc.pid], log) == [proc.pid]
+        assert "in wait_forever" in log.read_text()
+        assert proc.poll() is None and os.path.exists(f"/proc/{sleeper}")  # dumped, not ended
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_watchdog_dumps_and_stops_a_stalled_segment(tmp_path):
+    proc, sleeper, log = start_hanging_trial(tmp_path)
+    try:
+        with Watchdog(tmp_path, 1.0, log, lambda: [proc.pid], every_s=0.1) as watchdog:
+            progress_now("running", 3, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)  # then nothing more
+            proc.wait(timeout=60)  # the segment ends when its processes do: the watchdog stops them
+        assert watchdog.stall is not None and watchdog.stall.reason.startswith("stalled at step 3 for ")
+        assert not watchdog.stall.silent
+        text = log.read_text()
+        assert "stalled at step 3" in text and "in wait_forever" in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_process_group_that_comes_after_the_stall_is_stopped_too(tmp_path):
+    """Stalled before its process was started (a worker still forking): it is stopped once it is there."""
+    from conftest import wait_for
+
+    groups: list[int] = []
+    with Watchdog(tmp_path, 0.2, tmp_path / "train.log", lambda: list(groups), every_s=0.05) as watchdog:
+        wait_for(lambda: watchdog.stall is not None, 30, "the stall")
+        assert watchdog.stall.silent
+        proc, _, _ = start_hanging_trial(tmp_path)
+        groups.append(proc.pid)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert "in wait_forever" in (tmp_path / "train.log").read_text()
+
+
+def test_a_segment_without_a_stall_ends_its_watchdog_with_it(tmp_path):
+    with Watchdog(tmp_path, 3600.0, tmp_path / "train.log", lambda: [], every_s=0.05) as watchdog:
+        pass
+    assert watchdog.stall is None and not watchdog._thread.is_alive()
+
+
+# --- a campaign: the stalled trial fails, the one queued behind it runs --------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warm", [True, False], ids=["warm worker", "torchrun"])
+def test_a_stalled_trial_is_dumped_stopped_and_failed_and_the_next_one_runs(tmp_path, digits_npz, warm):
+    """A warm worker runs the trial in its own process group; torchrun's workers lead sessions
+    of their own under it, found as its descendants."""
+    from conftest import campaign_cli
+    from tasks.records import campaign_status, read_allocations, read_trial_record
+    from training.layout import trial_files
+    from user_workload import PACKAGE, write_package
+
+    write_package(tmp_path)
+    runs = tmp_path / "runs"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "hang"}, "data": {"path": str(digits_npz)},
+        "model": {"target": f"{PACKAGE}.nets:stalls_at", "kwargs": {"step": 0}},
+        # Seconds: long enough for a trial's start on a loaded host (the clock runs from its launch).
+        "training": {"steps": 30, "batch_size": 16, "lr": 0.05, "checkpoint_every": 10, "eval_every": 30, "stall_timeout_s": 20},
+        "grid": {"model.kwargs.step": [3, 0]},  # the first hangs at step 3; the second never does
+        "resources": {"devices": 1}, "cluster": {"cpu_slots": 1, "warm_workers": warm},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "runs_dir": str(runs), "summary": str(tmp_path / "s.json")},
+    }))
+    launch = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+    output = launch.stdout[-3000:] + launch.stderr[-3000:]
+    assert launch.returncode != 0, output  # a failed trial fails the campaign's run (the rest still ran)
+    statuses = {s.label: s for s in campaign_status(runs, "hang")}
+    stalled, healthy = statuses["step=3"], statuses["step=0"]
+    assert stalled.state == "failed" and stalled.reason.startswith("stalled at step"), (stalled, output)
+    assert read_trial_record(runs / "hang" / stalled.trial_id).attempts == 1  # not retried into the same hang
+    log = trial_files(runs / "hang" / stalled.trial_id).log.read_text()
+    assert "in wait_forever" in log and "in forward" in log, log[-3000:]  # the Python stacks, where it blocked
+    assert healthy.state == "finished" and healthy.step == 30, (healthy, output)
+    # It ran on the device after the stalled one gave it back.
+    events = [(e.trial, e.reason) for e in read_allocations(runs / "hang")]
+    assert events.index((stalled.trial_id, "failed")) < events.index((healthy.trial_id, "start")), events
+    shown = campaign_cli("status", "hang", "--runs-dir", str(runs), cwd=tmp_path)
+    assert f"trial {stalled.trial_id} failed: stalled at step" in " ".join(shown.stdout.split()), shown.stdout + shown.stderr
