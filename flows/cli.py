@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -153,8 +155,41 @@ class Terminated(BaseException):
     before their leases go back (by default SIGTERM would end the process with none of it)."""
 
 
+# How long `campaign launch` may take to end once told to (SIGTERM, Ctrl-C): its trials get
+# tasks.trial.STOP_GRACE_S of it to go by themselves; past the bound every process of its
+# trials is killed and it exits (the warden then ends what else it left and sets its records).
+STOP_BOUND_S = 15.0
+_stop_bound: threading.Timer | None = None
+
+
+def _bound_the_stop() -> None:
+    """From the first SIGTERM or Ctrl-C on, the process ends within STOP_BOUND_S, whatever its
+    trials left behind or anything of the campaign waits for."""
+    global _stop_bound
+    if _stop_bound is None:
+        _stop_bound = threading.Timer(STOP_BOUND_S, _stop_now)
+        _stop_bound.daemon = True
+        _stop_bound.start()
+
+
+def _stop_now() -> None:
+    from tasks.trial import kill_every_trial_process
+
+    kill_every_trial_process()
+    err.print(f"[bold red]error:[/] the campaign did not stop within {STOP_BOUND_S:g} s: its trials' processes were killed; "
+              "`campaign launch` again resumes them from their checkpoints", highlight=False)
+    sys.stderr.flush()
+    os._exit(143)
+
+
 def _terminate(signum, frame) -> None:
+    _bound_the_stop()
     raise Terminated()
+
+
+def _interrupt(signum, frame) -> None:
+    _bound_the_stop()
+    raise KeyboardInterrupt()
 
 
 _ownership = None  # this process's hold on its campaign (flows/run/owner.py), for the process's life
@@ -175,6 +210,7 @@ def _own_the_run(spec, command: str) -> None:
         except LeaseError:
             pass  # busy: the flow waits it out as it runs
         _ownership = claim_campaign(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), spec.campaign.name, command)
+    atexit.register(_ownership.release)  # refused input too: a folder it made for the lock alone is removed
 
 
 def _report_to_ui() -> None:
@@ -240,6 +276,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)
+    previous_int = signal.signal(signal.SIGINT, _interrupt)
     try:
         if live if live is not None else console.is_terminal:
             summary = _launch_live(spec, params, pool, warm)
@@ -257,6 +294,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         _fail(str(e), code=1)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         if _ownership is not None:  # the run has ended: another may start
             _ownership.release()
     best = summary.get("best")

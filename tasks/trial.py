@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -32,7 +34,8 @@ from training.errors import CampaignError
 from training.fence import lease_problem
 from training.files import write_atomic
 from training.loopback import BIND_ENV
-from training.process import die_with_parent, stop_process_groups
+from training.process import (die_with_parent, end_processes, processes_marked, signal_group, signal_process,
+                              stop_process_groups)
 from training.zygote import Zygote, ZygoteGone
 from training.launch import launch_env
 from training.layout import of_node, trial_files
@@ -54,7 +57,17 @@ class TrialStalled(TrialFailed):
 
 
 PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
-STOP_GRACE_S = 30.0  # SIGTERM, then this long for a trial's processes to go, then SIGKILL
+# SIGTERM, then this long for a trial's processes to go, then SIGKILL: within the bound that
+# `campaign launch` keeps on its own stop (flows/cli.py STOP_BOUND_S). A trial loses nothing by
+# it: it resumes from its last checkpoint.
+STOP_GRACE_S = 10.0
+STRAY_GRACE_S = 2.0  # the same for what a trial left outside its process group (daemons)
+
+# Every process a trial starts carries this mark in its environment, and so do their
+# descendants, daemons that left the trial's process group and session included: the
+# campaign ends them all when it stops (`stop_launched_trials`), whatever they hold.
+TRIAL_MARK = "CAMPAIGN_TRIAL_MARK"
+_trial_mark = secrets.token_hex(8)
 
 # Process groups of the trials this process has launched and not yet seen exit: the flow
 # stops them before it gives their devices back (no device to two trials, even on a crash).
@@ -81,7 +94,32 @@ def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
         _stopped.set()
         groups = dict(_live_groups)
     stop_process_groups(list(groups), grace_s)
+    end_processes(left_behind(), STRAY_GRACE_S)
     return list(groups.values())
+
+
+def left_behind() -> list[int]:
+    """Processes of this campaign's trials still running outside the trials' process groups
+    (a daemon a trial forked, in a session of its own), but the warm workers' zygote and idle
+    workers (ended in order by close_warm_workers) and metric sinks (they end by themselves
+    once they have sent what they hold)."""
+    with _live_lock:
+        kept = {w.proc.pid for workers in _idle_workers.values() for w in workers}
+    with _zygotes_lock:
+        kept |= {z.proc.pid for z in _zygotes.values()}
+    return [pid for pid, cmd in processes_marked(TRIAL_MARK, _trial_mark).items()
+            if pid not in kept and b"training.metrics" not in cmd]
+
+
+def kill_every_trial_process() -> None:
+    """SIGKILL, now, every process of this campaign's trials (a stop that ran out of time)."""
+    with _live_lock:
+        _stopped.set()
+        groups = list(_live_groups)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGKILL)
+    for pid in processes_marked(TRIAL_MARK, _trial_mark):
+        signal_process(pid, signal.SIGKILL)
 
 
 def revoke(trial_id: str, grace_s: float = STOP_GRACE_S) -> bool:
@@ -243,7 +281,8 @@ def _zygote_for(python: str, cwd: Path) -> Zygote:
     with _zygotes_lock:
         key = (python, str(cwd))
         if key not in _zygotes:
-            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **launch_env()}, python, new_session=True)
+            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **launch_env(), TRIAL_MARK: _trial_mark}, python,
+                                   new_session=True)
         return _zygotes[key]
 
 
@@ -262,7 +301,7 @@ class WarmWorker:
             pass
         reply_read, reply_write = os.pipe()
         self.proc = subprocess.Popen(
-            [*command, "--reply-fd", str(reply_write)], cwd=cwd, env=self.env,
+            [*command, "--reply-fd", str(reply_write)], cwd=cwd, env={**self.env, TRIAL_MARK: _trial_mark},
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(reply_write,),
             start_new_session=True, preexec_fn=_torchrun_dies_with_campaign, text=True,
         )
@@ -298,13 +337,23 @@ class WarmWorker:
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            line = self.replies.readline()
-        except (BrokenPipeError, OSError):
+            line = self._reply()
+        except (BrokenPipeError, OSError, ValueError):
             line = ""
         if line:
             return int(json.loads(line)["code"])
         self.close()
         return self.proc.returncode if self.proc.returncode is not None else 1
+
+    def _reply(self, every_s: float = 0.2) -> str:
+        """The worker's answer line, or "" once the worker has exited without one. Never a wait
+        on the pipe alone: a process its trial left behind (a daemon: fork + setsid) inherits
+        the pipe's writing end and may hold it for good, so that the end of the file never comes."""
+        while True:
+            if select.select([self.replies], [], [], every_s)[0]:
+                return self.replies.readline()
+            if self.proc.poll() is not None:  # what it wrote before it exited is readable now, or never
+                return self.replies.readline() if select.select([self.replies], [], [], 0)[0] else ""
 
     @property
     def alive(self) -> bool:
@@ -442,7 +491,7 @@ def _registered_group(plan: LaunchPlan, config: TrialConfig, refused: str) -> It
     with open(plan.log_path, "ab") as log, _live_lock:
         _refuse_if_stopping(config, refused)
         proc = subprocess.Popen(
-            plan.command, cwd=plan.cwd, env={**os.environ, **plan.env},
+            plan.command, cwd=plan.cwd, env={**os.environ, **plan.env, TRIAL_MARK: _trial_mark},
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_torchrun_dies_with_campaign,
         )

@@ -17,7 +17,7 @@ import pytest
 
 from cluster.leases import DB_ENV, HOST_DIR_ENV, LeaseStore, LeaseStoreError
 
-from conftest import REPO, as_uid
+from conftest import REPO, as_uid, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="switching to other Unix users needs root and setpriv")
 
@@ -181,3 +181,57 @@ def test_a_link_in_place_of_the_store_folder_is_refused(public_tmp, monkeypatch)
     with pytest.raises(LeaseStoreError, match="not a folder"):
         LeaseStore().leases()
     assert list((public_tmp / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_two_users_campaigns_on_the_default_store_never_share_a_device(public_tmp, digits_npz):
+    """Two Unix users, each with a HOME of their own, launch a campaign on the host's two CPU
+    slots with the default store: the second waits for the first's devices. Every trainer
+    process of both is sampled every 0.1 s; no sample finds both users' workers on one slot."""
+    from test_fencing import WorkerSampler
+
+    sampler = WorkerSampler({user: public_tmp / str(user) / "runs" for user in USERS})
+    sampler.start()
+    procs = {}
+    try:
+        first = USERS[0]
+        procs[first] = launch_as(first, public_tmp, digits_npz)
+        wait_for(lambda: sampler.running(first) or procs[first].poll() is not None, 300, "the first user's workers")
+        assert procs[first].poll() is None, output(public_tmp, first)
+        second = USERS[1]
+        procs[second] = launch_as(second, public_tmp, digits_npz)
+        for user, proc in procs.items():
+            assert proc.wait(timeout=900) == 0, output(public_tmp, user)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert sampler.saw(USERS[0]) and sampler.saw(USERS[1])
+    assert sampler.overlaps == [], sampler.overlaps[:5]
+    assert max(sampler.gaps) < 1.0, max(sampler.gaps)  # sampled densely throughout (0.1 s asked)
+
+
+def launch_as(uid: int, public: Path, digits: Path) -> subprocess.Popen:
+    folder = public / str(uid)
+    home = folder / "home"
+    home.mkdir(parents=True)
+    (folder / "params.yaml").write_text(json.dumps({
+        "campaign": {"name": "shared-box"}, "data": {"path": str(digits)}, "model": {"name": "small_cnn", "width": 4},
+        "training": {"steps": 400, "batch_size": 16, "lr": 0.05, "checkpoint_every": 100, "eval_every": 100000},
+        "resources": {"devices": 2}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(folder / "runs"), "summary": str(folder / "s.json")},
+    }))
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(folder)], check=True)
+    own = {name: str(home / name.lower()) for name in ("CAMPAIGN_CHECKPOINT_KEY", "CAMPAIGN_CHECK_CACHE", "CAMPAIGN_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in (DB_ENV, HOST_DIR_ENV)} | own | {
+        "HOME": str(home), "PYTHONPATH": str(REPO), "COLUMNS": "200"}  # the default store, whatever the HOME
+    log = open(folder / "out.log", "w")
+    return subprocess.Popen([*as_uid(uid), sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live"],
+                            cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def output(public: Path, uid: int) -> str:
+    return (public / str(uid) / "out.log").read_text()[-4000:]

@@ -124,3 +124,53 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def processes_marked(name: str, value: str) -> dict[int, bytes]:
+    """pid -> command line of every process (but this one) whose environment holds `name=value`.
+
+    A mark in the environment follows a process's descendants wherever they go: a daemon that
+    left its process group and session (fork + setsid, as some data loaders and tokenizer
+    servers do) still carries it, as it carries every variable it inherited (the way Jenkins
+    finds the processes a build left behind). /proc/<pid>/environ is the environment the
+    process started with, or its parent's where it was forked without a new program."""
+    needle = f"{name}={value}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                found[int(proc.name)] = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+    return found
+
+
+def end_processes(pids, grace_s: float) -> None:
+    """SIGTERM each process, SIGKILL those still running after `grace_s`."""
+    pids = list(pids)
+    for pid in pids:
+        signal_process(pid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(process_running(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        if process_running(pid):
+            signal_process(pid, signal.SIGKILL)
+
+
+def signal_process(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` is a process that may still run code (a zombie, already dead, does not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X")

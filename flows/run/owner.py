@@ -74,8 +74,8 @@ class CampaignOwnership:
     """The held lock and the thread that renews the record; `release` when the run ends (the
     kernel drops the lock by itself if the process dies first)."""
 
-    def __init__(self, campaign_dir: Path, fd: int, owner: Owner):
-        self.campaign_dir, self.fd, self.owner = campaign_dir, fd, owner
+    def __init__(self, campaign_dir: Path, fd: int, owner: Owner, made: Path | None = None):
+        self.campaign_dir, self.fd, self.owner, self.made = campaign_dir, fd, owner, made
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="campaign-owner", daemon=True)
         self._thread.start()
@@ -88,28 +88,43 @@ class CampaignOwnership:
                 pass  # a full or read-only disk: the kernel lock still holds on this host
 
     def release(self) -> None:
+        """Idempotent. A run that made the campaign's folder and ended before writing anything
+        else there (refused input) leaves no folder behind."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join()
         try:
             (self.campaign_dir / RECORD_NAME).unlink(missing_ok=True)
+            if self.made is not None and [p.name for p in self.campaign_dir.iterdir()] == [LOCK_NAME]:
+                (self.campaign_dir / LOCK_NAME).unlink()  # under the lock: a claim checks its file is still the path's
+                for folder in [self.campaign_dir, *self.campaign_dir.parents]:
+                    folder.rmdir()
+                    if folder == self.made:
+                        break
         except OSError:
-            pass
+            pass  # not empty, or not ours to remove
         os.close(self.fd)  # drops the lock
 
 
 def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwnership:
     """Own the campaign's folder for this process's run, or CampaignBusy naming the live owner."""
-    try:
-        campaign_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(campaign_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise CampaignError(f"cannot take campaign {name}'s owner lock in {campaign_dir} ({e}): the runs folder "
-                            "(tracking.runs_dir) must be writable") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise CampaignBusy(_busy(name, _holder(campaign_dir))) from None
+    made = next((d for d in reversed([campaign_dir, *campaign_dir.parents]) if not d.exists()), None)
+    while True:
+        try:
+            campaign_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(campaign_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CampaignError(f"cannot take campaign {name}'s owner lock in {campaign_dir} ({e}): the runs folder "
+                                "(tracking.runs_dir) must be writable") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CampaignBusy(_busy(name, _holder(campaign_dir))) from None
+        if _same_file(fd, campaign_dir / LOCK_NAME):
+            break
+        os.close(fd)  # a refused run removed the file we locked as it left: take the new one
     other = read_owner(campaign_dir)
     if other is not None and other.host != socket.gethostname() and time.time() - other.renewed < FRESH_S:
         os.close(fd)  # a live run on another host of a shared folder, whose lock did not reach us
@@ -117,7 +132,15 @@ def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwner
     now = time.time()
     owner = Owner(socket.gethostname(), os.getpid(), _user(), now, now, command)
     write_json_atomic(campaign_dir / RECORD_NAME, asdict(owner), durable=False)
-    return CampaignOwnership(campaign_dir, fd, owner)
+    return CampaignOwnership(campaign_dir, fd, owner, made)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, there = os.fstat(fd), path.stat()
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _holder(campaign_dir: Path, wait_s: float = 5.0) -> Owner | None:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.leases import process_alive
+from training.process import end_processes, processes_marked
 from tasks.records import ACTIVE, process_identity, read_campaign, read_trial_record, update_campaign, update_record
 
 MARK = "CAMPAIGN_WARDEN_MARK"
@@ -79,38 +79,14 @@ def wait_for_exit(owner: str) -> None:
 
 def marked_processes(token: str) -> dict[int, bytes]:
     """pid -> command line of every process whose environment carries the mark."""
-    needle = f"{MARK}={token}".encode()
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                found[int(proc.name)] = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-    return found
+    return processes_marked(MARK, token)
 
 
 def end_leftovers(token: str, grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM the marked processes, SIGKILL those still there after the grace; returns their pids."""
-    left = {pid: cmd for pid, cmd in marked_processes(token).items() if b"training.metrics" not in cmd}
-    for pid in left:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.time() + grace_s
-    while time.time() < deadline and any(process_alive(p, None) for p in left):
-        time.sleep(0.1)
-    for pid in left:
-        if process_alive(pid, None):
-            _signal(pid, signal.SIGKILL)
-    return list(left)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+    left = [pid for pid, cmd in marked_processes(token).items() if b"training.metrics" not in cmd]
+    end_processes(left, grace_s)
+    return left
 
 
 def settle_records(campaign_dir: Path, owner: str) -> list[str]:
