@@ -417,6 +417,11 @@ class LeaseStore:
         waits for a writer, not even one stopped while it holds the lock."""
         for attempt in range(2):
             try:
+                if self._verified and not self.path.exists():
+                    # Deleted while in use (by hand, a cleaner of /var/tmp): SQLite would make an
+                    # empty file without a word. Rebuilt instead, with its grace period: the
+                    # holders still running re-register before anyone takes their devices.
+                    raise _Corrupt("the file was deleted while in use")
                 with self._file_lock(exclusive=False), self._connection() as conn:
                     if not self._verified:
                         self._prepare(conn)
@@ -438,13 +443,15 @@ class LeaseStore:
                 # corruption; afterwards only SQLite's own corruption codes are. Text that
                 # is not UTF-8 (in a row, or in SQLite's message quoting a damaged schema)
                 # can only come from damage: this module writes nothing else.
-                if isinstance(e, sqlite3.DatabaseError) and not _is_corruption(e, strict=self._verified):
+                if isinstance(e, sqlite3.DatabaseError) and not (_is_corruption(e, strict=self._verified) or _schema_gone(e)):
                     raise
                 if attempt:
                     raise LeaseStoreError(
-                        f"lease database {self.path} is still unusable after a rebuild: {e}"
+                        f"lease database {self.path} is still unusable after a rebuild ({e}): move {self.path}* "
+                        f"aside (no campaign of this host may run meanwhile), or set {DB_ENV} to a writable local path"
                     ) from e
-                self._rebuild(str(e))
+                self._rebuild(f"a table of its schema is missing: {e}" if isinstance(e, sqlite3.DatabaseError) and _schema_gone(e)
+                              else str(e))
         raise AssertionError("unreachable")
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> tuple[list[Lease], list[Lease]]:
@@ -565,6 +572,7 @@ class LeaseStore:
                 self._verified = False  # someone else rebuilt it while we waited
                 return
             aside = Path(f"{self.path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+            missing = not self.path.exists()  # deleted: only its -wal and -shm may be left to move
             for suffix in ("", "-wal", "-shm", "-journal"):
                 # A stale -wal beside a new file could be replayed into it: move all.
                 if Path(f"{self.path}{suffix}").exists():
@@ -590,9 +598,11 @@ class LeaseStore:
                 conn.execute("COMMIT")
                 conn.execute("PRAGMA journal_mode = WAL")
         self._verified = False
+        what = (f"lease database {self.path} was missing ({reason}); made again" if missing else
+                f"lease database {self.path} was corrupt ({reason}); moved to {aside} and rebuilt")
         warnings.warn(
             LeaseStoreRebuilt(
-                f"lease database {self.path} was corrupt ({reason}); moved to {aside} and rebuilt."
+                f"{what}."
                 f" Live holders re-register on their next heartbeat; new leases wait"
                 f" {self.heartbeat_timeout_s:g}s for them."
             ),
@@ -814,6 +824,15 @@ def _busy_timeout_s() -> float:
 def _is_busy(e: BaseException) -> bool:
     code = getattr(e, "sqlite_errorcode", None)
     return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _schema_gone(e: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite says a table or column of ours is not in the file: its schema was
+    dropped, or the file was deleted and SQLite made an empty one in its place. This module's
+    statements are fixed, so that is never a mistake of ours: the file is rebuilt as if corrupt."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF == sqlite3.SQLITE_ERROR
+            and str(e).startswith(("no such table", "no such column", "table leases has", "table meta has")))
 
 
 def _is_corruption(e: sqlite3.DatabaseError, strict: bool = True) -> bool:

@@ -315,6 +315,57 @@ def test_a_holder_whose_device_was_taken_after_a_rebuild_loses_it(tmp_path):
     assert [lease.holder for lease in new.leases()] == ["fast"]
 
 
+def test_a_store_deleted_while_in_use_is_made_again_with_a_grace_period(tmp_path):
+    """The file removed between two calls of one store (by hand, a cleaner of /var/tmp): never
+    SQLite's bare `no such table`; a new file, where the holder still running re-registers and
+    nobody else takes a device for one heartbeat timeout."""
+    path, clock = tmp_path / "leases.db", Clock()
+    store = LeaseStore(path, heartbeat_timeout_s=10, clock=clock)
+    assert store.acquire("survivor", {"d0": 10}, CAP)
+    for leftover in tmp_path.glob("leases.db*"):
+        leftover.unlink()
+    with pytest.warns(LeaseStoreRebuilt, match="was missing .*deleted while in use.*made again"):
+        store.renew("survivor")  # re-registered in the new file
+    assert [lease.holder for lease in store.leases()] == ["survivor"]
+    other = LeaseStore(path, heartbeat_timeout_s=10, clock=clock)
+    assert not other.acquire("intruder", {"d1": 10}, CAP)  # the grace period: other holders may be re-registering
+    clock.now += 11
+    assert other.acquire("intruder", {"d1": 10}, CAP) and not other.acquire("intruder2", {"d0": 10}, CAP)
+
+
+@pytest.mark.parametrize("table", ["leases", "meta"])
+def test_a_store_whose_table_was_dropped_is_rebuilt_not_a_bare_sqlite_error(tmp_path, table):
+    path, clock = tmp_path / "leases.db", Clock()
+    store = LeaseStore(path, heartbeat_timeout_s=10, clock=clock)
+    assert store.acquire("survivor", {"d0": 10}, CAP)
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"DROP TABLE {table}")
+    with pytest.warns(LeaseStoreRebuilt, match=f"a table of its schema is missing: no such table: {table}.*moved to"):
+        store.renew("survivor")
+    assert [lease.holder for lease in store.leases()] == ["survivor"]
+    [aside] = tmp_path.glob("leases.db.corrupt-*[0-9]")  # the damaged file, kept for inspection
+    with sqlite3.connect(aside) as conn:
+        assert table not in {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    # A store that opens the damaged file first (not yet verified) rebuilds it the same way.
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"DROP TABLE {table}")
+    with pytest.warns(LeaseStoreRebuilt, match="corrupt"):
+        assert LeaseStore(path, heartbeat_timeout_s=10, clock=clock).usage() == {}
+
+
+def test_a_store_that_stays_unusable_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    import cluster.leases as leases
+
+    path = tmp_path / "leases.db"
+    store = LeaseStore(path, heartbeat_timeout_s=10)
+    assert store.acquire("t", {"d0": 1}, CAP)
+    monkeypatch.setattr(leases, "_rows", lambda conn: conn.execute("SELECT * FROM no_such_thing").fetchall())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeaseStoreRebuilt)
+        with pytest.raises(LeaseStoreError, match=f"lease database {path} is still unusable after a rebuild .*CAMPAIGN_LEASE_DB"):
+            store.leases()
+
+
 def test_an_unusable_path_names_the_fix(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
