@@ -70,18 +70,21 @@ def _loaded(params: Path, pool: str | None = None):
 PRESTART_ENV = "CAMPAIGN_PRESTART_WORKERS"  # "0": do not start the first warm workers' zygote ahead (a bench compares)
 
 
-def _checked(spec) -> tuple[list, object, dict]:
+def _checked(spec, params: Path | str = "params.yaml") -> tuple[list, object, dict]:
     """Check everything else that can be checked before a flow starts; the grid's trials,
     the devices they may use and their size requests."""
     from training.spec import check_data, check_tracking
     from training.errors import CampaignError
     from flows.run.campaign import checked_requests, inventory_for
     from tasks.grid import expand_grid
+    from tasks.tracking_store import check_tracking_store
 
     try:
         _check_records(spec)
         check_data(spec)
         check_tracking(spec)
+        # The store holds the runs the records name, and is one (sqlite3 only: nothing made or migrated).
+        check_tracking_store(spec, params)
         trials = expand_grid(spec)
         if spec.cluster.pool is not None:
             from flows.pool.worker import require_server
@@ -245,7 +248,7 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None, command: s
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
     warm = WarmUp()  # Prefect's server boots while the checks below run
-    trials, inventory, requests = _checked(spec)
+    trials, inventory, requests = _checked(spec, params)
     # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
     # server finishes its start; the flow's first MLflow call waits for it.
     if spec.cluster.pool is None:
@@ -338,6 +341,50 @@ def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[st
            rerun: Optional[list[str]] = RERUN) -> None:
     """Resume a campaign (the same as launching its spec again); --rerun TRIAL trains a finished trial again."""
     _launch(params, live, pool, rerun, command="resume")
+
+
+@app.command("repair-tracking")
+def repair_tracking(params: Path = PARAMS) -> None:
+    """Rebuild the campaign's MLflow runs from its files: a broken store moved aside (kept), a new one made."""
+    from flows.run.owner import claim_campaign
+    from tasks.records import campaign_dir
+    from tasks.tracking_store import repair_tracking as repair
+
+    spec = _loaded(params)
+    with _bad_input():  # not while a launch of it runs: its runs are being written
+        ownership = claim_campaign(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), spec.campaign.name, "repair-tracking")
+    try:
+        with _bad_input():
+            report = repair(spec)
+    except typer.Exit:
+        raise
+    except Exception as e:  # the store or server failed while rebuilding: what was done stays, a second run goes on
+        _fail(f"rebuilding campaign {spec.campaign.name}'s MLflow runs in {_store_named(spec)} failed "
+              f"({e.__class__.__name__}: {e}); run `campaign repair-tracking {params}` again", code=1)
+    finally:
+        ownership.release()
+    say = lambda line, style=None: console.print(escape(line), style=style, highlight=False, soft_wrap=True)
+    if report.moved_aside is not None:
+        say(f"MLflow store {report.store} {report.problem}: moved aside to {report.moved_aside} (kept); a new store made")
+    if report.parent is None:
+        say(f"campaign {spec.campaign.name} has no record under {spec.tracking.runs_dir}: no run to rebuild")
+    else:
+        journaled = (f"; per-step history from the metrics journals of {len(report.journaled)}" if report.journaled else "")
+        say(f"campaign {spec.campaign.name}: its run {report.parent}; {len(report.rebuilt)} trial run(s) rebuilt, "
+            f"{len(report.kept)} kept; {report.metric_points} metric value(s) logged{journaled}"
+            + ("" if len(report.journaled) == len(report.rebuilt) else " (a trial without a journal: its last values only)"))
+        say(f"its records name the runs in the store now: `campaign resume {params}` continues")
+    if report.others:
+        say(f"campaigns {', '.join(report.others)} under {spec.tracking.runs_dir} name runs too: if they logged to the store "
+            "moved aside, run `campaign repair-tracking` with each one's spec", style="yellow")
+
+
+def _store_named(spec) -> str:
+    from tasks.mlflow_store import sqlite_file
+    from training.spec import tracking_uri
+
+    uri = tracking_uri(spec.tracking)
+    return str(sqlite_file(uri) or uri)
 
 
 @app.command()
