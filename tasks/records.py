@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from training.manifest import checkpoint_report, checkpoint_step
 from training.agent_state import read_agent_state
 from training.progress import read_progress
-from training.result import read_result
+from training.result import REFINALISED, result_report
 from training.files import InputError, append_json_line, envelope_problem, read_bounded, read_json, read_json_lines, read_status_json, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
 
@@ -158,7 +159,9 @@ def latest_campaign(runs_dir: Path) -> str | None:
 
 
 ACTIVE = ("starting", "running")  # states only true while the campaign process that wrote them lives
-ENDED = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted")  # nothing changes them but a launch
+# "unverified": the record says finished, but the trial's result.json is not a valid signed one
+# (training.result): shown so, with the reason, until a launch re-finalises it.
+ENDED = ("finished", "pruned", "failed", "stopped", "interrupted", "preempted", "unverified")  # nothing changes them but a launch
 
 
 def process_identity(pid: int | None = None) -> str | None:
@@ -298,10 +301,20 @@ def read_allocations(root: Path) -> list[Allocation]:
             for raw in read_json_lines(campaign_files(root).allocations, _allocation_problem)]
 
 
-def completed_result(trial_dir: Path) -> dict[str, Any] | None:
-    """The trial's result if it finished, else None. Finished stays finished: a result whose
-    checkpoints no longer verify (another checkpoint key) is not a reason to train again."""
-    return read_result(trial_dir)
+def completed_result(trial_dir: Path, warn: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """The trial's result if it finished, else None. Finished means a valid result signed by
+    this host's key; it stays finished when its checkpoints no longer verify. A result.json
+    that is not one (malformed, unsigned, forged) is warned about through `warn` (default:
+    Python's warnings), naming the file and what is wrong, and reads as none: the trial is
+    launched again and re-finalised from its final checkpoint (training.result)."""
+    result, problem = result_report(trial_dir)
+    if problem is not None:
+        message = f"ignoring {problem}; {REFINALISED}"
+        if warn is not None:
+            warn(message)
+        else:
+            warnings.warn(message, stacklevel=2)
+    return result
 
 
 @dataclass(frozen=True)
@@ -315,15 +328,18 @@ class TrialStatus:
     metrics: dict[str, float]
     checkpoint: str | None
     refused: tuple[tuple[str, str], ...] = ()  # (checkpoint, why) newer than `checkpoint`, not trusted
-    reason: str | None = None  # the record's word on why it ended so (a failed trial: stalled at step N for S s)
+    reason: str | None = None  # the record's word on why it ended so (a failed trial: stalled at step N for S s), or why its result was refused
 
 
 def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> TrialStatus:
     record = read_trial_record(trial_dir)
     progress = read_progress(trial_dir)
-    result = read_result(trial_dir)
+    # Not read_result: status names a refused result on the trial's own line, not as a Python warning.
+    result, result_refused = result_report(trial_dir, trial_id)
     agent = read_agent_state(trial_files(trial_dir).control)  # an elastic trial's devices now
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
+    if result_refused is not None and state in ("finished", "pruned"):
+        state = "unverified"  # its record says finished, on the strength of a result that is not one
     devices = agent.devices if state == "running" and agent is not None and agent.status == "running" else record.devices
     latest, refused = checkpoint_report(trial_files(trial_dir).checkpoints)
     return TrialStatus(
@@ -335,7 +351,8 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
         metrics=dict(result["metrics"] if result else progress.metrics if progress else {}),
         checkpoint=str(latest) if latest else None,
         refused=tuple((d.name, why) for d, why in refused),
-        reason=record.reason if state == record.state else None,
+        reason=(f"result refused: {result_refused}; {REFINALISED}" if result_refused is not None
+                else record.reason if state == record.state else None),
     )
 
 

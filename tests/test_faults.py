@@ -292,8 +292,9 @@ def test_a_trial_killed_after_its_result_counts_as_finished(tmp_path, monkeypatc
 
     trial_dir = tmp_path / "t"
     final = two_checkpoints(trial_dir / "checkpoints")[0]
-    result = {"checkpoint": str(final), "steps": 20, "metrics": {"val_loss": 0.5}}
-    write_json_atomic(trial_dir / "result.json", result)
+    from training.result import write_result
+
+    result = write_result(trial_dir / "result.json", {"trial_id": "t", "checkpoint": str(final), "steps": 20, "metrics": {"val_loss": 0.5}})
     cfg = TrialConfig(trial_id="t", seed=0, model={"name": "mlp"}, data={"path": "x"}, steps=20, batch_size=1, lr=0.1,
                       trial_dir=str(trial_dir))
     killed = trial_module.LaunchPlan([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],

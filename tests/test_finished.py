@@ -1,9 +1,11 @@
-"""Finished stays finished: a trial's result stands when its checkpoints cannot be verified.
-
-Resuming under another checkpoint key (a reset home folder, another user, a node without
-the key) used to refuse every checkpoint as unsigned and train every finished trial again.
-Now the result decides; `campaign status` names the refused checkpoints and why, and
+"""Finished stays finished: a trial's signed result stands when its checkpoints cannot be
+verified (corrupted, deleted); `campaign status` names the refused checkpoints and why, and
 `campaign resume --rerun TRIAL` is how a person asks for a new run.
+
+Under another checkpoint key (a reset home folder, another user, a node without the key)
+the result's signature does not hold either: neither its numbers nor its weights can be
+trusted, so the trial reads as unfinished (`unverified`, saying why) and a launch trains it
+again; restoring the key that signed them makes it finished again (training/result.py).
 """
 
 from __future__ import annotations
@@ -16,47 +18,67 @@ import pytest
 import torch
 import yaml
 
-from tasks.records import CampaignRecord, TrialEntry, completed_result, trial_status, write_campaign
+from tasks.records import CampaignRecord, TrialEntry, completed_result, trial_status, update_record, write_campaign
 from training.checkpoint import Checkpointer
-from training.files import write_json_atomic
-from training.manifest import KEY_ENV, list_checkpoints, verify
-from training.result import set_aside
+from training.manifest import KEY_ENV, MANIFEST, list_checkpoints, verify
+from training.result import set_aside, write_result
 
 
 def finished_trial(trial_dir: Path) -> dict:
     saver = Checkpointer(trial_dir / "checkpoints", keep=3, rank=0, world_size=1)
     for step in (10, 20):
         saver.save(step, {"trainer": {"w": torch.full((4,), float(step))}}, blocking=True)
-    result = {"trial_id": trial_dir.name, "checkpoint": str(list_checkpoints(trial_dir / "checkpoints")[0]), "steps": 20,
-              "metrics": {"val_accuracy": 0.9}}
-    write_json_atomic(trial_dir / "result.json", result)
-    return result
+    return write_result(trial_dir / "result.json", {"trial_id": trial_dir.name, "steps": 20, "metrics": {"val_accuracy": 0.9},
+                                                    "checkpoint": str(list_checkpoints(trial_dir / "checkpoints")[0])})
 
 
-def test_a_finished_trial_stays_finished_under_another_key(tmp_path, monkeypatch):
+def test_a_signed_result_stays_finished_when_its_checkpoints_no_longer_verify(tmp_path):
     from conftest import campaign_cli
 
     runs = tmp_path / "runs"
     write_campaign(runs, CampaignRecord(name="c", trials=(TrialEntry("t1", "x", 20),)))
     result = finished_trial(runs / "c" / "t1")
-    monkeypatch.setenv(KEY_ENV, str(tmp_path / "another.key"))  # as after a reset home folder
+    for checkpoint in list_checkpoints(runs / "c" / "t1" / "checkpoints"):
+        (checkpoint / MANIFEST).write_text("{}")  # corrupted after the trial finished
     assert verify(Path(result["checkpoint"])) is not None  # the checkpoints are refused...
     assert completed_result(runs / "c" / "t1") == result  # ...and the trial is still finished
     status = trial_status(runs / "c" / "t1", "t1", "x", 20)
-    assert status.state == "finished" and status.checkpoint is None
+    assert status.state == "finished" and status.checkpoint is None and status.reason is None
     assert [name for name, _ in status.refused] == ["step-00000020", "step-00000010"]
-    assert all("signature does not match" in why for _, why in status.refused)
 
     shown = campaign_cli("status", "c", "--runs-dir", str(runs), cwd=tmp_path)
     output = " ".join(shown.stdout.split())
     assert shown.returncode == 0, shown.stderr[-2000:]
-    assert "checkpoint step-00000020 refused: the manifest's signature does not match" in output, output
+    assert "checkpoint step-00000020 refused: the manifest is malformed" in output, output
     assert "campaign resume --rerun t1" in output, output
+
+
+def test_under_another_key_a_finished_trial_is_unverified_until_its_key_is_back(tmp_path, monkeypatch):
+    from conftest import campaign_cli
+
+    runs = tmp_path / "runs"
+    write_campaign(runs, CampaignRecord(name="c", trials=(TrialEntry("t1", "x", 20),)))
+    result = finished_trial(runs / "c" / "t1")
+    update_record(runs / "c" / "t1", state="finished")
+    key = os.environ[KEY_ENV]
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "another.key"))  # as after a reset home folder
+    with pytest.warns(UserWarning, match=r"result\.json: its signature does not match this host's checkpoint key"):
+        assert completed_result(runs / "c" / "t1") is None  # launched again: nothing of it can be trusted
+    status = trial_status(runs / "c" / "t1", "t1", "x", 20)
+    assert status.state == "unverified" and status.metrics == {} and "another.key" in status.reason
+    shown = campaign_cli("status", "c", "--runs-dir", str(runs), cwd=tmp_path)
+    output = " ".join(shown.stdout.split())
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr[-2000:]
+    assert f"trial t1 unverified: result refused: {runs / 'c' / 't1' / 'result.json'}: its signature does not match" in output, output
+
+    monkeypatch.setenv(KEY_ENV, key)  # the key that signed it, restored
+    assert completed_result(runs / "c" / "t1") == result
+    assert trial_status(runs / "c" / "t1", "t1", "x", 20).state == "finished"
 
 
 def test_a_malformed_result_is_no_result(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"metrics": {}}))  # no checkpoint: not what a trainer writes
-    with pytest.warns(UserWarning, match="no checkpoint path"):
+    with pytest.warns(UserWarning, match="no trial_id, steps, checkpoint"):
         assert completed_result(tmp_path) is None
     (tmp_path / "result.json").unlink()
     os.mkfifo(tmp_path / "result.json")
@@ -75,7 +97,7 @@ def test_rerun_sets_the_result_and_checkpoints_aside(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_under_another_key_trains_nothing_and_rerun_trains_again(tmp_path, digits_npz):
+def test_resume_under_another_key_trains_again_and_rerun_trains_again(tmp_path, digits_npz):
     from conftest import campaign_cli
 
     runs = tmp_path / "runs"
@@ -88,16 +110,17 @@ def test_resume_under_another_key_trains_nothing_and_rerun_trains_again(tmp_path
     first = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     (trial_dir,) = [p for p in (runs / "keyed").iterdir() if p.is_dir()]
-    result = (trial_dir / "result.json").read_text()
     starts = (trial_dir / "train.log").read_text().count("fresh start")
 
     os.environ[KEY_ENV], key = str(tmp_path / "another.key"), os.environ[KEY_ENV]
     try:
+        # Neither the result nor the checkpoints verify: nothing says the trial ran, so it runs.
         again = campaign_cli("resume", "params.yaml", "--no-live", cwd=tmp_path)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        assert (trial_dir / "result.json").read_text() == result  # not recomputed
-        assert (trial_dir / "train.log").read_text().count("fresh start") == starts
+        assert "its signature does not match this host's checkpoint key" in again.stdout + again.stderr
+        assert (trial_dir / "train.log").read_text().count("fresh start") == starts + 1
         assert "finished 1/1" in again.stdout
+        starts += 1
 
         bad = campaign_cli("resume", "params.yaml", "--no-live", "--rerun", "nope", cwd=tmp_path)
         assert bad.returncode == 2 and "has no such trial" in bad.stderr, bad.stderr[-2000:]

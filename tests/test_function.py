@@ -7,6 +7,7 @@ package of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -66,6 +67,48 @@ def fit(ctx, width=16, lr=0.05, every=10, save_every=None, quality=1.0, fail_at=
         if stop:
             return
     return {"final_width": width}
+
+
+def fit_stateless(ctx, every=10, save_every=20, adam_from=80):
+    """SGD without momentum (no optimizer state, ever), an Adam that steps only from step
+    `adam_from` (no state before it) and a StepLR schedule: each save before adam_from holds
+    two empty optimizer states."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    adam = torch.optim.Adam(model[2].parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=30, gamma=0.5)
+    step = 0
+    if (saved := ctx.load()) is not None:
+        step, state = saved
+        model.load_state_dict(state["model"])
+        sgd.load_state_dict(state["sgd"])
+        adam.load_state_dict(state["adam"])
+        schedule.load_state_dict(state["schedule"])
+    while step < ctx.steps:
+        i = (step * 32) % 512
+        loss = F.mse_loss(model(x[i:i + 32]), y[i:i + 32])
+        sgd.zero_grad()
+        adam.zero_grad()
+        loss.backward()
+        sgd.step()
+        if step >= adam_from:
+            adam.step()
+        schedule.step()
+        step += 1
+        if step % every == 0:
+            with torch.no_grad():
+                ctx.report(step, train_loss=loss, val_loss=F.mse_loss(model(x), y).item(), lr=schedule.get_last_lr()[0])
+        stop = ctx.should_stop()
+        if step % save_every == 0 or stop:
+            ctx.save(step, {"model": model, "sgd": sgd, "adam": adam, "schedule": schedule})
+        if stop:
+            return
+    with torch.no_grad():
+        return {"final_val_loss": F.mse_loss(model(x), y).item()}
 
 
 def check(ctx, **kwargs):
@@ -210,6 +253,68 @@ def test_save_and_load_give_back_plain_state_dicts(user_package):
     assert torch.equal(twin_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_empty_optimizer_and_scheduler_states_come_back_whole(user_package):
+    """DCP keeps leaves only: an optimizer's `state` with nothing in it (plain SGD's, always;
+    Adam's before its first step) came back without the key, and load_state_dict raised
+    KeyError: 'state'. A save keeps the state's shape apart from its leaves, so every empty
+    container comes back, int keys stay ints, and a list keeps its length."""
+    cfg = dry_config(user_package)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.1)  # no momentum: no state, ever
+    adam = torch.optim.Adam(model[1].parameters(), lr=0.01)  # never stepped: no state yet
+    schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.5)
+    for _ in range(3):
+        sgd.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        sgd.step()
+        schedule.step()
+    extra = {"empty": {}, "history": [{}, {"a": 1}, []], "ids": {3: "int", "3": "text"}, "pair": (1, 2)}
+    ctx = TrialContext(cfg, 0, 1, 0, torch.device("cpu"), async_saves=False, quiet=True)
+    ctx.save(3, {"model": model, "sgd": sgd, "adam": adam, "schedule": schedule, "extra": extra})
+    ctx.close()
+    again = TrialContext(cfg, 0, 1, 0, torch.device("cpu"), async_saves=False, quiet=True)
+    step, state = again.load()
+    again.close()
+    assert step == 3
+    assert state["sgd"] == sgd.state_dict() and state["sgd"]["state"] == {}
+    assert state["adam"] == adam.state_dict() and state["adam"]["state"] == {}
+    assert state["schedule"] == schedule.state_dict() and state["extra"] == extra
+
+    twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    twin.load_state_dict(state["model"])
+    twin_sgd = torch.optim.SGD(twin[0].parameters(), lr=0.1)
+    twin_adam = torch.optim.Adam(twin[1].parameters(), lr=0.01)
+    twin_schedule = torch.optim.lr_scheduler.StepLR(twin_sgd, step_size=2, gamma=0.5)
+    twin_sgd.load_state_dict(state["sgd"])  # KeyError: 'state' before
+    twin_adam.load_state_dict(state["adam"])
+    twin_schedule.load_state_dict(state["schedule"])
+    assert twin_sgd.param_groups[0]["lr"] == sgd.param_groups[0]["lr"] == 0.05
+    x = torch.randn(4, 3)
+    for net, opts in ((model, (sgd, adam)), (twin, (twin_sgd, twin_adam))):  # the same next step on both
+        net.zero_grad()
+        net(x).sum().backward()
+        for opt in opts:
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_a_checkpoint_saved_before_saves_kept_their_shape_still_loads(user_package):
+    """A trial saved by the earlier layout (DCP's own nesting under "app") resumes after an
+    upgrade: its optimizer's parameter indices come back as ints, as they did."""
+    cfg = dry_config(user_package)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ctx = TrialContext(cfg, 0, 1, 0, torch.device("cpu"), async_saves=False, quiet=True)
+    ctx.checkpointer.save(4, {"app": {"model": model.state_dict(), "opt": opt.state_dict()}, "progress": {"step": 4}})
+    step, state = ctx.load()
+    ctx.close()
+    assert step == 4 and list(state["opt"]["state"]) == [0, 1]
+    torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.01).load_state_dict(state["opt"])
+
+
 # --- real campaigns -----------------------------------------------------------------------------
 
 def trial_runs(tmp_path: Path, experiment: str = "campaigns"):
@@ -287,6 +392,50 @@ def test_a_killed_function_trial_resumes_from_its_last_save_without_reporting_a_
     assert Path(run.data.tags[f"resume.step-{result['resumed_from_step']}"]).name == saved[-1]  # which checkpoint it used
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")]
     assert sorted(steps) == list(range(10, 121, 10))  # each once, the replayed ones too
+
+
+@pytest.mark.slow
+def test_a_killed_function_trial_with_empty_optimizer_states_resumes_to_an_uninterrupted_runs_result(user_package):
+    """Plain SGD, an Adam not stepped yet and an LR schedule, saved every 20 steps; the
+    campaign and the trial's processes SIGKILLed while it is held at step 70. The next launch
+    resumes from the last save (load_state_dict raised KeyError: 'state' there before) and
+    ends where one uninterrupted run of the same function, in this process, ends."""
+    write_params(user_package, "stateless", {"target": "mylab.loop:fit_stateless", "kwargs": {"every": 10, "save_every": 20},
+                                             "steps": 120})
+    proc, trial_dir = launch_held_at_65(user_package, user_package / "runs" / "stateless")
+    trial_processes = psutil.Process(proc.pid).children(recursive=True)
+    assert trial_processes
+    os.kill(proc.pid, signal.SIGKILL)
+    for process in trial_processes:  # the trial's own processes too, not left to their parent-death signal
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(trial_processes, timeout=30)
+    saved = sorted(p.name for p in (trial_dir / "checkpoints").glob("step-*"))[-1]  # nothing writes them now
+    assert saved in ("step-00000040", "step-00000060")  # saved every 20 (the last in the background); 70 reported, not saved
+    trial_files(trial_dir).hold.unlink()
+    done = campaign_cli("launch", "params.yaml", cwd=user_package)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((trial_dir / "result.json").read_text())
+    assert result["steps"] == 120 and f"step-{result['resumed_from_step']:08d}" == saved, result
+    assert "KeyError" not in (trial_dir / "train.log").read_text()
+
+    from mylab.loop import fit_stateless
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the trial's process computes
+    try:
+        cfg = dataclasses.replace(dry_config(user_package, "mylab.loop:fit_stateless"), steps=120)
+        ctx = TrialContext(cfg, 0, 1, 0, torch.device("cpu"), async_saves=False, quiet=True)
+        uninterrupted = fit_stateless(ctx, every=10, save_every=20)
+        ctx.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert result["metrics"]["lr"] == ctx.latest["lr"] == 0.05 * 0.5 ** 4
+    assert result["metrics"]["final_val_loss"] == pytest.approx(uninterrupted["final_val_loss"], rel=1e-6)
+    assert result["metrics"]["val_loss"] == pytest.approx(ctx.latest["val_loss"], rel=1e-6)
 
 
 def _readable(path: Path) -> bool:

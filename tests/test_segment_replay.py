@@ -57,9 +57,9 @@ def launches(node, monkeypatch):
 
     def stand_in_launch(cfg, placed, cwd, **kwargs):
         plan = plan_launch(cfg, placed, cwd, **kwargs)
-        result = {"checkpoint": "none", "metrics": {"loss": 0.0}}
-        script = (f"import json; open({str(started)!r}, 'a').write('launched\\n'); "
-                  f"open({str(trial_files(cfg.trial_dir).result)!r}, 'w').write(json.dumps({result!r}))")
+        result = {"trial_id": cfg.trial_id, "steps": 1, "checkpoint": "step-00000001", "metrics": {"loss": 0.0}}
+        script = (f"from training.result import write_result; open({str(started)!r}, 'a').write('launched\\n'); "
+                  f"write_result({str(trial_files(cfg.trial_dir).result)!r}, {result!r})")  # signed, as a trainer's
         return replace(plan, command=[sys.executable, "-c", script])
 
     plan_launch = segment.plan_launch
