@@ -72,9 +72,12 @@ class Search:
         if self.strategy == "sobol":  # indexed by the study's trials: the sequence goes on after a restart
             warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # stable since 3.0, still flagged
             return optuna.samplers.QMCSampler(qmc_type="sobol", scramble=True, seed=seed, warn_independent_sampling=False)
+        # Optuna seeds a numpy RandomState, which takes < 2**32: the offset wraps there (the
+        # same seeds as before for every campaign.seed below 4294, where it never reached it).
+        fresh = (seed * 1_000_003 + existing) % 2**32
         if self.strategy == "tpe":  # it conditions on the history; the offset keeps its random draws fresh
-            return optuna.samplers.TPESampler(seed=seed * 1_000_003 + existing)
-        return optuna.samplers.RandomSampler(seed=seed * 1_000_003 + existing)
+            return optuna.samplers.TPESampler(seed=fresh)
+        return optuna.samplers.RandomSampler(seed=fresh)
 
     def _enqueue_grid(self) -> None:
         """Every grid point x seed the study does not hold yet, in the spec's order."""
