@@ -10,14 +10,17 @@ and `loads_json` refuses nesting deeper than a record ever has before the parser
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import stat
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from training.errors import CampaignError
 
@@ -138,6 +141,122 @@ def loads_json(text: str | bytes, source: str | Path, limit: int = MAX_DEPTH) ->
                          "from a copy") from None
 
 
+# The errors of a file system that has no room left for this user: the whole disk, or the quota.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(CampaignError, OSError):
+    """A write failed for want of room (ENOSPC, EDQUOT): the message names what was being written,
+    how much its file system has free, and the fix. An OSError still (errno kept), so that code
+    that tolerates a failed write goes on tolerating it."""
+
+    def __init__(self, path: str | Path, code: int = errno.ENOSPC, what: str = "", room: str | None = None):
+        self.path, self.what = str(path), what
+        self.room = room if room is not None else free_space(path)  # as it was when the write failed
+        super().__init__(code, os.strerror(code), self.path)
+
+    def __str__(self) -> str:
+        room = "disk quota exceeded" if self.errno == errno.EDQUOT else "disk full"
+        fix = ("free some space there (your quota on it is used up)" if self.errno == errno.EDQUOT
+               else "free some space there")
+        return (f"{room}: cannot write {self.what}{self.path} ({self.strerror}); {self.room}: {fix}, or set "
+                f"tracking.runs_dir to a folder on a file system with room, then `campaign resume` (trials resume from "
+                f"their last checkpoint)")
+
+    def __reduce__(self):  # pickled whole (a Prefect state, a worker's reply): the message comes back the same
+        return (type(self), (self.path, self.errno, self.what, self.room))
+
+
+def size_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _mount_point(path: Path) -> Path:
+    """The folder its file system is mounted at: what people know a disk by (`df` shows it)."""
+    try:
+        device = path.stat().st_dev
+        while path != path.parent and path.parent.stat().st_dev == device:
+            path = path.parent
+    except OSError:
+        pass
+    return path
+
+
+def available_bytes(path: str | Path) -> int | None:
+    """What this user may still write on the file system holding `path` (or its nearest folder
+    that exists); None when it cannot be told."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
+def free_space(path: str | Path) -> str:
+    """How much room the file system holding `path` (or its nearest folder that exists) has left,
+    in words: "12.0 KiB free of 1.0 MiB on the file system at /mnt/runs"."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError as e:
+        return f"the free space of {where}'s file system is unknown ({e.strerror})"
+    return f"{size_text(usage.free)} free of {size_text(usage.total)} on the file system at {_mount_point(where)}"
+
+
+def no_room(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC or EDQUOT OSError behind `exc`, if any: itself, what caused it (raise ... from,
+    or during handling), or one rank's failure inside a checkpoint's CheckpointException
+    (torch.distributed.checkpoint gathers each rank's exception into its `failures`)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
+    return None
+
+
+def disk_full_in(exc: BaseException, path: str | Path | None = None, what: str = "") -> DiskFull | None:
+    """`exc` as a DiskFull naming `path` (else the file the OSError names), or None when no
+    ENOSPC/EDQUOT is behind it."""
+    if isinstance(exc, DiskFull):
+        return exc
+    full = no_room(exc)
+    if full is None:
+        return None
+    if isinstance(full, DiskFull):
+        return full
+    return DiskFull(path if path is not None else full.filename or "?", full.errno, what)
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str | Path, what: str = "") -> Iterator[None]:
+    """Within it, an ENOSPC or EDQUOT becomes a DiskFull naming `path` (the file or folder being
+    written), its file system's free space and the fix, instead of `[Errno 28] No space left on
+    device` naming nothing."""
+    try:
+        yield
+    except OSError as e:
+        if (full := disk_full_in(e, path, what)) is None or full is e:
+            raise
+        raise full from e
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -159,19 +278,20 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     """Replace `path` whole. `durable=False` skips the fsync (a status file a crash may lose:
     the rename still keeps readers from seeing half of it)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are read by people and tools like any file
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_a_full_disk(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are read by people and tools like any file
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if durable:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
@@ -196,13 +316,14 @@ def append_json_line(path: Path, obj: Any) -> None:
     writers (the campaign and a trial's agent) never interleave, and a reader sees whole lines
     or, after a crash mid-write, a last line without its newline (which readers skip)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(obj, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+    with naming_a_full_disk(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
 
 def read_json_lines(path: Path, problem: Callable[[Any], str | None], limit: int = MAX_LOG_BYTES) -> list[Any]:
