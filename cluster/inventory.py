@@ -268,10 +268,15 @@ def host_cores() -> list[int]:
 
 
 def _cpu_inventory(node: str, slots: int | None) -> Inventory:
+    from training.spec import MAX_SLOTS
+
     cores = host_cores()
     count = len(cores) if slots is None else slots
     if count < 1:
         raise InventoryError(f"cpu_slots={slots} on {node}: a node needs at least one CPU slot")
+    if slots is not None and count > MAX_SLOTS:  # `campaign cluster/worker --cpu-slots` come here unchecked by the spec
+        raise InventoryError(f"cpu_slots={slots} on {node}: at most {MAX_SLOTS} CPU slots per node (more than the "
+                             f"{len(cores)} cores share them round-robin); give a number in [1, {MAX_SLOTS}]")
     # A core's share of the host's memory, whatever the number of slots: slots of one host are
     # alike however many each node of a pool on it declares.
     memory = _host_memory_bytes() // len(cores)
@@ -283,12 +288,19 @@ def _cpu_inventory(node: str, slots: int | None) -> Inventory:
         )
         for i in range(count)
     )
-    sockets = {d.id: _cpu_socket(d.index) for d in devices}
+    # Only pairs on two sockets are links: grouped by socket first, a one-socket host makes
+    # none, where comparing every pair of slots took quadratic time (a million slots: hours).
+    socket_of = {core: _cpu_socket(core) for core in cores}
+    by_socket: dict[int, list[Device]] = {}
+    for d in devices:
+        by_socket.setdefault(socket_of[d.index], []).append(d)
+    groups = list(by_socket.values())
     links = {
         frozenset((a.id, b.id)): Link.CROSS_SOCKET
-        for i, a in enumerate(devices)
-        for b in devices[i + 1 :]
-        if sockets[a.id] != sockets[b.id]
+        for i, group in enumerate(groups)
+        for other in groups[i + 1 :]
+        for a in group
+        for b in other
     }
     return Inventory(devices, links)
 

@@ -11,13 +11,15 @@ from typing import Any
 
 from training.spec import CampaignSpec, TrialSpec, set_path
 from training.config import LOADER_FIELDS
+from training.layout import portable_name
 
 NOT_TRAINED = ("stall_timeout_s",)  # training settings that are not part of a trial's identity
+LABEL_VALUE_CHARS = 60  # a grid value's share of a label; the whole value is in the trial's spec and MLflow params
 
 
 @dataclass(frozen=True)
 class Trial:
-    id: str  # stable: derived from everything the trial's training depends on
+    id: str  # stable: derived from everything the trial's training depends on; a portable folder name
     label: str  # the grid point, for people: "lr=0.05 width=8"
     overrides: dict[str, Any]  # grid key -> value
     spec: TrialSpec
@@ -27,18 +29,29 @@ def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _shown(value: Any) -> str:
+    """A grid value as a label shows it: control characters escaped (a label reaches terminals,
+    Prefect and MLflow run names) and a long value cut."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in _short(value))
+    return text if len(text) <= LABEL_VALUE_CHARS else text[:LABEL_VALUE_CHARS - 1] + "…"
+
+
 def trial_id(spec: TrialSpec, overrides: dict[str, Any]) -> str:
     """Readable prefix from the grid point plus a hash of the whole resolved trial.
 
     Changing anything that affects training (steps, seed, a non-grid field) changes the id,
-    so a resume never continues a checkpoint under different settings.
+    so a resume never continues a checkpoint under different settings. The id is the trial's
+    folder name: the prefix is the grid point as it reads ("lr0.1-width16") when that is a
+    portable name, else a slug of it with a hash of all of it (training.layout.portable_name),
+    so a value such as '../x', 'a/b' or a 300-character text never leads a path out of the
+    campaign's folder or past a filesystem's name limit.
     """
     # How batches are fed (loader workers, device residency) and how long a stall is waited
     # out do not change what is trained.
     canonical = json.dumps(spec.model_dump(mode="json", exclude={"data": set(LOADER_FIELDS), "training": set(NOT_TRAINED)}),
                            sort_keys=True)
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:8]
-    readable = "-".join(f"{key.split('.')[-1]}{_short(v)}" for key, v in overrides.items())
+    readable = portable_name("-".join(f"{key.split('.')[-1]}{_short(v)}" for key, v in overrides.items())) if overrides else ""
     return f"{readable}-{digest}" if readable else digest
 
 
@@ -57,7 +70,7 @@ def make_trial(spec: CampaignSpec, overrides: dict[str, Any], seed_index: int = 
     for key, value in overrides.items():
         set_path(raw, key, value)
     trial_spec = TrialSpec.model_validate(raw)
-    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in overrides.items()) or "default"
+    label = " ".join(f"{k.split('.')[-1]}={_shown(v)}" for k, v in overrides.items()) or "default"
     if seed_index:
         label += f" seed+{seed_index}"
     return Trial(trial_id(trial_spec, overrides), label, overrides, trial_spec)

@@ -1,10 +1,15 @@
-"""The campaign summary: DVC metrics (`dvc metrics show`), the parent run's tags and summary.json."""
+"""The campaign summary: DVC metrics (`dvc metrics show`), the parent run's tags and summary.json.
+
+The file names its campaign and says `"written_by": "campaign"`: a later launch replaces it
+only when it is this campaign's own (training.spec.summary_not_ours, checked before anything
+runs and again here), never a file the spec happens to point at."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from training.spec import CampaignSpec
+from training.errors import CampaignError
+from training.spec import SUMMARY_WRITER, CampaignSpec, summary_not_ours
 from tasks.grid import Trial
 from training.files import write_json_atomic
 
@@ -31,7 +36,13 @@ def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, di
                   pruned: set[str] = frozenset()) -> dict[str, Any]:
     # A grid ranks by validation accuracy, as it always has; a search by its own objective.
     summary = summarize(trials, results, failed, pruned, spec.objective if spec.searched else (RANK_BY, "max"))
-    write_json_atomic(spec.tracking.summary, {"campaign": spec.campaign.name, **summary})
+    path, name = spec.tracking.summary, spec.campaign.name
+    # Checked before the launch (training.spec.check_outputs); again now: a file may have been put there since.
+    if why := summary_not_ours(path, name):
+        raise CampaignError(f"tracking.summary: {path} {why}, and was left as it is; the trials' results are on disk "
+                            f"and in MLflow: move {path} aside or point tracking.summary at a new file, then launch again")
+    # DVC reads the numbers (`dvc metrics show`); the two strings say whose file this is.
+    write_json_atomic(path, {"campaign": name, "written_by": SUMMARY_WRITER, **summary})
     return summary
 
 

@@ -232,6 +232,13 @@ def find_trial_run(uri: str, parent_run_id: str, trial_id: str):
 
 @in_hub
 @retrying
+def trial_run_id(uri: str, parent_run_id: str, trial_id: str) -> str | None:
+    run = find_trial_run(uri, parent_run_id, trial_id)
+    return None if run is None else run.info.run_id
+
+
+@in_hub
+@retrying
 def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dict[str, Any]) -> bool:
     """A trial whose result is on disk but whose run is not FINISHED (its campaign was killed
     between the two): finish the run now. True if it had to."""

@@ -1,8 +1,10 @@
 """Run one trial segment: plan the torchrun launch on the leased devices, then apply it.
 
 The plan (command, environment, files) is pure data a test can assert on; applying it
-starts torchrun in its own process group, waits, and turns a failure into an error that
-carries the end of the trial's log.
+starts torchrun in its own process group, waits, and turns a failure into an error whose
+first line says why in the user's terms (what its processes recorded: training/failure.py;
+a signal by name, an out-of-memory kill told by its cgroup), retried only when it is an
+infrastructure failure.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from cluster.inventory import visible_devices_env
 from cluster.types import Device
 from tasks.records import TrialRecord, completed_result, update_record
 from tasks.trial_log import LogForwarder
-from tasks.watchdog import Watchdog
+from tasks.watchdog import Watchdog, trial_processes
 from training.config import TrialConfig
 from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
+from training.failure import DISK_FULL, SIGNAL, USER, Failure, clear_failure, exit_description, read_failure, signal_name
 from training.fence import lease_problem
-from training.files import write_atomic
+from training.files import DiskFull, size_text, write_atomic
 from training.loopback import BIND_ENV
 from training.process import (die_with_parent, end_processes, processes_marked, signal_group, signal_process,
                               stop_process_groups)
@@ -44,16 +47,35 @@ LOG_TAIL_CHARS = 3000
 
 
 class TrialFailed(CampaignError):
-    """torchrun exited with an error; the message holds the end of the trial's log."""
+    """The trial's processes failed. The message's first line says why in one line (what the
+    live view and `campaign status` show); an infrastructure failure's goes on with the end of
+    the trial's log."""
+
+    @property
+    def summary(self) -> str:
+        return str(self).split("\n", 1)[0]
 
 
 class TrialStopped(TrialFailed):
     """The campaign stopped the trial (SIGTERM, an error of its own): not the trial's fault."""
 
 
-class TrialStalled(TrialFailed):
+class NotRetried(TrialFailed):
+    """A failure a retry would only repeat: run_trial's retry condition lets it be."""
+
+
+class TrialStalled(NotRetried):
     """The trial's step stood still past training.stall_timeout_s (tasks/watchdog.py): its
     stacks are in its log, it was stopped, and it is not retried (it would hang again)."""
+
+
+class TrialRaised(NotRetried):
+    """An exception raised in the user's own code (training.failure: model, data, loss,
+    optimizer, training function): it would be raised again after as many steps."""
+
+
+class TrialDiskFull(NotRetried):
+    """A write of the trial found no room (ENOSPC, EDQUOT): it would fill the disk again."""
 
 
 PREEMPTED = 3  # the elastic agent's exit code when the trial was resized to zero devices
@@ -549,12 +571,15 @@ def log_tail(path: Path) -> str:
         return ""
 
 
-def _retried_unless_stalled(task, task_run, state) -> bool:
-    """run_trial's retry condition: a stalled trial is not retried into the same hang."""
-    return not isinstance(state.data, TrialStalled)
+def _retried_if_infrastructure(task, task_run, state) -> bool:
+    """run_trial's retry condition: retries are for infrastructure failures (a worker lost or
+    killed by a signal, an error in this project's code or a library it calls, a lease
+    problem). A stall, an exception in the user's own code and a full disk would only happen
+    again: not retried (the campaign's own record writes finding no room included)."""
+    return not isinstance(state.data, (NotRetried, DiskFull))
 
 
-@task(retries=1, retry_delay_seconds=2, retry_condition_fn=_retried_unless_stalled)
+@task(retries=1, retry_delay_seconds=2, retry_condition_fn=_retried_if_infrastructure)
 def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: bool = False, warm: bool = False) -> dict[str, Any]:
     """One segment of a trial on its devices; a retry resumes from the last checkpoint.
 
@@ -563,6 +588,129 @@ def run_trial(config: TrialConfig, devices: list[Device], cwd: str, elastic: boo
     if campaign_stopping(config.trial_id):  # a retry after a stop: leave the record as the stop wrote it
         raise TrialStopped(f"trial {config.trial_id}: not launched, the campaign is stopping or its leases were lost")
     return run_plan(plan_launch(config, devices, Path(cwd), elastic=elastic, warm=warm), config, devices)
+
+
+# --- a segment's memory: its peak, and the out-of-memory killer ------------------------------------
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MEMORY_POLL_S = 1.0
+
+
+def oom_kill_count(events: str | None) -> int | None:
+    """The out-of-memory killer's count in a cgroup's `memory.events` (cgroup v2) or
+    `memory.oom_control` (v1): both hold an `oom_kill N` line. None when there is none."""
+    for line in (events or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def oom_killed(before: str | None, after: str | None) -> bool:
+    """Whether the out-of-memory killer killed a process of the cgroup between two readings
+    of its `memory.events` (or v1 `memory.oom_control`)."""
+    first, last = oom_kill_count(before), oom_kill_count(after)
+    return first is not None and last is not None and last > first
+
+
+def oom_events_file(pid: int, root: Path = CGROUP_ROOT) -> Path | None:
+    """Where the memory cgroup of process `pid` counts its out-of-memory kills: cgroup v1's
+    memory controller (`memory/<path>/memory.oom_control`; a hybrid host has its memory there),
+    else v2's `<path>/memory.events`. None where neither can be read."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    v1, v2 = [], []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        inside = path.strip().lstrip("/")
+        if "memory" in controllers.split(","):
+            v1.append(root / "memory" / inside / "memory.oom_control")
+        elif controllers == "":
+            v2 += [root / inside / "memory.events", root / "unified" / inside / "memory.events"]
+    return next((f for f in v1 + v2 if f.is_file()), None)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _status_bytes(pid: int) -> tuple[int, int]:
+    """(resident now, its peak: VmHWM) of a process, in bytes; (0, 0) once it is gone."""
+    now = peak = 0
+    for line in (_read(Path(f"/proc/{pid}/status")) or "").splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            value = int(line.split()[1]) * 1024
+            now, peak = (value, peak) if line.startswith("VmRSS:") else (now, value)
+    return now, peak
+
+
+class MemoryWatch:
+    """A segment's memory, watched from beside it (a thread, every MEMORY_POLL_S): the peak of its
+    processes' resident memory (their sum, or one process's own high-water mark, whichever is
+    larger), and the out-of-memory killer's count of each cgroup they run in, read when the cgroup
+    is first seen (this process's own at the start: its children are in it) and again at the end.
+    A SIGKILL with the count grown is the out-of-memory killer's (`oom_killed`)."""
+
+    def __init__(self, processes: Callable[[], list[int]], every_s: float | None = None):
+        self.processes, self.every_s = processes, every_s or MEMORY_POLL_S
+        self.peak_bytes = 0
+        self.before: dict[Path, str | None] = {}
+        self._see(os.getpid())
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+
+    def _see(self, pid: int) -> None:
+        if (events := oom_events_file(pid)) is not None and events not in self.before:
+            self.before[events] = _read(events)
+
+    def sample(self) -> None:
+        total = 0
+        for pid in self.processes():
+            self._see(pid)
+            now, peak = _status_bytes(pid)
+            total += now
+            self.peak_bytes = max(self.peak_bytes, peak)
+        self.peak_bytes = max(self.peak_bytes, total)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except Exception:  # a process that went while it was read: the next sample sees the rest
+                pass
+            if self._done.wait(self.every_s):
+                return
+
+    def oom_killed(self) -> bool:
+        return any(oom_killed(before, _read(events)) for events, before in self.before.items())
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def failure_reason(code: int, failure: Failure | None, oom: bool = False, peak_bytes: int | None = None) -> str:
+    """Why a segment failed, in one line: the first failure its processes recorded
+    (training.failure: an exception's own line, a full disk, a worker's signal), else its exit
+    code, a negative one as the signal's name. A SIGKILL is the out-of-memory killer's when
+    `oom` (the cgroup's count grew meanwhile): said so, with the peak memory seen."""
+    if failure is not None and failure.kind != SIGNAL:
+        return failure.line
+    signum = failure.signal if failure is not None else -code if code < 0 else None
+    said = failure.line if failure is not None else exit_description(code)
+    if signum == signal.SIGKILL and oom:
+        peak = f" (peak memory {size_text(peak_bytes)})" if peak_bytes else ""
+        return said.replace(f"killed by {signal_name(signal.SIGKILL)}", f"killed by the out-of-memory killer{peak}")
+    return said
 
 
 def segment_watchdog(plan: LaunchPlan, config: TrialConfig, across_nodes: bool = False) -> Watchdog:
@@ -589,8 +737,15 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     # Who had which device when: one interval per attempt.
     intervals = [*held.intervals, {"devices": ids, "start": time.time(), "end": None}]
     update(attempts=held.attempts + 1, intervals=intervals)
+    clear_failure(trial_dir)  # what its processes record from now on is this segment's (training.failure)
+
+    def processes() -> list[int]:  # what MemoryWatch samples: the segment's process groups and their descendants
+        groups = trial_process_groups(config.trial_id)
+        return trial_processes(groups) if groups else []
+
     try:
-        with LogForwarder(plan.log_path), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog:
+        with LogForwarder(plan.log_path), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog, \
+                MemoryWatch(processes) as memory:
             code = apply_launch(plan, config)
     finally:
         intervals[-1]["end"] = time.time()
@@ -613,5 +768,13 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     if (plan.elastic and code == PREEMPTED) or (code == 0 and config.stop_path and Path(config.stop_path).exists()):
         update(state="preempted", exit_code=code)  # stopped at a checkpoint, by its agent or its stop file
         return {"preempted": True}
-    update(state="failed", exit_code=code)
-    raise TrialFailed(f"trial {config.trial_id} exited with code {code}; end of {plan.log_path}:\n{log_tail(plan.log_path)}")
+    failure = read_failure(trial_dir)
+    reason = failure_reason(code, failure, memory.oom_killed(), memory.peak_bytes)
+    update(state="failed", exit_code=code, reason=reason)
+    if failure is not None and failure.kind == USER:  # its traceback is whole in its log, once
+        raise TrialRaised(f"trial {config.trial_id} failed: {reason}\nan exception in the trial's own code: not retried "
+                          f"(it would be raised again); its whole traceback is in {plan.log_path}")
+    if failure is not None and failure.kind == DISK_FULL:
+        raise TrialDiskFull(f"trial {config.trial_id} failed: {reason}\nnot retried (it would fill the disk again); "
+                            f"its log: {plan.log_path}")
+    raise TrialFailed(f"trial {config.trial_id} failed: {reason}\nend of {plan.log_path}:\n{log_tail(plan.log_path)}")

@@ -136,7 +136,7 @@ def test_rank_killed_mid_resize_recovers_from_last_complete_state(tmp_path, digi
     held.unlink()
     finish(start(trial, 2), trial)  # what the launcher's retry does
     log = (Path(trial.trial_dir) / "agent.log").read_text()
-    assert "exited with code" in log
+    assert "killed by SIGKILL" in log  # the signal named, not "exited with code -9"
     assert_same_training(fixed, trial, control)
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import campaign_cli
+from test_signed_results import trainer_result
 from training.files import write_json_atomic
+from training.result import write_result
 
 
 def a_campaign(runs: Path) -> Path:
@@ -38,7 +40,7 @@ def test_logs_follow_a_trial_until_it_ends_and_watch_ends_with_it(tmp_path):
     assert follow.poll() is None and watch.poll() is None
     with open(trial / "train.log", "a") as log:
         log.write("trial t1: finished 10 steps\n")
-    write_json_atomic(trial / "result.json", {"checkpoint": str(trial / "none"), "steps": 10, "metrics": {"val_accuracy": 0.5}})
+    write_result(trial / "result.json", trainer_result("t1", steps=10))  # signed, as a trainer writes it
     out, err = follow.communicate(timeout=30)
     assert follow.returncode == 0, err
     assert out == "trial t1: finished 10 steps\n"  # the rest of the log, after the first line read above

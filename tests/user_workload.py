@@ -64,6 +64,27 @@ class StallsAt(nn.Module):
 
 def stalls_at(step=0):
     return StallsAt(step)
+
+
+class RaisesAt(nn.Module):
+    """A linear model whose training forward pass indexes out of bounds at step `step` (0:
+    never): a bug in the user's own code, which no retry can fix."""
+
+    def __init__(self, step=0, classes=10):
+        super().__init__()
+        self.step, self.calls = step, 0
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, classes))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1  # one call per step (no gradient accumulation): call n is step n - 1
+            if self.step and self.calls > self.step:  # an IndexError, index 10 out of bounds for size 10
+                torch.arange(10)[10]
+        return self.body(x)
+
+
+def raises_at(step=0):
+    return RaisesAt(step)
 '''
 
 DATA = '''

@@ -12,6 +12,7 @@ pushed once in view, and a resume pulls a newer one than its folder holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -30,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from training.fence import Fenced
-from training.files import fsync_dir
+from training.files import DiskFull, available_bytes, disk_full_in, fsync_dir
 from training.manifest import TMP_PREFIX, checkpoint_step, latest_valid_checkpoint, list_checkpoints, step_dir_name, write_manifest
 
 
@@ -63,6 +64,7 @@ class Checkpointer:
         self.async_group = async_group
         self._pending: Future | None = None
         self._finalized: Future | None = None
+        self._pending_dir: Path | None = None  # where the save in flight writes (`.tmp-step-N`)
         self.loaded: Path | None = None  # the checkpoint the last load_latest read (a resume's record says which)
 
     def _planner(self) -> DefaultSavePlanner | None:
@@ -95,13 +97,16 @@ class Checkpointer:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         if blocking or self.async_group is None:
-            dcp.save(state, checkpoint_id=tmp, planner=self._planner())
-            self._barrier()
-            if self.rank == 0:
-                self._finalize(step, tmp, final)
+            with _room_for(tmp):
+                dcp.save(state, checkpoint_id=tmp, planner=self._planner())
+                self._barrier()
+                if self.rank == 0:
+                    self._finalize(step, tmp, final)
             self._barrier()
             return final
-        self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group, planner=self._planner())
+        with _room_for(tmp):  # staging copies to memory; a small file may be written already
+            self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group, planner=self._planner())
+        self._pending_dir = tmp
         if self.rank == 0:
             # The callback runs after waiters on the write wake up: it must hold its own
             # reference to the future it completes, not read it from self.
@@ -147,12 +152,14 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and, on rank 0, visible."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-        if self._finalized is not None:
-            finalized, self._finalized = self._finalized, None
-            finalized.result()
+        writing, self._pending_dir = self._pending_dir, None
+        with _room_for(writing) if writing is not None else contextlib.nullcontext():
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                pending.result()
+            if self._finalized is not None:
+                finalized, self._finalized = self._finalized, None
+                finalized.result()
 
     def latest(self) -> Path | None:
         """The newest valid checkpoint as rank 0 finds it, on every rank (collective). With a
@@ -188,9 +195,38 @@ class Checkpointer:
         found = self.latest()
         if found is None:
             return None
+        keys = set(dcp.FileSystemReader(found).read_metadata().state_dict_metadata)
+        for value in state.values():  # what an older checkpoint lacks is not asked of it
+            if hasattr(value, "checkpoint_has"):
+                value.checkpoint_has(keys)
         dcp.load(state, checkpoint_id=found)
         self.loaded = found
         return checkpoint_step(found)
+
+
+NEARLY_FULL_BYTES = 1 << 20  # a failed write that leaves less room than this found none
+
+
+@contextlib.contextmanager
+def _room_for(tmp: Path):
+    """A save that finds no room (ENOSPC, EDQUOT: DCP wraps each rank's error in a
+    CheckpointException whose text is a traceback) becomes a DiskFull naming the checkpoint's
+    folder, its file system's free space and the fix; the half-written folder is removed, so
+    the room it took goes back at once (for the trial's failure record; a resume would remove
+    it anyway). Any other error passes as it came."""
+    try:
+        yield
+    except BaseException as e:  # CheckpointException is a BaseException
+        full = disk_full_in(e, tmp, "the checkpoint ")
+        if full is None and isinstance(e, (dcp.api.CheckpointException, RuntimeError)):
+            # torch's file writer may report a failed write in its own words only ("file write
+            # failed", "unexpected pos"): a file system left without room after it says why.
+            if (left := available_bytes(tmp)) is not None and left < NEARLY_FULL_BYTES:
+                full = DiskFull(tmp, what="the checkpoint ")
+        if full is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise full from e
 
 
 def load_model_weights(checkpoint: Path, model: "torch.nn.Module") -> "torch.nn.Module":

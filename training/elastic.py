@@ -46,6 +46,7 @@ from pathlib import Path
 
 from training.config import TrialConfig
 from training.agent_commands import AgentCommand, read_command, refuse
+from training.failure import exit_description, signal_failure, write_failure
 from training.files import write_json_atomic
 from training.elastic_host import LOST_S, host_key, incarnation_key, sign_request, stop_key
 from training.loopback import bind_address, loopback_store
@@ -80,7 +81,9 @@ def worker_name(wid: str) -> str:
 
 
 class WorkerDied(RuntimeError):
-    pass
+    def __init__(self, message: str, code: int | None = None, pid: int | None = None):
+        super().__init__(message)
+        self.code, self.pid = code, pid  # how the worker ended, when it ended by itself
 
 
 class CannotPlace(RuntimeError):
@@ -262,7 +265,7 @@ class Agent:
             if code == 0 and wid in self.members:
                 continue  # finished training: the agent sees all members end
             why = f" ({worker.proc.why})" if getattr(worker.proc, "why", "") else ""
-            raise WorkerDied(f"worker {wid} on {worker.device_id} exited with code {code}{why}")
+            raise WorkerDied(f"worker {wid} on {worker.device_id} {exit_description(code)}{why}", code, getattr(worker.proc, "pid", None))
 
     def members_finished(self) -> bool:
         return bool(self.members) and all(self.workers[w].proc.poll() == 0 for w in self.members)
@@ -522,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return agent.run()
     except (WorkerDied, TimeoutError, CannotPlace) as e:
+        if isinstance(e, WorkerDied) and e.code is not None and e.code < 0:
+            # The trial ends on a worker's signal: the campaign names it, and tells an out-of-memory kill (training.failure).
+            write_failure(TrialConfig.from_file(args.config).trial_dir, signal_failure(-e.code, None, e.pid))
         print(f"elastic agent: {e}; ending the trial's other processes", file=sys.stderr, flush=True)
         agent.kill_all()
         agent.write_state("failed")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
+from training.failure import failures_recorded, targets_of, user_packages
 from training.elastic_host import stop_key
 from training.fence import stops_when_fenced, watch_lease
 from training.files import read_json, write_json_atomic
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = "nccl" if trainer.device.type == "cuda" else "gloo"
     store.set(f"ready/{wid}", str(time.time()))
     try:
-        with stops_when_fenced():
+        # Whose failure it is, for the campaign's retry, before its traceback reaches the log (training.failure).
+        with stops_when_fenced(), failures_recorded(cfg.trial_dir, None, user_packages(targets_of(cfg))):
             serve(cfg, wid, store, trainer, backend)
     finally:
         trainer.close()

@@ -15,10 +15,11 @@ set, and gets one `TrialContext`:
   live table, `campaign status`, the scheduler) and the pruner; other ranks' are dropped;
 - `ctx.save(step, state)` / `ctx.load() -> (step, state) | None`: sharded DCP checkpoints in
   the trial's folder with the same manifest, signature, lease fence, retention and DVC
-  tracking as the project's loop. Modules and optimizers in `state` are saved as their
-  state dicts (a DDP or compiled wrapper unwrapped), so `load` gives back plain dicts to
-  `load_state_dict`; a save is written in the background and is durable before the trial
-  is said finished;
+  tracking as the project's loop. Modules, optimizers, LR schedulers and grad scalers in
+  `state` are saved as their state dicts (a DDP or compiled wrapper unwrapped), so `load`
+  gives back plain dicts to `load_state_dict`, with their whole shape: an empty container
+  (an optimizer's `state` before its first step) comes back too; a save is written in the
+  background and is durable before the trial is said finished;
 - `ctx.should_stop()`: True when the trial is to end now (the pruner stopped it, the
   campaign wants its devices for a resize or preemption, or it is stopping: SIGTERM). Every rank calls it at the same
   points (it agrees rank 0's answer over a CPU group: no device sync); the function then
@@ -34,6 +35,7 @@ An exception ends the trial with the traceback in its train.log (the campaign go
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import signal
 import threading
@@ -53,7 +55,7 @@ from training.progress import progress_now
 from training.config import TrialConfig
 from training.errors import CampaignError
 from training.fence import commit_guard, grant_of
-from training.files import write_json_atomic
+from training.result import write_result
 from training.layout import trial_files
 from training.metrics import MetricsLogger, progress_line
 from training.pruning import Pruning
@@ -87,29 +89,86 @@ def load_function(function: dict[str, Any], field: str = TARGET_FIELD) -> Callab
     return fn
 
 
+# Objects a save stores as their state dicts: what `load_state_dict` takes back.
+STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
+
+
 def _plain(value: Any) -> Any:
-    """What a checkpoint stores of a value: a module's or an optimizer's state dict (wrappers
-    unwrapped, so the keys do not depend on DDP or torch.compile), else the value itself."""
+    """What a checkpoint stores of a value: a module's, an optimizer's, an LR scheduler's or a
+    grad scaler's state dict (a module's wrappers unwrapped, so the keys do not depend on DDP
+    or torch.compile), else the value itself; inside dicts and lists too."""
     if isinstance(value, nn.Module):
         while hasattr(value, "module") and isinstance(value.module, nn.Module):  # DDP
             value = value.module
         value = getattr(value, "_orig_mod", value)  # torch.compile
         return value.state_dict()
-    if isinstance(value, torch.optim.Optimizer):
+    if isinstance(value, STATEFUL):
         return value.state_dict()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value
 
 
+# --- the state's shape, kept apart from its leaves -------------------------------------------
+#
+# DCP flattens a state into its leaves and rebuilds the nesting from them, so a container
+# without leaves is lost: an optimizer's `state` before its first step (or, for plain SGD,
+# always) came back without its key, and `load_state_dict` raised KeyError: 'state'; an
+# empty dict in a list was dropped, shifting the list (or made the load fail). So a save
+# hands DCP only a flat dict of leaves (tensors and plain values), and a JSON record of the
+# nesting (dicts with their keys, ints kept ints, and lists) that `load` rebuilds exactly.
+
+def _split(value: Any, leaves: dict[str, Any]) -> Any:
+    """The nesting of `value` as JSON (a leaf: its number in `leaves`, where it is put)."""
+    if isinstance(value, dict):
+        return {"dict": [[_key_record(k), _split(v, leaves)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return {"list": [_split(v, leaves) for v in value]}
+    index = len(leaves)
+    leaves[str(index)] = value  # a tensor, a number, a string, None, a tuple (DCP keeps a tuple whole)
+    return index
+
+
+def _key_record(key: Any) -> list:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return ["int", key]  # an optimizer's parameter indices: back as ints, as load_state_dict wants them
+    return ["str", str(key)]  # any other key as DCP itself kept it: its text
+
+
+def _join(shape: Any, leaves: dict[str, Any]) -> Any:
+    """The value `_split` took apart."""
+    if isinstance(shape, int):
+        return leaves[str(shape)]
+    if "dict" in shape:
+        return {(key if kind == "int" else str(key)): _join(child, leaves) for (kind, key), child in shape["dict"]}
+    return [_join(child, leaves) for child in shape["list"]]
+
+
 def _restore_optimizer_keys(value: Any) -> Any:
-    """DCP brings an optimizer's `state` back keyed by strings ('0'); Optimizer.load_state_dict
-    wants the parameter indices as ints."""
+    """A checkpoint written before saves kept their shape: DCP brings an optimizer's `state`
+    back keyed by strings ('0'); Optimizer.load_state_dict wants the parameter indices as ints."""
     if isinstance(value, dict):
         if "param_groups" in value and isinstance(value.get("state"), dict):
             value = {**value, "state": {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value["state"].items()}}
         return {k: _restore_optimizer_keys(v) for k, v in value.items()}
     return value
+
+
+def checkpoint_state(step: int, state: dict[str, Any]) -> dict[str, Any]:
+    """What `ctx.save` hands DCP for `state` at `step`: its leaves, flat, and its shape."""
+    leaves: dict[str, Any] = {}
+    shape = _split(_plain(state), leaves)
+    return {"leaves": leaves, "shape": json.dumps(shape), "progress": {"step": step}}
+
+
+def state_of_checkpoint(loaded: dict[str, Any]) -> dict[str, Any]:
+    """The state `checkpoint_state` was given, from what DCP loaded of it."""
+    if "shape" not in loaded:  # written before saves kept their shape: DCP's own nesting
+        return _restore_optimizer_keys(loaded["app"])
+    # A state of empty containers only has no leaves, and DCP keeps no `leaves` then.
+    return _join(json.loads(loaded["shape"]), loaded.get("leaves", {}))
 
 
 class TrialContext:
@@ -146,7 +205,8 @@ class TrialContext:
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, rank, world_size, self._async,
                                          guard=commit_guard(cfg.lease), grant=grant_of(cfg.lease),
                                          remote=remote_for(cfg.checkpoint_remote, cfg.keep_checkpoints))
-        self.metrics = MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if self.is_rank0 else MetricsLogger(None, None)
+        self.metrics = (MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id, journal=trial_files(cfg.trial_dir).metrics_journal)
+                        if self.is_rank0 else MetricsLogger(None, None))
         self.pruning = Pruning(cfg.pruning) if cfg.pruning and self.is_rank0 else None
 
     # --- the four calls ---------------------------------------------------------------
@@ -195,7 +255,8 @@ class TrialContext:
         if not isinstance(state, dict) or not state:
             raise TypeError("ctx.save(step, state): state must be a non-empty dict (modules and optimizers may be values)")
         self.step = max(self.step, step)
-        self.saved = self.checkpointer.save(step, {"app": _plain(state), "progress": {"step": step}}, blocking=self._async is None)
+        self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
+        self.saved = self.checkpointer.save(step, checkpoint_state(step, state), blocking=self._async is None)
         return self.saved
 
     def load(self) -> tuple[int, dict[str, Any]] | None:
@@ -217,7 +278,7 @@ class TrialContext:
         if self.is_rank0 and not self.quiet:
             print(f"trial {self.trial_id}: resumed at step {step} from {found}", flush=True)
             self.metrics.tag(f"resume.step-{step}", str(found))  # which checkpoint each resume used
-        return step, _restore_optimizer_keys(state["app"])
+        return step, state_of_checkpoint(state)
 
     def should_stop(self) -> bool:
         """True when the function should save and return: pruned, or its devices are wanted.
@@ -328,7 +389,7 @@ class FunctionTrial:
         if ctx.is_rank0:
             ctx.latest = metrics
             ctx.write_progress("finished")
-            write_json_atomic(cfg.result_path, result)
+            write_result(cfg.result_path, result)  # signed: a reader trusts only this host's trainer's results
         return result
 
     def save_checkpoint(self, blocking: bool = True) -> None:

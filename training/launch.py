@@ -87,11 +87,46 @@ def log_dir_removed_at_exit(argv: list[str]) -> None:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
+def trial_dir_of(argv: list[str]) -> str | None:
+    """The trial folder of the worker command's `--config` (training.config.TrialConfig), if any."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[len("--config="):] if arg.startswith("--config=") else None
+        if path:
+            from training.config import TrialConfig
+
+            try:
+                return TrialConfig.from_file(path).trial_dir
+            except Exception:  # an unreadable config: the worker's own error says so
+                return None
+    return None
+
+
+def run_torchrun(argv: list[str]) -> None:
+    """torchrun; a worker's failure ends it with one line, not a traceback of torchrun's own
+    under the worker's (a failed trial's log held two per attempt): the worker printed its
+    traceback already. A worker ended by a signal is recorded for the campaign
+    (training.failure: `failure.json`), which names it (an out-of-memory kill, SIGKILL).
+    Exit code 1, as torchrun's."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main()
+    except ChildFailedError as e:
+        from training.failure import exit_description, signal_failure, write_failure
+
+        rank, first = e.get_first_failure()
+        said = f"rank {rank} (pid {first.pid}) {exit_description(first.exitcode)}"
+        if first.exitcode < 0 and (trial_dir := trial_dir_of(argv)) is not None:
+            write_failure(trial_dir, signal_failure(-first.exitcode, rank, first.pid))
+        print(f"training.launch: {e.name} failed: {said}" + (" (its traceback is above)" if first.exitcode > 0 else ""),
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     skip_final_collection()  # a trial's end is seen when torchrun has exited
     log_dir_removed_at_exit(sys.argv)
     patch_torch_stores()
     fork_workers_from_a_zygote()
-    from torch.distributed.run import main
-
-    main()
+    run_torchrun(sys.argv)

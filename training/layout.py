@@ -14,10 +14,22 @@ result, resizes, the elastic agent's state) and every layer above reads them.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 LATEST = "latest"
+
+# A name made from a user's values (a trial's grid point or search draw) becomes a folder: it
+# must stay one path component inside its parent on every filesystem the runs folder may sit
+# on. POSIX's portable filename characters only (no '/', NUL, quote, space or non-ASCII
+# letter whose bytes or normal form differ between systems), never first a '-' (read as an
+# option) or a '.' (hidden; '.' and '..' leave the folder), and far below NAME_MAX (255 bytes).
+PORTABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+NAME_MAX_BYTES = 255  # ext4, XFS, btrfs, APFS: the longest one path component may be
+KEPT_NAME_CHARS = 160  # a portable text up to this long is its own name (every trial id made before this rule)
+SLUG_CHARS = 48  # what is kept of a text that is not, before the hash of all of it
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,14 @@ class TrialFiles:
     @property
     def result(self) -> Path:  # written once, when the trial finished (training.result)
         return self.root / "result.json"
+
+    @property
+    def metrics_journal(self) -> Path:  # every metric the trial logged, the source MLflow is fed from (training.metrics_journal)
+        return self.root / "metrics.jsonl"
+
+    @property
+    def failure(self) -> Path:  # how its segment's processes failed, the first failure kept (training.failure)
+        return self.root / "failure.json"
 
     @property
     def batch(self) -> Path:  # the batch the scheduler chose for its size (goodput trials)
@@ -107,7 +127,34 @@ class CampaignFiles:
         return self.root / "allocations.jsonl"
 
     def trial(self, trial_id: str) -> TrialFiles:
-        return TrialFiles(self.root / trial_id)
+        return TrialFiles(self.root / one_component(trial_id))
+
+
+def portable_name(text: str) -> str:
+    """A folder name for `text` (a trial's grid point, e.g. "lr0.1-width16").
+
+    `text` itself when it is a portable name (PORTABLE_NAME) of at most KEPT_NAME_CHARS: the
+    ids of trials made before this rule are unchanged, so their folders are found again.
+    Anything else becomes a slug (each run of other characters one '_', no leading '.' or
+    '-', at most SLUG_CHARS) and the first 8 hex digits of the SHA-256 of the whole text, so
+    two texts that slug alike still get two names; never '.', '..', empty, or over 60 bytes.
+    """
+    if len(text) <= KEPT_NAME_CHARS and PORTABLE_NAME.fullmatch(text):
+        return text
+    # surrogatepass: a lone surrogate cannot be UTF-8, but it can still be hashed
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:SLUG_CHARS].lstrip(".-")
+    return f"{slug}-{digest}" if slug else digest
+
+
+def one_component(name: str) -> str:
+    """`name` when it names an entry inside a folder (no '/', NUL, '.', '..', at most
+    NAME_MAX_BYTES); else ValueError: a trial id read from a record or typed by a user
+    must never lead a path out of its campaign's folder."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or len(name.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES):
+        raise ValueError(f"{name!r} is not a trial id (one name of at most {NAME_MAX_BYTES} bytes, no '/')")
+    return name
 
 
 def trial_files(trial_dir: str | Path) -> TrialFiles:
@@ -154,5 +201,5 @@ def latest_pointer(runs_dir: str | Path) -> Path:
 
 
 # Every file name above: no other module may spell one (tests/test_layout.py).
-FILE_NAMES = ("trial.json", "train.log", "record.json", "progress.json", "result.json", "batch.json", "resizes.jsonl",
+FILE_NAMES = ("trial.json", "train.log", "record.json", "progress.json", "result.json", "metrics.jsonl", "failure.json", "batch.json", "resizes.jsonl",
               "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl", "agent-store.json")

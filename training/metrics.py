@@ -34,7 +34,10 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
+
+from training.metrics_journal import MetricsJournal, read_journal
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -142,9 +145,13 @@ def share_sink() -> None:
 
 
 class MetricsLogger:
-    def __init__(self, tracking_uri: str | None, run_id: str | None, flush_s: float = 2.0):
+    """Rank 0's metrics: journaled in the trial's folder (`journal`: training.metrics_journal,
+    the source of truth), then sent to MLflow through the campaign's hub or a sink process."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, flush_s: float = 2.0, journal: Path | str | None = None):
         global _shared
         self.enabled = bool(tracking_uri and run_id)
+        self.journal = MetricsJournal(journal) if journal is not None and self.enabled else None
         self._route = {"run": run_id, "uri": tracking_uri}
         self._sink: _Sink | _HubConnection | None = None
         self._owned = not _share
@@ -158,10 +165,17 @@ class MetricsLogger:
             self._sink = _Sink(["--flush-s", str(flush_s)])
 
     def log(self, step: int, **metrics: float) -> None:
-        if self.enabled:
-            stamp = int(time.time() * 1000)
+        stamp = int(time.time() * 1000)
+        if self.journal is not None:  # first, and whether or not the sender lives: what MLflow is fed from later
+            metrics = self.journal.admit(step, metrics, stamp)
+        if self.enabled and metrics:
             self._send("".join(json.dumps({**self._route, "key": k, "value": float(v), "timestamp": stamp, "step": step}) + "\n"
                                for k, v in metrics.items()))
+
+    def sync_journal(self) -> None:
+        """The journal durable on disk (before a checkpoint: no step it covers can be lost)."""
+        if self.journal is not None:
+            self.journal.sync()
 
     def tag(self, key: str, value: str) -> None:
         """A run tag (an event worth reading as text), sent with the next batch."""
@@ -178,11 +192,31 @@ class MetricsLogger:
     def close(self, timeout: float = 60.0) -> None:
         """Let the sink send what it holds, and wait for it; a shared sink goes on sending
         while the worker's next trial trains (close_shared_sink waits for it)."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         if self._sink is None:
             return
         sink, self._sink, self.enabled = self._sink, None, False
         if self._owned:
             sink.close(timeout)
+
+
+def feed_journal(journal: Path | str, tracking_uri: str, run_id: str) -> int:
+    """Send a trial's whole journal to its MLflow run through the campaign's hub, which logs
+    only the (key, step) pairs the run does not hold yet: what a kill lost in flight arrives
+    now, nothing twice. The number of metric values read; 0 without a hub (a pool's trial:
+    its node's sink sends what it has) or a journal."""
+    lines = [json.dumps({"run": run_id, "uri": tracking_uri, "key": key, "value": value, "timestamp": stamp, "step": step}) + "\n"
+             for key, step, value, stamp in read_journal(journal)]
+    if not lines or (hub := _hub({"run": run_id, "uri": tracking_uri})) is None:
+        return 0
+    try:
+        for start in range(0, len(lines), MAX_BATCH):
+            hub.send("".join(lines[start:start + MAX_BATCH]))
+    finally:
+        hub.close(0)
+    return len(lines)
 
 
 def close_shared_sink(timeout: float = 60.0) -> None:
@@ -260,23 +294,23 @@ def _read_lines(buffer: list[dict], lock: threading.Lock, wake: threading.Event,
 
 
 class _Runs:
-    """What the sink knows of each run it logs to: its client, and the last step it holds per metric."""
+    """What the sink knows of each run it logs to: its client, and the steps it holds per metric."""
 
     def __init__(self):
         from mlflow import MlflowClient
 
         self._client_type = MlflowClient
         self.clients: dict[str, Any] = {}
-        self.logged: dict[tuple[str, str], dict[str, int]] = {}
+        self.logged: dict[tuple[str, str], dict[str, set[int]]] = {}
 
     def client(self, uri: str):
         if uri not in self.clients:
             self.clients[uri] = self._client_type(tracking_uri=uri)
         return self.clients[uri]
 
-    def steps(self, uri: str, run: str) -> dict[str, int]:
+    def steps(self, uri: str, run: str) -> dict[str, set[int]]:
         if (uri, run) not in self.logged:
-            self.logged[(uri, run)] = last_logged_steps(self.client(uri), run)
+            self.logged[(uri, run)] = logged_steps(self.client(uri), run)
         return self.logged[(uri, run)]
 
     def send(self, items: list[dict]) -> None:
@@ -286,13 +320,13 @@ class _Runs:
             mine = [i for i in items if (i["uri"], i["run"]) == (uri, run)]
             logged = self.steps(uri, run)
             tags = [RunTag(i["key"], i["tag"]) for i in mine if "tag" in i]
-            # A resumed trial replays the steps after its checkpoint: those the run holds already, or
-            # that came earlier in this batch (its killed process's, through a campaign's hub), are not logged twice.
+            # Each (key, step) once: a step the run holds already (a journal fed again after a
+            # kill, a resumed trial's replay), or that came earlier in this batch, is not logged twice.
             fresh = []
             for i in mine:
-                if "tag" not in i and i["step"] > logged.get(i["key"], -1):
+                if "tag" not in i and i["step"] not in logged.setdefault(i["key"], set()):
                     fresh.append(i)
-                    logged[i["key"]] = i["step"]
+                    logged[i["key"]].add(i["step"])
             metrics = [Metric(i["key"], i["value"], i["timestamp"], i["step"]) for i in fresh]
             for start in range(0, max(len(metrics), len(tags)), MAX_BATCH):
                 batch, batch_tags = metrics[start:start + MAX_BATCH], tags[start:start + MAX_BATCH]
@@ -321,10 +355,11 @@ def sink(flush_s: float, runs: "_Runs | None" = None) -> None:
             _lower_priority()  # sent: back to idle-only until a new run or the end
 
 
-def last_logged_steps(client, run_id: str) -> dict[str, int]:
-    """Per metric, the highest step the run holds (MLflow keeps each metric's latest by step)."""
+def logged_steps(client, run_id: str) -> dict[str, set[int]]:
+    """Per metric, every step the run holds (one history read per metric it has: none for a new run)."""
     try:
-        return {m.key: int(m.step) for m in client.get_run(run_id).data.to_proto().metrics}
+        keys = [m.key for m in client.get_run(run_id).data.to_proto().metrics]
+        return {key: {int(m.step) for m in client.get_metric_history(run_id, key)} for key in keys}
     except Exception as e:  # an unreachable store: the batches will say so; nothing to skip
         print(f"could not read the run's logged steps ({e.__class__.__name__}); replayed steps may be logged twice", file=sys.stderr, flush=True)
         return {}

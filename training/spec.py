@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import math
 import os
+import posixpath
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -23,12 +25,31 @@ class SpecError(CampaignError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No field takes inf or NaN: a bound such as `gt=0` alone lets `.inf` through, and no run
+    # can honour an infinite pause, memory or norm (nor compare a NaN with anything).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Every number of the spec is bounded to what a run can honour, checked before anything runs
+# (tests/test_spec_bounds.py). The limits, and why each is where it is:
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding (np.random.seed, RandomState: Optuna's samplers, users' code) takes < 2**32
+MAX_STEPS = 10**9  # steps and every interval counted in steps: ~11 days at 1 ms a step; steps x batch stays far inside int64
+MAX_BATCH = 2**24  # samples in one step (or one forward pass): 16 M
+MAX_DEVICES = 4096  # processes of one trial, and its logical ranks
+MAX_SLOTS = 1024  # devices of one node (CPU slots, a declared node's): each is a Device the inventory and the packer walk
+MAX_NODES = 256  # declared nodes of `campaign plan`'s cluster
+MAX_MEMORY_GB = 1024.0  # GiB of one device: past any accelerator's (the lease store keeps it as bytes in a 64-bit row)
+MAX_BUILTIN_PARAMETERS = 2**30  # a built-in model's weights: 4 GiB in fp32, 12+ GiB with gradients and momentum
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a wait in seconds: a week, past any step, evaluation or checkpoint worth waiting out
+MAX_PERIOD_S = 3600.0  # a sampling period in seconds: an hour
+
+
+CAMPAIGN_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # a folder's name under runs_dir: no '/', never '.' or '..'
 
 
 class CampaignSection(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
-    seed: int = Field(default=0, ge=0)
+    name: str = Field(pattern=CAMPAIGN_NAME, max_length=64)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="search.seeds runs seed + 0..K-1, each <= 2**32 - 1")
 
 
 TARGET = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"  # package.module:callable
@@ -80,6 +101,17 @@ class MLPSpec(Strict):
     width: int = Field(default=128, ge=1, le=65536)
     depth: int = Field(default=2, ge=1, le=64)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _buildable(self) -> "MLPSpec":
+        # Each bound alone admits 64 layers of 65536 x 65536 (275 G weights): the check before
+        # the campaign builds the model, and that one would never come back.
+        weights = 64 * self.width + (self.depth - 1) * self.width ** 2 + self.width * 10  # digits: 64 features, 10 classes
+        if weights > MAX_BUILTIN_PARAMETERS:
+            raise ValueError(f"model.width ({self.width}) and model.depth ({self.depth}) make {weights:,} weights, more than the "
+                             f"{MAX_BUILTIN_PARAMETERS:,} a built-in model may have: lower width or depth (a bigger model is a "
+                             "model.target)")
+        return self
 
 
 class TargetModelSpec(Strict):
@@ -134,7 +166,52 @@ class OptimizerSection(Strict):
     def _no_lr(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         if "lr" in kwargs:
             raise ValueError("the learning rate is training.lr (the schedule scales it): remove optimizer.kwargs.lr")
+        for key, value in kwargs.items():
+            if (problem := _optimizer_kwarg_problem(key, value)) is not None:
+                raise ValueError(f"optimizer.kwargs.{key} {problem}")
         return kwargs
+
+
+# The optimizer's numbers torch.optim checks loosely or not at all (a NaN passes every `< 0`
+# test; SGD takes any momentum >= 0, and one past 1 diverges): (low, high, low open, high open).
+OPTIMIZER_KWARG_RANGES = {
+    "momentum": (0.0, 1.0, False, True),
+    "dampening": (0.0, 1.0, False, False),
+    "weight_decay": (0.0, 1.0, False, False),
+    "betas": (0.0, 1.0, False, True),  # each of the two
+    "rho": (0.0, 1.0, False, False),
+    "eps": (0.0, 1.0, True, False),  # a divisor: 0 divides by zero where a second moment is 0
+}
+
+
+def _number(value: float) -> str:
+    """A bound as people read it: 4294967295, 1024, 0.5 (not 4.29497e+09)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _interval(low: float, high: float, low_open: bool = False, high_open: bool = False) -> str:
+    return f"{'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
+
+
+def _optimizer_kwarg_problem(key: str, value: Any) -> str | None:
+    """Why an optimizer keyword's value cannot be honoured, or None: every number finite, and
+    the ones in OPTIMIZER_KWARG_RANGES within their range."""
+    listed = isinstance(value, (list, tuple))
+    items = list(value) if listed else [value]
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if any(number(v) and not math.isfinite(v) for v in items):
+        return "must be a finite number"
+    if key not in OPTIMIZER_KWARG_RANGES:
+        return None
+    low, high, low_open, high_open = OPTIMIZER_KWARG_RANGES[key]
+    valid = _interval(low, high, low_open, high_open)
+    pair = key == "betas"
+    if listed != pair or (pair and len(items) != 2) or not all(map(number, items)):
+        return f"must be two numbers, each in {valid}" if pair else f"must be a number in {valid}"
+    inside = lambda v: (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+    if not all(map(inside, items)):
+        return f"must be {'each ' if pair else ''}in {valid}"
+    return None
 
 
 DEFAULT_OPTIMIZER = OptimizerSection(name="SGD", kwargs={"momentum": 0.9})
@@ -142,16 +219,17 @@ MOVED_TO_OPTIMIZER = ("momentum", "weight_decay")
 
 
 class TrainingSection(Strict):
-    steps: int = Field(ge=1)
-    batch_size: int = Field(ge=1, le=2**24, description="global batch, the same at every number of devices")
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    batch_size: int = Field(ge=1, le=MAX_BATCH, description="global batch, the same at every number of devices")
     lr: float = Field(gt=0.0, le=10.0)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(default=0, ge=0)
     precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="autocast dtype; fp16 adds a gradient scaler")
-    grad_clip_norm: float | None = Field(default=None, gt=0.0, description="clip the global gradient norm to this")
+    grad_clip_norm: float | None = Field(default=None, gt=0.0, le=1e6, description="clip the global gradient norm to this "
+                                         "(past 1e6 it clips nothing a run reaches: leave it unset)")
     compile: bool = Field(default=False, description="torch.compile the model")
     logical_ranks: int | None = Field(
-        default=None, ge=1, le=4096,
+        default=None, ge=1, le=MAX_DEVICES,
         description="data-parallel width the result is defined for (default: the most devices a trial may use)")
     scaling: Literal["reproducible", "goodput"] = Field(
         default="reproducible",
@@ -160,16 +238,18 @@ class TrainingSection(Strict):
     lr_scaling: Literal["linear", "sqrt"] = Field(
         default="linear", description="goodput: how lr follows the batch (linear for SGD, sqrt for Adam-like optimizers)")
     max_batch_size: int | None = Field(
-        default=None, ge=1, le=2**24,
+        default=None, ge=1, le=MAX_BATCH,
         description="goodput: the scheduler may grow the batch up to this when the measured gradient noise scale makes "
                     "it pay (Pollux); unset: the batch follows the devices")
     reduction: Literal["fast", "exact"] = Field(
         default="fast", description="fast: DDP's all-reduce, equal to float rounding at any device count; "
                                     "exact: gradients summed in logical order, bit for bit at any device count")
-    max_device_batch: int | None = Field(default=None, ge=1, description="samples per forward pass at most: gradient accumulation above it")
-    checkpoint_every: int = Field(default=50, ge=1)
-    log_every: int = Field(default=10, ge=1)
-    eval_every: int = Field(default=50, ge=1)
+    max_device_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH,
+                                         description="samples per forward pass at most: gradient accumulation above it")
+    # Intervals past training.steps are allowed (only the final checkpoint or evaluation then).
+    checkpoint_every: int = Field(default=50, ge=1, le=MAX_STEPS)
+    log_every: int = Field(default=10, ge=1, le=MAX_STEPS)
+    eval_every: int = Field(default=50, ge=1, le=MAX_STEPS)
     target: str | None = Field(default=None, pattern=TARGET, description=f"your own training function, {TARGET_HELP} taking "
                                "(ctx, **kwargs) (training.function): it runs instead of the project's loop")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of training.target (grid key training.kwargs.x)")
@@ -188,9 +268,10 @@ class TrainingSection(Strict):
     def _stall_timeout(cls, value: Any) -> Any:
         if value is None or value == "auto":
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError("must be a number of seconds > 0, null (never counted stalled) or auto (from the trial's measured "
-                             "step time, at least 300 s)")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+                or value > MAX_TIMEOUT_S):
+            raise ValueError(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (a week), null (never counted stalled) or "
+                             "auto (from the trial's measured step time, at least 300 s)")
         return float(value)
 
     @model_validator(mode="before")
@@ -221,11 +302,35 @@ class TrainingSection(Strict):
         return self
 
 
+def _whole(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
 class ResourcesSection(Strict):
-    devices: Union[Annotated[int, Field(ge=1)], tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]], Literal["auto"]] = Field(
+    devices: Union[Annotated[int, Field(ge=1, le=MAX_DEVICES)],
+                   tuple[Annotated[int, Field(ge=1, le=MAX_DEVICES)], Annotated[int, Field(ge=1, le=MAX_DEVICES)]],
+                   Literal["auto"]] = Field(
         default=1, description="DDP processes of each trial: N, [min, max] (elastic), or auto (fewest that fit)")
-    memory_gb: Union[Annotated[float, Field(gt=0)], Literal["auto"], None] = Field(
+    memory_gb: Union[Annotated[float, Field(gt=0, le=MAX_MEMORY_GB)], Literal["auto"], None] = Field(
         default=None, description="memory per device: unset = a whole device; GiB or auto (measured) = may share a GPU")
+
+    # One message each, with the valid range, instead of one per member of the union.
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices_in_range(cls, value: Any) -> Any:
+        count = lambda v: _whole(v) and 1 <= v <= MAX_DEVICES
+        if value == "auto" or count(value) or (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(count, value))):
+            return value
+        raise ValueError(f"must be a number of devices in [1, {MAX_DEVICES}], a range [min, max] of them (elastic), or auto "
+                         "(the fewest that fit)")
+
+    @field_validator("memory_gb", mode="before")
+    @classmethod
+    def _memory_in_range(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                 and math.isfinite(value) and 0 < value <= MAX_MEMORY_GB):
+            return value
+        raise ValueError(f"must be GiB per device in (0, {MAX_MEMORY_GB:g}], auto (measured), or unset (a whole device)")
 
     @field_validator("devices")
     @classmethod
@@ -244,19 +349,28 @@ class ResourcesSection(Strict):
 
 class DeclaredNodeSpec(Strict):
     name: str = Field(min_length=1)
-    devices: int = Field(ge=1)
-    memory_gb: float = Field(gt=0)
+    devices: int = Field(ge=1, le=MAX_SLOTS)
+    memory_gb: float = Field(gt=0, le=MAX_MEMORY_GB)
     kind: Literal["gpu", "cpu"] = "gpu"
     model: str = ""
     nvlink_pairs: list[tuple[int, int]] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _pairs_name_devices(self) -> "DeclaredNodeSpec":
+        for a, b in self.nvlink_pairs:
+            if not (0 <= a < self.devices and 0 <= b < self.devices) or a == b:
+                raise ValueError(f"cluster node {self.name!r}: nvlink pair [{a}, {b}] must name two different devices in "
+                                 f"[0, {self.devices - 1}]")
+        return self
+
 
 class ClusterSection(Strict):
-    cpu_slots: int | None = Field(default=None, ge=1, description="CPU slots when there is no GPU; unset: one per core")
+    cpu_slots: int | None = Field(default=None, ge=1, le=MAX_SLOTS, description="CPU slots when there is no GPU; unset: one per "
+                                  "core; more than the cores share them round-robin")
     warm_workers: bool = Field(default=True, description="one-device trials run in processes kept warm between trials "
                                "(torch imported once), not a torchrun each")
     nodes: list[DeclaredNodeSpec] | None = Field(
-        default=None, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
+        default=None, max_length=MAX_NODES, description="a declared cluster, for `campaign plan` (launch uses the devices of this host)")
     pool: str | None = Field(
         default=None, pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
         description="run the trials on the nodes of this campaign pool (`campaign worker --pool NAME` on each), not this host")
@@ -269,8 +383,8 @@ class ClusterSection(Strict):
 class SchedulingSection(Strict):
     """How elastic trials ([min, max] devices) are sized and resized while they run."""
 
-    resize_pause_s: float = Field(default=2.0, gt=0, description="what a resize costs a trial; smaller gains are not worth one")
-    min_run_s: float = Field(default=20.0, gt=0, description="a trial runs at least this long between two resizes")
+    resize_pause_s: float = Field(default=2.0, gt=0, le=3600.0, description="what a resize costs a trial; smaller gains are not worth one")
+    min_run_s: float = Field(default=20.0, gt=0, le=86400.0, description="a trial runs at least this long between two resizes (a day at most)")
     order: Literal["remaining", "attained"] = Field(
         default="remaining",
         description="who goes first when devices are short: the trial with the least work left (its steps less those "
@@ -345,7 +459,7 @@ class EarlyStoppingSection(Strict):
     rule: Literal["asha", "hyperband", "median"] = "asha"
     metric: str | None = Field(default=None, pattern=METRIC_NAME, description="default: search.metric")
     mode: Literal["min", "max"] | None = Field(default=None, description="default: search.mode")
-    min_steps: int = Field(default=1, ge=1, description="no trial is stopped before this step")
+    min_steps: int = Field(default=1, ge=1, le=MAX_STEPS, description="no trial is stopped before this step (at most training.steps)")
     reduction_factor: int = Field(default=3, ge=2, le=100, description="asha/hyperband: 1/factor of the trials go on at each rung")
 
 
@@ -355,8 +469,17 @@ class TrackingSection(Strict):
     runs_dir: Path = Path("checkpoints")
     summary: Path | None = Field(default=None, description="campaign summary, DVC metrics (default: metrics/<campaign name>.json, "
                                                            "so one campaign never overwrites another's)")
-    keep_checkpoints: int = Field(default=2, ge=1)
-    system_metrics_every_s: float = Field(default=10.0, ge=0, description="per-trial device metrics period; 0: none")
+    keep_checkpoints: int = Field(default=2, ge=1, le=1000)
+    system_metrics_every_s: float = Field(default=10.0, ge=0, le=MAX_PERIOD_S, description="per-trial device metrics period; 0: "
+                                          "none; else at least 0.1 (a reading of the devices takes milliseconds)")
+
+    @field_validator("system_metrics_every_s")
+    @classmethod
+    def _sampling_period(cls, every: float) -> float:
+        if 0 < every < 0.1:
+            raise ValueError(f"must be 0 (none) or a period in [0.1, {MAX_PERIOD_S:g}] seconds: a sampler that never sleeps "
+                             "takes a core from the trials")
+        return every
     dvc_remote: str | None = Field(default=None, min_length=1, description="a DVC remote (its name in .dvc/config, a URL or "
                                    "a folder) each checkpoint is pushed to and a resume pulls from: nodes need no shared storage")
 
@@ -466,6 +589,19 @@ class CampaignSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _derived_numbers_in_range(self) -> "CampaignSpec":
+        """Numbers the campaign derives from two fields stay in range too."""
+        seeds = self.search.seeds if self.search is not None else 1
+        if self.campaign.seed + seeds - 1 > MAX_SEED:
+            raise ValueError(f"campaign.seed ({self.campaign.seed}) + search.seeds ({seeds}) - 1 is past {MAX_SEED} (2**32 - 1), "
+                             f"the largest seed numpy's RandomState takes: campaign.seed must be in [0, {MAX_SEED - seeds + 1}]")
+        stop = self.early_stopping
+        if stop is not None and stop.min_steps > self.training.steps:
+            raise ValueError(f"early_stopping.min_steps ({stop.min_steps}) is past training.steps ({self.training.steps}): no trial "
+                             f"would ever be stopped; early_stopping.min_steps must be in [1, {self.training.steps}]")
+        return self
+
+    @model_validator(mode="after")
     def _pool_without_shared_storage(self) -> "CampaignSpec":
         """What a pool whose nodes share no folder with the campaign needs (flows/pool/mirror.py)."""
         if self.cluster.shared_storage:
@@ -539,10 +675,80 @@ class CampaignSpec(Strict):
 MODEL_TAGS = ("small_cnn", "mlp", "target")
 
 
+RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
+
+
+def _constraints_at(loc: list[Any]) -> list[Any] | None:
+    """The constraints (annotated_types Ge, Gt, Le, Lt) of the field an error's location names,
+    walking CampaignSpec's models, tagged unions, lists, tuples and mappings; None where the
+    location leads nowhere known."""
+    import types
+    import typing
+
+    from pydantic.fields import FieldInfo
+
+    def unwrap(tp: Any, found: list[Any]) -> Any:
+        while True:
+            if typing.get_origin(tp) is Annotated:
+                tp, *extra = typing.get_args(tp)
+                for item in extra:
+                    found += item.metadata if isinstance(item, FieldInfo) else [item]
+            elif typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp) and \
+                    len(typing.get_args(tp)) == 2:  # Optional: pydantic puts no step in the location for it
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            else:
+                return tp
+
+    tp, found = CampaignSpec, []
+    for part in loc:
+        tp = unwrap(tp, found)
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
+            field = tp.model_fields[part]
+            tp, found = field.annotation, list(field.metadata)
+        elif origin in (Union, types.UnionType):  # a tagged union: the location names the member's tag
+            tagged = [a for a in args if typing.get_origin(a) is Annotated
+                      and any(isinstance(m, Tag) and m.tag == part for m in typing.get_args(a)[1:])]
+            if not tagged:
+                return None
+            tp, found = tagged[0], []
+        elif origin is list and isinstance(part, int):
+            tp, found = args[0], []
+        elif origin is tuple and isinstance(part, int) and part < len(args):
+            tp, found = args[part], []
+        elif origin is dict:
+            tp, found = args[1], []
+        else:
+            return None
+    unwrap(tp, found)
+    return found
+
+
+def _valid_range(loc: list[Any]) -> str | None:
+    """'valid range [1, 1024]' for the numeric field at `loc`, from its constraints."""
+    low = high = None
+    low_open = high_open = False
+    for c in _constraints_at(loc) or []:
+        for name, is_low, is_open in (("ge", True, False), ("gt", True, True), ("le", False, False), ("lt", False, True)):
+            if type(c).__name__.lower() == name:
+                if is_low:
+                    low, low_open = getattr(c, name), is_open
+                else:
+                    high, high_open = getattr(c, name), is_open
+    if low is None and high is None:
+        return None
+    if high is None:
+        return f"valid: {'>' if low_open else '>='} {_number(low)}"
+    if low is None:
+        return f"valid: {'<' if high_open else '<='} {_number(high)}"
+    return f"valid range {_interval(low, high, low_open, high_open)}"
+
+
 def _format_errors(source: str, error: ValidationError, prefix: str = "") -> list[str]:
     lines = []
     for e in error.errors():
         loc = list(e["loc"])
+        valid = _valid_range(loc) if e["type"] in RANGE_ERRORS else None
         if len(loc) > 1 and loc[0] == "model" and loc[1] in MODEL_TAGS:  # the union's tag, not a field
             del loc[1]
         if len(loc) > 3 and loc[:2] == ["search", "space"] and loc[3] in DIMENSION_KINDS and loc[4:5] == [loc[3]]:
@@ -550,7 +756,7 @@ def _format_errors(source: str, error: ValidationError, prefix: str = "") -> lis
         path = prefix + ".".join(str(p) for p in loc)
         # A whole-spec check names its fields in its message: the whole input would bury it.
         got = "" if e["type"] in ("missing",) or not loc else f" (got {e.get('input')!r})"
-        lines.append(f"  {path or '<root>'}: {e['msg']}{got}")
+        lines.append(f"  {path or '<root>'}: {e['msg']}{got}" + (f"; {valid}" if valid else ""))
     return lines
 
 
@@ -591,14 +797,110 @@ def _grid_value_errors(spec: CampaignSpec) -> list[str]:
     return problems
 
 
+def _escaped(text: str) -> str:
+    """`text` with what a terminal should not print raw (control characters, NUL, surrogates) escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _untextual_errors(raw: Any, path: str = "") -> list[str]:
+    """Every key or string value that is not text every store takes, by its field path: a NUL
+    byte (a process's arguments and environment, a file name, PostgreSQL behind MLflow or
+    Prefect: none holds one) or a lone surrogate (no UTF-8 for it). YAML's \\0 and \\ud800
+    escapes make them."""
+    def problem(text: str) -> str | None:
+        if "\0" in text:
+            return "holds a NUL byte (\\0), which no process argument, file name or tracking database can hold: remove it"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds a lone surrogate (\\ud800-\\udfff), which is not text in UTF-8: write the character itself"
+        return None
+
+    problems = []
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            where = f"{path}.{_escaped(str(key))}" if path else _escaped(str(key))
+            why = problem(key) if isinstance(key, str) else None
+            if why:
+                problems.append(f"  {where}: the key {why}")
+            problems += _untextual_errors(value, where)
+    elif isinstance(raw, (list, tuple)):
+        for i, value in enumerate(raw):
+            problems += _untextual_errors(value, f"{path}[{i}]")
+    elif isinstance(raw, str):
+        why = problem(raw)
+        if why:
+            problems.append(f"  {path}: {why}")
+    return problems
+
+
+# MLflow's rules for a parameter (mlflow.utils.validation, not imported: the spec is read before
+# anything heavy): every field of a trial is logged as one (`model.kwargs.depth` = "2"), the grid
+# on the campaign's run (`grid.training.lr` = "[0.1, 0.2]"). A name or value it refuses would fail
+# the campaign at its first MLflow call, after its flow started: refused here instead.
+MLFLOW_NAME = re.compile(r"[/\w.\- :]*")
+MLFLOW_NAME_CHARS, MLFLOW_VALUE_CHARS = 250, 6000
+
+
+def _mlflow_name_problem(name: str) -> str | None:
+    normal = posixpath.normpath(name)
+    if not MLFLOW_NAME.fullmatch(name) or normal != name or normal == "." or normal.startswith(("..", "/")):
+        return (f"logged to MLflow as the parameter {name!r}, which MLflow refuses: a key's names may hold letters, digits, "
+                "'_', '-', '.', ' ', ':' and single '/' between names; rename the key")
+    if len(name) > MLFLOW_NAME_CHARS:
+        return f"logged to MLflow as a parameter named with {len(name)} characters, more than its {MLFLOW_NAME_CHARS}: shorten the key"
+    return None
+
+
+def _mlflow_params(prefix: str, value: Any) -> dict[str, str]:
+    """What tasks.tracking logs for `value` under `prefix`: a dict as one parameter per leaf."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            out.update(_mlflow_params(f"{prefix}.{k}", v))
+        return out
+    return {prefix: str(value)}
+
+
+def _unloggable_errors(spec: CampaignSpec) -> list[str]:
+    """Every user-named key (kwargs, grid and search keys) and value a trial's or the campaign's
+    MLflow run would refuse as a parameter, by field path."""
+    problems = []
+
+    def check(where: str, params: dict[str, str]) -> None:
+        for name, text in params.items():
+            why = _mlflow_name_problem(name)
+            if why is None and len(text) > MLFLOW_VALUE_CHARS:
+                why = (f"logged to MLflow as {name!r}, {len(text)} characters long, more than the {MLFLOW_VALUE_CHARS} of a "
+                       "parameter: pass a shorter value (a file's path, say)")
+            if why:
+                problems.append(f"  {where}: {why}")
+
+    for section in GRID_SECTIONS:
+        kwargs = getattr(getattr(spec, section), "kwargs", None) or {}
+        for key, value in kwargs.items():
+            check(f"{section}.kwargs.{_escaped(str(key))}", _mlflow_params(f"{section}.kwargs.{key}", value))
+    where = "grid" if spec.search is None else "search.space"
+    for key, values in spec.varies.items():
+        # The campaign's run logs each axis (a search's: its dimension) as `grid.<key>`.
+        axis = str(values) if spec.search is None else str(spec.search.space[key].model_dump())
+        check(f"{where}.{_escaped(key)}", {f"grid.{key}": axis})
+        for i, value in enumerate(values):
+            check(f"{where}.{_escaped(key)}[{i}]", _mlflow_params(key, value))
+    return problems
+
+
 def parse_spec(raw: Any, source: str = "params.yaml") -> CampaignSpec:
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: the spec must be a mapping with sections campaign, model, training, ... (got {type(raw).__name__})")
+    problems = _untextual_errors(raw)
+    if problems:
+        raise SpecError(f"{source} is invalid:\n" + "\n".join(problems))
     try:
         spec = CampaignSpec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(f"{source} is invalid:\n" + "\n".join(_format_errors(source, e))) from None
-    problems = _grid_value_errors(spec)
+    problems = _grid_value_errors(spec) or _unloggable_errors(spec)
     if problems:
         raise SpecError(f"{source} is invalid:\n" + "\n".join(problems))
     return spec
@@ -689,9 +991,91 @@ def check_dvc_remote(value: str) -> str:
     return url
 
 
+SUMMARY_WRITER = "campaign"  # the summary's "written_by": how a later launch knows the file for its own
+SUMMARY_COUNTS = ("trials", "finished", "failed")  # what every summary has held, with "campaign" and "per_trial"
+SUMMARY_FIELDS = {"campaign", "written_by", "trials", "finished", "pruned", "failed", "best", "per_trial"}
+MAX_SUMMARY_BYTES = 64 << 20  # a summary is a line per trial; a file this big is not one
+
+
+def _unreadable(error: Exception, path: Path) -> str:
+    """What training.files' InputError says `path` is ("is a directory, not a regular file"), without the path and its fix."""
+    return str(error).removeprefix(f"{path} ").rsplit(": ", 1)[0]
+
+
+def summary_not_ours(path: Path, campaign: str) -> str | None:
+    """None when `path` may take `campaign`'s summary (tasks/summary.py): it does not exist, or it
+    is a summary this campaign wrote: a JSON object naming the campaign, with `"written_by":
+    "campaign"`, or (written before that key) exactly a summary's fields. Else what it is, for
+    the error: the summary replaces its file whole, and a spec must not make it replace
+    params.yaml, a dataset, or another campaign's summary ("is not JSON, so not a campaign summary")."""
+    from training.files import InputError, loads_json, read_bounded
+
+    try:
+        data = read_bounded(path, MAX_SUMMARY_BYTES)
+    except FileNotFoundError:
+        return None
+    except InputError as e:
+        return _unreadable(e, path)
+    try:
+        raw = loads_json(data, path)
+    except InputError:
+        return "is not JSON, so not a campaign summary"
+    if not isinstance(raw, dict):
+        return f"is JSON but not a campaign summary (a {type(raw).__name__})"
+    marked = raw.get("written_by") == SUMMARY_WRITER
+    shaped = (set(raw) <= SUMMARY_FIELDS and isinstance(raw.get("per_trial"), dict)
+              and all(isinstance(raw.get(k), int) for k in SUMMARY_COUNTS))
+    if not (marked or shaped) or not isinstance(raw.get("campaign"), str):
+        return "is JSON but not a campaign summary"
+    if raw["campaign"] != campaign:
+        return f"is the summary of campaign {raw['campaign']!r}, not of {campaign!r}"
+    return None
+
+
+def _latest_pointer_not_ours(path: Path) -> str | None:
+    """None when `path` (<runs_dir>/latest, rewritten by every launch) is absent or holds a campaign's name."""
+    from training.files import InputError, read_bounded
+
+    try:
+        text = read_bounded(path, 4096)
+    except FileNotFoundError:
+        return None
+    except InputError as e:
+        return _unreadable(e, path)
+    name = text.decode("utf-8", "replace").strip()
+    return None if re.fullmatch(CAMPAIGN_NAME, name) else "does not hold the name of the campaign launched last"
+
+
+def check_outputs(spec: CampaignSpec) -> None:
+    """Every file the spec points the campaign's output at is new or one this campaign wrote:
+    the summary, the runs folder and its `latest` pointer (the trial folders inside it are
+    named by training.layout.portable_name; an SQLite MLflow store is checked by
+    tasks.tracking_store, which reads it with sqlite3). SpecError (exit 2) naming each path
+    that is not, and the fix, before anything runs."""
+    from training.layout import latest_pointer
+
+    problems = []
+    summary = spec.tracking.summary
+    if summary is not None and (why := summary_not_ours(summary, spec.campaign.name)):
+        problems.append(f"  tracking.summary: {summary} exists and {why}; the campaign would replace it with its summary. "
+                        f"Point tracking.summary at a new file (e.g. metrics/{spec.campaign.name}.json) or move {summary} aside")
+    runs = spec.tracking.runs_dir
+    for folder, what in ((runs, "tracking.runs_dir"), (runs / spec.campaign.name, "the campaign's folder in tracking.runs_dir")):
+        if folder.exists() and not folder.is_dir():
+            problems.append(f"  {what}: {folder} exists and is not a folder; the campaign keeps its trials' folders there. "
+                            "Point tracking.runs_dir at a folder (new or a campaign's) or move the file aside")
+    if runs.is_dir() and (why := _latest_pointer_not_ours(latest_pointer(runs))):
+        problems.append(f"  tracking.runs_dir: {latest_pointer(runs)} exists and {why}; every launch rewrites it. Point "
+                        "tracking.runs_dir at a folder of campaigns (e.g. checkpoints) or move the file aside")
+    if problems:
+        raise SpecError("the campaign would overwrite files it did not write:\n" + "\n".join(problems))
+
+
 def check_tracking(spec: CampaignSpec, timeout_s: float = 5.0) -> None:
     """The MLflow store must be reachable before anything starts: a server that is down
-    would otherwise fail the campaign only after Prefect and the checks have run."""
+    would otherwise fail the campaign only after Prefect and the checks have run. Every
+    output path the spec names must be new or the campaign's own (check_outputs)."""
+    check_outputs(spec)
     uri = tracking_uri(spec.tracking)
     where = "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.mlflow_uri"
     scheme = uri.split(":", 1)[0].lower()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from training.result import read_result
 from training.config import TrialConfig
+from training.failure import failures_recorded, targets_of, user_packages
 from training.fence import stops_when_fenced, watch_lease
 from training.loopback import BIND_ENV, patch_torch_stores
 from training.metrics import result_line
@@ -35,8 +36,10 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def finished_result(cfg: TrialConfig) -> dict | None:
-    """The trial's result if it finished (its checkpoints need not verify: training.result)."""
-    return read_result(cfg.trial_dir)
+    """The trial's result if it finished: a valid result signed by this host's key (its
+    checkpoints need not verify). One that is not (unsigned, forged, malformed) reads as none:
+    the trainer then resumes from the final checkpoint and writes it again (training.result)."""
+    return read_result(cfg.trial_dir, cfg.trial_id)
 
 
 class StopFile:
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         patch_torch_stores()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        with stops_when_fenced():
+        # An exception says whose it is before its traceback reaches the log (training.failure):
+        # the campaign retries a failure of ours, not one of the user's code or a full disk.
+        with stops_when_fenced(), failures_recorded(cfg.trial_dir, env.rank, user_packages(targets_of(cfg))):
             train_trial(cfg, env, device)
     finally:
         dist.destroy_process_group()

@@ -55,7 +55,7 @@ from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
 from training.batch_choice import read_batch_choice
-from training.files import write_json_atomic
+from training.result import write_result
 from training.layout import trial_files
 from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger, progress_line
@@ -159,6 +159,7 @@ class Trainer(Stateful):
         self.last_step_at: float | None = None  # wall time the latest step completed
         self.held_s = 0.0  # time a test has held it at a step (hold_at_step), in all: not part of a resize's pause
         self.latest: dict[str, float] = {}
+        self._record_kept = True  # a checkpoint holds the result's record (False: loading one written before it did)
         self.env: DistEnv | None = None
         self.ddp: DDP | None = None
         self.forward: Callable | None = None  # the module a step calls: DDP's wrapper, compiled or not
@@ -216,7 +217,8 @@ class Trainer(Stateful):
                                          remote=remote_for(self.cfg.checkpoint_remote, self.cfg.keep_checkpoints),
                                          one_writer=self.cfg.one_checkpoint_writer)
         if env.rank == 0 and not self.metrics.enabled:
-            self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id)
+            self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id,
+                                         journal=trial_files(self.cfg.trial_dir).metrics_journal)
         elif env.rank != 0:
             self.metrics.close()
             self.metrics = MetricsLogger(None, None)
@@ -306,7 +308,16 @@ class Trainer(Stateful):
             "scaler": self.scaler.state_dict(),
             "progress": {"step": self.step, "samples_seen": self.samples_seen, "seed": self.cfg.seed,
                          "logical_ranks": self.cfg.logical_ranks, "scaling": self.cfg.scaling},
+            # What the result is made of beyond the weights: the noise scale's running averages and
+            # the latest metrics (an evaluation's, the last window's loss), so that a resumed
+            # trial's result is an uninterrupted one's. Left out when loading a checkpoint
+            # written before they were kept (`checkpoint_has`).
+            **({"record": {"noise": self.noise.state_dict(), "latest": json.dumps(self.latest)}} if self._record_kept else {}),
         }
+
+    def checkpoint_has(self, keys: set[str]) -> None:
+        """Told by the checkpointer, before a load, which keys the checkpoint holds."""
+        self._record_kept = any(k.startswith("trainer.record.") for k in keys)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -324,6 +335,10 @@ class Trainer(Stateful):
                                f"{self.cfg.logical_ranks}: its results would differ; start the trial afresh")
         self.step = int(progress["step"])
         self.samples_seen = int(progress.get("samples_seen", self.step * self.cfg.batch_size))
+        if "record" in state:
+            self.noise.load_state_dict(state["record"]["noise"])
+            self.latest = {k: float(v) for k, v in json.loads(state["record"]["latest"]).items()}
+        self._record_kept = True  # every checkpoint written from now on keeps it
 
     def state_bytes(self) -> bytes:
         """The whole training state, for a process joining through memory (not disk)."""
@@ -399,6 +414,7 @@ class Trainer(Stateful):
 
     def save_checkpoint(self, blocking: bool = True) -> None:
         self.sync_buffers()
+        self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
         self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
 
     def sync_buffers(self) -> None:
@@ -603,7 +619,7 @@ class Trainer(Stateful):
         }
         if self.is_rank0:
             self.write_progress("finished")
-            write_json_atomic(cfg.result_path, result)
+            write_result(cfg.result_path, result)  # signed: a reader trusts only this host's trainer's results
         return result
 
     def _flush_logs(self, wait: bool, hold_last_line: bool = False) -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import TrialConfig
+from training.failure import failures_recorded, targets_of, user_packages
 from training.metrics import close_shared_sink, share_sink
 from training.process import die_with_parent, dump_stacks_on_request, skip_final_collection
 from training.fence import stops_when_fenced, watch_lease
@@ -67,7 +68,8 @@ def run_one(request: dict) -> int:
     try:
         cfg = TrialConfig.from_file(request["config"])
         fence = watch_lease(cfg.lease)  # this trial's holder: a warm worker serves one after another
-        with stops_when_fenced():
+        # Whose failure it is, for the campaign's retry, before the traceback below (training.failure).
+        with stops_when_fenced(), failures_recorded(cfg.trial_dir, 0, user_packages(targets_of(cfg))):
             train_trial(cfg, DistEnv(0, 1, 0), _open_device())
         return 0
     except BaseException:

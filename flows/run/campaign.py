@@ -16,7 +16,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -39,7 +39,7 @@ from tasks.system_metrics import SystemSampler
 from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
-from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run
+from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -47,14 +47,15 @@ from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_rec
                                run_remote_trial, start_host)
 from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
-from tasks.trial import accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials, trial_process_groups
+from tasks.trial import (TrialFailed, accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials,
+                         trial_process_groups)
 from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
 from training.agent_commands import clear_commands
 from training.batch_choice import batch_choice_now
 from training.errors import CampaignError
 from training.host_records import read_agent_store
-from training.metrics import format_metrics
+from training.metrics import feed_journal, format_metrics
 from training.progress import read_progress
 from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
@@ -201,7 +202,7 @@ class CampaignRun:
             policy = live_policy(spec.scheduling.resize_pause_s, spec.scheduling.min_run_s, spec.scheduling.order)
             self.scheduler = LiveScheduler(policy, per_node, multi_node=self.pool is not None)
         for t in trials:
-            done = completed_result(self.root / t.id)
+            done = completed_result(self.root / t.id, warn=logger.warning)  # a refused result: said among the campaign's events
             if done is not None:
                 logger.info(f"trial {t.id} ({t.label}) already finished: skipped")
                 self.results[t.id] = done
@@ -212,8 +213,17 @@ class CampaignRun:
                     self.search.tell(self.drawn.pop(t.id).number, done)
                 if settle_finished_run(self.uri, parent_run_id, t.id, done):
                     logger.info(f"trial {t.id}: its MLflow run is marked FINISHED (the campaign was killed after its result)")
+                self.feed_journal(t.id, lambda t=t: trial_run_id(self.uri, parent_run_id, t.id))
             else:
                 self.add_pending(t)
+
+    def feed_journal(self, trial_id: str, run_id: Callable[[], str | None]) -> None:
+        """What of the trial's metrics journal its MLflow run lacks (a kill took it in flight)
+        is sent now, through the hub, which logs each (key, step) once (training.metrics_journal).
+        A pool's trials journal on their nodes, whose sinks send what they have."""
+        journal = trial_files(self.root / trial_id).metrics_journal
+        if self.pool is None and journal.exists() and (run := run_id()) is not None:
+            feed_journal(journal, self.uri, run)
 
     def add_pending(self, trial: Trial) -> None:
         self.pending.append(trial)
@@ -240,6 +250,7 @@ class CampaignRun:
         devices = [self.inventory.device(d) for d in placement.device_ids]
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
         self.run_ids[trial.id] = run_id
+        self.feed_journal(trial.id, lambda: run_id)
         if self.sampler is not None and self.pool is None:  # it reads this host's devices
             self.sampler.watch(run_id, devices, trial.id)
         drawn = self.drawn.get(trial.id)
@@ -440,7 +451,9 @@ class CampaignRun:
             if job.trial.id in self.drawn:
                 self.search.tell(self.drawn.pop(job.trial.id).number, None)
             close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(trial_files(job.trial_dir).log))
-            self.logger.error(f"trial {job.trial.id} failed: {str(e)[-2000:]}")
+            # One line, the failure's own (an exception's last line, a signal, a full disk): not a
+            # cut from the middle of a traceback; the whole of it is in the trial's train.log.
+            self.logger.error(e.summary if isinstance(e, TrialFailed) else f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
                 self.scheduler.finish(job.trial.id)
             return
