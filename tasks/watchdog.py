@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from training.process import STACKS_SIGNAL, stop_process_groups
+from training.process import STACKS_SIGNAL, process_table, stop_process_groups
 from training.progress import Progress, read_progress
 
 AUTO = "auto"  # training.stall_timeout_s unset: derived from the trial's own step time
@@ -122,25 +122,10 @@ class StallClock:
 # --- the trial's processes -----------------------------------------------------------------
 
 
-def _process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, process group) of every process that still runs."""
-    table = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            table[int(proc.name)] = (int(fields[1]), int(fields[2]))
-    return table
-
-
 def trial_processes(groups: Sequence[int]) -> list[int]:
     """Every process of the trial's process groups and their descendants: torchrun's and the
     elastic agent's workers lead sessions of their own, under their launcher."""
-    table = _process_table()
+    table = process_table()
     found = {pid for pid, (_, pgid) in table.items() if pgid in groups}
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in table.items():

@@ -98,66 +98,6 @@ def test_a_user_who_cannot_write_the_store_is_refused_not_given_a_private_one(pu
     params.write_text(json.dumps({"campaign": {"name": "refused"}, "model": {"name": "mlp"}, "training": {"steps": 2, "batch_size": 8, "lr": 0.1},
                                   "tracking": {"runs_dir": str(public_tmp / "runs"), "mlflow_uri": f"sqlite:///{public_tmp}/m.db",
                                                "summary": str(public_tmp / "s.json")}}))
-    full = {k: v for k, v in os.environ.items() if k != DB_ENV} | env | {"HOME": str(home), "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([*as_uid(uid), sys.executable, "-c", code], env=full, cwd=home,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-HOLD = """
-import json, sys
-from cluster.leases import LeaseStore
-store = LeaseStore()
-cap = {"d0": 10, "d1": 10}
-print(json.dumps({"path": str(store.path), "d0": store.acquire(sys.argv[0] + "hold/t@1", {"d0": 10}, cap)}), flush=True)
-sys.stdin.read()  # held until the test closes our stdin
-"""
-
-TRY = """
-import json
-from cluster.leases import LeaseStore
-store = LeaseStore()
-cap = {"d0": 10, "d1": 10}
-print(json.dumps({"path": str(store.path), "d0": store.acquire("try/t@1", {"d0": 10}, cap),
-                  "d1": store.acquire("try/u@1", {"d1": 10}, cap)}))
-"""
-
-
-def test_two_users_with_their_own_homes_share_one_store(public_tmp):
-    host = public_tmp / "host"  # not made yet: the first user makes it, shared
-    env = {"PUBLIC": str(public_tmp), HOST_DIR_ENV: str(host)}
-    holder = as_user(USERS[0], HOLD, env)
-    try:
-        held = json.loads(holder.stdout.readline() or "{}")
-        assert held.get("d0") is True, holder.stderr.read()
-        other = as_user(USERS[1], TRY, env)
-        out, errors = other.communicate(timeout=120)
-        assert other.returncode == 0, errors
-        tried = json.loads(out)
-        assert tried["path"] == held["path"] == str(host / "leases.db")  # the same file whatever the HOME
-        assert tried == {"path": held["path"], "d0": False, "d1": True}  # the other user's device is not to be had
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
-    assert stat.S_IMODE(host.stat().st_mode) == 0o1777  # like /tmp: no user removes another's file
-    assert {"leases.db", "leases.db.lock"} <= {p.name for p in host.iterdir()}
-    for path in host.iterdir():  # SQLite's -wal and -shm too, while a connection keeps them
-        assert stat.S_IMODE(path.stat().st_mode) == 0o666, path.name
-
-
-def test_a_user_who_cannot_write_the_store_is_refused_not_given_a_private_one(public_tmp, tmp_path):
-    host = public_tmp / "host"
-    host.mkdir(mode=0o755)  # made by root for root alone
-    env = {"PUBLIC": str(public_tmp), HOST_DIR_ENV: str(host)}
-    probe = as_user(USERS[0], "from cluster.leases import LeaseStore; LeaseStore().leases()", env)
-    _, errors = probe.communicate(timeout=120)
-    assert probe.returncode != 0 and "LeaseStoreError" in errors and str(host) in errors, errors
-    assert "chmod 1777" in errors  # the fix, named
-    assert list(host.iterdir()) == []  # nothing half-made
-
-    params = public_tmp / "params.yaml"
-    params.write_text(json.dumps({"campaign": {"name": "refused"}, "model": {"name": "mlp"}, "training": {"steps": 2, "batch_size": 8, "lr": 0.1},
-                                  "tracking": {"runs_dir": str(public_tmp / "runs"), "mlflow_uri": f"sqlite:///{public_tmp}/m.db",
-                                               "summary": str(public_tmp / "s.json")}}))
     full = {k: v for k, v in os.environ.items() if k != DB_ENV} | env | {"HOME": str(public_tmp / f"home-{USERS[0]}"),
                                                                           "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     done = subprocess.run([*as_uid(USERS[0]), sys.executable, "-m", "flows.cli", "launch", str(params), "--no-live"], env=full,

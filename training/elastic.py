@@ -57,7 +57,7 @@ from training.layout import command_in
 from training.zygote import ForkedProcess, Zygote, ZygoteGone
 
 FINISHED, FAILED, PREEMPTED = 0, 1, 3
-TERM_SAVE_S = 25.0  # a stopping campaign waits 30 s (tasks/trial.py STOP_GRACE_S) before SIGKILL
+TERM_SAVE_S = 7.0  # a stopping campaign waits 10 s (tasks/trial.py STOP_GRACE_S) before SIGKILL: the save must fit in it
 POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
 # While the trial just trains: how soon a new command is seen. Each wake-up takes a core
 # from a rank for a moment (the ranks of a CPU trial have one core each), and a command

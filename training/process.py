@@ -114,6 +114,12 @@ def signal_group(pgid: int, sig: int) -> None:
 
 def group_alive(pgid: int) -> bool:
     """Any process of the group still running (zombies, already dead, do not count)."""
+    return any(group == pgid for _, group in process_table().values())
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process that still runs (not a zombie)."""
+    table = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -121,9 +127,9 @@ def group_alive(pgid: int) -> bool:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if fields[0] not in ("Z", "X"):
+            table[int(proc.name)] = (int(fields[1]), int(fields[2]))
+    return table
 
 
 def processes_marked(name: str, value: str) -> dict[int, bytes]:

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cluster.leases import process_alive
 from training.errors import CampaignError
 from training.files import read_status_json, write_json_atomic
 
@@ -150,21 +151,11 @@ def _holder(campaign_dir: Path, wait_s: float = 5.0) -> Owner | None:
     deadline = time.monotonic() + wait_s
     while True:
         owner = read_owner(campaign_dir)
-        if owner is not None and (owner.host != socket.gethostname() or _alive(owner.pid)):
+        if owner is not None and (owner.host != socket.gethostname() or process_alive(owner.pid, None)):
             return owner
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _busy(name: str, owner: Owner | None) -> str:
