@@ -472,9 +472,31 @@ def _campaign_name(campaign: Optional[str], runs_dir: Path) -> str:
     return name
 
 
+def _trial_matches(record, trial: str) -> list:
+    """The trials of `record` that `trial` names: its whole id; else the ids whose readable part
+    (the id without its hash suffix) is `trial`; else the ids that start with `trial`."""
+    exact = record.trial(trial)
+    if exact is not None:
+        return [exact]
+    if not trial:
+        return []
+    by_label = [t for t in record.trials if t.id.rsplit("-", 1)[0] == trial]
+    return by_label or [t for t in record.trials if t.id.startswith(trial)]
+
+
+def _one_trial(matches: list, name: str, trial: str):
+    """The one trial `trial` names in campaign `name`, or None; exits 2 listing the candidates
+    when it names more than one."""
+    if len(matches) > 1:
+        _fail(f"{trial!r} names {len(matches)} trials of campaign {name}: {', '.join(t.id for t in matches)} "
+              "(pass more of the id)")
+    return matches[0] if matches else None
+
+
 def _trial_entry(record, name: str, trial: str):
-    """The trial as the campaign record lists it; exits 2 naming the trials there are."""
-    entry = record.trial(trial)
+    """The trial as the campaign record lists it, by its id, a unique prefix of it or its id
+    without the hash suffix; exits 2 naming the trials there are (or the candidates)."""
+    entry = _one_trial(_trial_matches(record, trial), name, trial)
     if entry is None:
         _fail(f"campaign {name} has no trial {trial!r}; its trials: {', '.join(t.id for t in record.trials) or 'none'}")
     return entry
@@ -488,12 +510,12 @@ def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str):
 
     name = _campaign_name(campaign, runs_dir)
     record = read_campaign(runs_dir, name) or CampaignRecord(name=name)
-    if campaign is not None or record.trial(trial) is not None:
+    if campaign is not None or _trial_matches(record, trial):
         return name, _trial_entry(record, name, trial)
     found = []
     for path in campaign_records(runs_dir):
         other = read_campaign_file(path)
-        entry = other.trial(trial) if other else None
+        entry = _one_trial(_trial_matches(other, trial), path.parent.name, trial) if other else None
         if entry is not None:
             found.append((float(other.started or 0.0), path.parent.name, entry))
     if not found:
@@ -502,7 +524,7 @@ def _find_trial(campaign: Optional[str], runs_dir: Path, trial: str):
               f"(`campaign status NAME` lists another campaign's; `--campaign NAME` picks it)")
     _, other_name, entry = max(found)
     if len(found) > 1:
-        print(f"trial {trial} is in campaigns {', '.join(sorted(n for _, n, _ in found))}: showing {other_name}'s "
+        print(f"trial {entry.id} is in campaigns {', '.join(sorted(n for _, n, _ in found))}: showing {other_name}'s "
               "(--campaign NAME picks another)", file=sys.stderr)
     return other_name, entry
 
@@ -570,6 +592,7 @@ def logs(
 
     with _bad_input():
         name, entry = _find_trial(campaign, runs_dir, trial)
+    trial = entry.id
     trial_dir = campaign_dir(runs_dir, name) / trial
     log = trial_files(trial_dir).log
     position = 0
@@ -611,6 +634,7 @@ def resize(
         _fail(f"no campaign {name} under {runs_dir}/: check the name (or --runs-dir)" if name
               else f"no campaign has been launched under {runs_dir}/: pass --runs-dir, or --campaign")
     entry = _trial_entry(record, name, trial)
+    trial = entry.id
     low, high = entry.devices
     if low == high:
         _fail(f"trial {trial} has a fixed size of {low} device(s): declare resources.devices as [min, max] to make it elastic")

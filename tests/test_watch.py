@@ -84,6 +84,31 @@ def test_logs_find_a_trial_of_an_earlier_campaign(tmp_path):
     assert done.returncode == 0 and done.stdout == "trial t1: world size 1, fresh start\n", done.stderr
 
 
+def test_logs_take_a_unique_prefix_or_the_id_without_its_hash(tmp_path):
+    """A trial is named by a unique prefix of its id, or its id without the hash suffix; an
+    ambiguous one exits 2 listing the candidates."""
+    from tasks.records import CampaignRecord, TrialEntry, write_campaign
+
+    runs = tmp_path / "runs"
+    ids = ("lr0.1-width16-1d6bd000", "lr0.1-width160-2aa00000", "lr0.2-width16-3bb00000")
+    write_campaign(runs, CampaignRecord(name="p", trials=tuple(TrialEntry(i, i, 1) for i in ids)))
+    for i in ids:
+        (runs / "p" / i).mkdir(parents=True)
+        (runs / "p" / i / "train.log").write_text(f"log of {i}\n")
+    for given, shown in (("lr0.1-width16", ids[0]), ("lr0.1-width16-1d", ids[0]), ("lr0.1-width160", ids[1]),
+                         ("lr0.2", ids[2]), (ids[1], ids[1])):
+        done = campaign_cli("logs", given, "--runs-dir", str(runs))
+        assert done.returncode == 0 and done.stdout == f"log of {shown}\n", (given, done.stderr)
+    done = campaign_cli("logs", "lr0.1-w", "--runs-dir", str(runs))
+    assert done.returncode == 2 and ids[0] in done.stderr and ids[1] in done.stderr and ids[2] not in done.stderr
+    done = campaign_cli("logs", "lr0.1-w", "--campaign", "p", "--runs-dir", str(runs))
+    assert done.returncode == 2 and ids[0] in done.stderr and ids[1] in done.stderr
+    done = campaign_cli("resize", "lr0.1-w", "1", "--campaign", "p", "--runs-dir", str(runs))
+    assert done.returncode == 2 and ids[0] in done.stderr and ids[1] in done.stderr
+    done = campaign_cli("resize", "lr0.2", "1", "--campaign", "p", "--runs-dir", str(runs))
+    assert done.returncode == 2 and f"trial {ids[2]} has a fixed size" in " ".join(done.stderr.split())
+
+
 def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
     from tasks.records import Allocation
     from tasks.timeline import intervals, write_timeline
