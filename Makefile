@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export GLOO_SOCKET_IFNAME := lo
 export MASTER_ADDR := 127.0.0.1
 
-.PHONY: setup campaign test test-fast bench clean-runs
+.PHONY: setup campaign test test-fast bench schema clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: setup
 	$(PY) bench/packing_bench.py
 	$(PY) bench/scheduler_bench.py --jobs 160 --seeds 1 --heavy 0   # one workload; the full eight take hours (Pollux's search)
 	$(PY) bench/profile_bench.py
+
+# The JSON Schema of params.yaml (schema/params.schema.json, for editors), from training/spec.py's
+# models: run after changing one (tests/test_spec_schema.py fails until then), and commit it.
+schema: setup
+	$(PY) -m training.spec_schema --write
 
 clean-runs:
 	rm -rf checkpoints metrics mlflow.db mlruns data/digits.npz
