@@ -133,6 +133,25 @@ def test_the_timeline_has_a_bar_per_device_and_holding(tmp_path):
 
 # --- the live view of `campaign launch` -------------------------------------------------------
 
+def test_the_trials_table_keeps_each_trial_id_whole_at_80_columns():
+    """At 80 columns the trial ids stay whole on one line (people copy them); other cells fold."""
+    from rich.console import Console
+
+    from flows.run.live_view import trials_table
+    from tasks.records import TrialStatus
+
+    ids = ["lr0.1-width16-1d6bd000", "lr0.05-width128-weight_decay0.01-7a3e9f21", "lr0.001-width64-seed+1-3c2b1a00"]
+    rows = [TrialStatus(i, i, "finished", 1000, 1000, ["cuda:0", "cuda:1"], {"val_accuracy": 0.98, "train_loss": 0.0512},
+                        "/x/step-0001000") for i in ids]
+    for etas in (None, {i: 12.0 for i in ids}):
+        console = Console(width=80, record=True, file=open("/dev/null", "w"))
+        console.print(trials_table("c", rows, etas))
+        lines = console.export_text().splitlines()
+        assert all(len(line) <= 80 for line in lines)
+        for i in ids:
+            assert any(i in line for line in lines), (i, "\n".join(lines))
+
+
 def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a_restart():
     from flows.run.live_view import Eta, format_seconds
 

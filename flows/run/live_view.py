@@ -82,15 +82,36 @@ def format_seconds(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+class _TrialsTable(Table):
+    """A table whose first column (the trial id) is never cut: where the other values, each
+    whole on one line, leave it too little room, they fold onto more lines instead."""
+
+    def __rich_console__(self, console, options):
+        from rich import box
+
+        fits = lambda: self.__rich_measure__(console, options).minimum <= options.max_width
+        self.box, self.show_edge, self.collapse_padding, self.padding = box.HEAVY_HEAD, True, False, (0, 1, 0, 1)
+        for column in self.columns[1:]:
+            column.no_wrap, column.overflow = column.header != "devices", "fold"
+        if not fits():  # no borders between the columns: a space
+            self.box, self.show_edge, self.collapse_padding = box.SIMPLE_HEAD, False, True
+            self.padding = (0, 0, 0, 0)
+        if not fits():
+            for column in self.columns[1:]:
+                column.no_wrap = False
+        yield from super().__rich_console__(console, options)
+
+
 def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None) -> Table:
     """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when given)."""
-    # Values are never cut (at 80 columns "finished" read "finis…"): the trial id and the
-    # devices fold onto more lines, every other cell keeps its whole value.
-    table = Table(title=f"campaign {name}", pad_edge=False)
-    table.add_column("trial", overflow="fold", ratio=2)
+    # Values are never cut (at 80 columns "finished" read "finis…"): the trial id stays whole on
+    # one line (people copy it into `campaign logs`); where the terminal is too narrow for every
+    # value on one line, the other cells fold onto more lines.
+    table = _TrialsTable(title=f"campaign {name}", pad_edge=False)
+    table.add_column("trial", no_wrap=True, min_width=max((len(r.trial_id) for r in rows), default=5))
     for col in ("state", "steps"):
         table.add_column(col, no_wrap=True)
-    table.add_column("devices", overflow="fold", ratio=1)
+    table.add_column("devices", overflow="fold")
     for col in ("val acc", "loss", "ckpt"):
         table.add_column(col, no_wrap=True)
     if etas is not None:
