@@ -152,6 +152,28 @@ def test_the_trials_table_keeps_each_trial_id_whole_at_80_columns():
             assert any(i in line for line in lines), (i, "\n".join(lines))
 
 
+def test_an_event_line_with_a_url_keeps_it_whole_at_80_columns_and_links_it_in_a_terminal():
+    """The campaign's end prints an `MLflow compare` link longer than 80 columns: one line, no
+    hard break inside it (copied whole), and an OSC 8 hyperlink where the console is a terminal."""
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from flows.run.live_view import _EventLines
+    from tasks.tracking import compare_url
+
+    url = compare_url("http://127.0.0.1:5000", "3", [f"{i:032x}" for i in range(4)])
+    assert len(url) > 80
+    event = logging.LogRecord("campaign", logging.INFO, __file__, 1, f"MLflow compare {url}", None, None)
+    for terminal in (False, True):
+        out = io.StringIO()
+        _EventLines(Console(file=out, width=80, force_terminal=terminal)).emit(event)
+        text = out.getvalue()
+        assert any(url in line for line in text.splitlines()), text
+        assert ("\x1b]8;" in text) == terminal, text
+
+
 def test_eta_counts_from_the_steps_made_since_first_seen_and_starts_over_after_a_restart():
     from flows.run.live_view import Eta, format_seconds
 

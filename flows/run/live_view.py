@@ -11,6 +11,7 @@ flow run's Prefect log.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.style import Style
 from rich.text import Text
 
 from tasks.records import ENDED, CampaignRecord, TrialStatus, campaign_status, read_campaign
@@ -126,6 +128,9 @@ def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | Non
     return table
 
 
+_URL = re.compile(r"https?://\S+")
+
+
 class _EventLines(logging.Handler):
     """Prints the campaign's events above the live table."""
 
@@ -136,8 +141,15 @@ class _EventLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "")
         line = Text(time.strftime("%H:%M:%S ", time.localtime(record.created)), style="dim")
-        line.append(record.getMessage(), style=style)
-        self.console.print(line, highlight=False)
+        message = record.getMessage()
+        at = 0
+        for url in _URL.finditer(message):  # a link (OSC 8 where the console is a terminal), never cut
+            line.append(message[at:url.start()], style=style)
+            line.append(url.group(), style=Style.parse(style or "none") + Style(link=url.group()))
+            at = url.end()
+        line.append(message[at:], style=style)
+        # soft_wrap: no hard line breaks; the terminal wraps a long line, so a URL copies whole.
+        self.console.print(line, highlight=False, soft_wrap=True)
 
 
 def chatter_to_file(path: Path) -> None:
