@@ -152,6 +152,21 @@ def test_cli_refuses_a_bad_target_before_anything_runs(tmp_path, user_root, digi
     assert sorted(p.name for p in tmp_path.iterdir()) == [PACKAGE, "params.yaml"]  # nothing half-written
 
 
+def test_cli_refuses_labels_outside_the_models_outputs_before_anything_runs(tmp_path, user_root, digits_npz):
+    """A model with 5 outputs on digits (labels 0..9): the first two samples' labels fit, the
+    data's do not; without the check every trial failed at step 0."""
+    from conftest import campaign_cli
+
+    write_package(tmp_path)
+    campaign_params(tmp_path, digits_npz, model={"target": f"{PACKAGE}.nets:five_classes", "kwargs": {"width": 8}},
+                    grid={"training.lr": [0.003]})
+    result = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert "data/model" in output and "label 9" in output and "5 outputs" in output, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PACKAGE, "params.yaml"]  # nothing ran
+
+
 @pytest.mark.slow
 def test_user_workload_runs_through_campaign_launch(tmp_path, user_root, digits_npz, monkeypatch):
     """The user's package sits in the campaign's directory, as a researcher's would. Its

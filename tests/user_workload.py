@@ -32,6 +32,10 @@ def make(width=8, p=0.2):
     return BNNet(width, p)
 
 
+def five_classes(width=8, p=0.2):
+    return BNNet(width, p, classes=5)
+
+
 def wrong_input(width=8):
     return nn.Sequential(nn.Flatten(), nn.Linear(10, 10))  # digits have 64 features, not 10
 

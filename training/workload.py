@@ -268,6 +268,7 @@ def check_workload(model: dict[str, Any], data: dict[str, Any], loss: dict[str, 
     except Exception as e:
         raise WorkloadError(f"model: the forward pass on a batch of data samples (input {_describe(x)}) raised "
                             f"{type(e).__name__}: {e}; the model and the data do not fit each other") from None
+    _check_labels(train, val, y, outputs)
     try:
         value = loss_fn(outputs, y)
     except Exception as e:
@@ -285,6 +286,39 @@ def check_workload(model: dict[str, Any], data: dict[str, Any], loss: dict[str, 
     build_optimizer(optimizer, net.parameters(), lr).step()
     return WorkloadCheck(len(train), len(val), tuple(x.shape[1:]) if isinstance(x, torch.Tensor) else None,
                          tuple(outputs.shape[1:]) if isinstance(outputs, torch.Tensor) else ())
+
+
+LABELS_SAMPLED = 512  # per dataset, spread over it, where its labels are not one tensor
+
+
+def _labels(dataset: Dataset) -> torch.Tensor | None:
+    """A TensorDataset's labels whole; else those of up to LABELS_SAMPLED samples spread over it."""
+    if isinstance(dataset, TensorDataset):
+        return dataset.tensors[-1]
+    n = len(dataset)
+    picks = sorted({round(i * (n - 1) / max(LABELS_SAMPLED - 1, 1)) for i in range(min(n, LABELS_SAMPLED))})
+    try:
+        return torch.stack([torch.as_tensor(dataset[i][1]) for i in picks])
+    except Exception:
+        return None  # labels of other shapes: the loss on real batches says
+
+
+def _check_labels(train: Dataset, val: Dataset, y: Any, outputs: Any) -> None:
+    """Class labels (integer targets, one per output row) must lie in [0, the model's number of
+    outputs): any other fails every trial at its first step. -100 is cross-entropy's ignored one."""
+    if not (isinstance(y, torch.Tensor) and isinstance(outputs, torch.Tensor) and outputs.dim() >= 2
+            and not y.is_floating_point() and y.dtype != torch.bool and tuple(y.shape) == tuple(outputs.shape[:-1])):
+        return
+    classes = outputs.shape[-1]
+    for name, ds in (("train", train), ("val", val)):
+        labels = _labels(ds)
+        if labels is None or labels.is_floating_point() or labels.numel() == 0:
+            continue
+        bad = labels[((labels < 0) | (labels >= classes)) & (labels != -100)]
+        if bad.numel():
+            raise WorkloadError(f"data/model: the {name} dataset has label {int(bad.max() if (bad >= classes).any() else bad.min())} "
+                                f"but the model has {classes} outputs (labels must be in [0, {classes})): "
+                                "give the model as many outputs as the data has classes (model.kwargs), or check data")
 
 
 def _describe(value: Any) -> str:
