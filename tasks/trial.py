@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from training.errors import CampaignError
 from training.failure import DISK_FULL, SIGNAL, USER, Failure, clear_failure, exit_description, read_failure, signal_name
 from training.fence import lease_problem
 from training.files import DiskFull, size_text, write_atomic
+from training.manifest import TMP_PREFIX
 from training.loopback import BIND_ENV
 from training.process import (die_with_parent, end_processes, processes_marked, signal_group, signal_process,
                               stop_process_groups)
@@ -721,6 +723,12 @@ def segment_watchdog(plan: LaunchPlan, config: TrialConfig, across_nodes: bool =
                     lambda: trial_process_groups(config.trial_id))
 
 
+def drop_partial_checkpoints(trial_dir: Path) -> None:
+    """Remove the trial's checkpoints that were never put in view (`.tmp-*`: their writer ended)."""
+    for partial in trial_files(trial_dir).checkpoints.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], record: bool = True,
              all_devices: list[str] | None = None) -> dict[str, Any]:
     """Apply a segment's launch plan and say how it ended (see run_trial). `record`: this
@@ -730,7 +738,18 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     trial_dir.mkdir(parents=True, exist_ok=True)
 
     def update(**fields) -> TrialRecord:
-        return update_record(trial_dir, **fields) if record else TrialRecord()
+        if not record:
+            return TrialRecord()
+        try:
+            return update_record(trial_dir, **fields)
+        except DiskFull:
+            if all_devices is not None:  # other nodes may still write into the folder: nothing of theirs is ours to drop
+                raise
+            # No process of this segment runs now (before its launch, or after it ended): a
+            # checkpoint it left half-written for want of room is never put in view, and its
+            # room lets the record say what happened (a resume would remove it anyway).
+            drop_partial_checkpoints(trial_dir)
+            return update_record(trial_dir, **fields)
 
     ids = all_devices or [d.id for d in devices]
     held = update(state="running", devices=ids, reason=None)
