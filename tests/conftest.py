@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import signal
 import sqlite3
@@ -144,6 +145,22 @@ def digits_npz(tmp_path_factory) -> Path:
     from training.data import prepare_digits
 
     return prepare_digits(tmp_path_factory.mktemp("data") / "digits.npz")
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(tmp_path_factory):
+    """Each test starts from what a new process has: no user module imported from another
+    test's folder (two tests' `mylab` packages would shadow each other) and launches allowed
+    (a campaign flow run in this process earlier may have stopped them)."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
+    importlib.invalidate_caches()
+    if trial := sys.modules.get("tasks.trial"):
+        trial.accept_launches()
+        trial._revoked.clear()
 
 
 @pytest.fixture(autouse=True)
