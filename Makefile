@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export GLOO_SOCKET_IFNAME := lo
 export MASTER_ADDR := 127.0.0.1
 
-.PHONY: setup campaign test test-fast bench schema clean-runs
+.PHONY: setup campaign test test-fast bench schema docs docs-build clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,7 +41,9 @@ XDIST := -n 3 --dist load --maxschedchunk 1
 # cores, and torch's threads in a test process only wait on each other there.
 TEST_ENV := OMP_NUM_THREADS=1
 
-test: setup
+# The documentation site is built first (seconds): a broken link or a missing page fails the
+# suite before its minutes; pytest's exit code is then the target's.
+test: setup docs-build
 	$(TEST_ENV) $(PY) -m pytest -q $(XDIST) --durations=25
 
 # The same without the slow end-to-end tests (real campaigns, torchrun, elastic trials).
@@ -57,6 +59,18 @@ bench: setup
 # models: run after changing one (tests/test_spec_schema.py fails until then), and commit it.
 schema: setup
 	$(PY) -m training.spec_schema --write
+
+# The documentation site (MkDocs Material, mkdocs.yml): `make docs` serves it on 127.0.0.1:8000 and
+# rebuilds on each change; `make docs-build` builds it into site/ with --strict, so a broken link,
+# anchor or missing page is an error. The spec and CLI references are generated from the code.
+# (--quiet would hide the warnings --strict counts; NO_MKDOCS_2_WARNING: Material's banner about its successor.)
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+
+docs: setup
+	$(DOCS_ENV) $(PY) -m mkdocs serve
+
+docs-build: setup
+	$(DOCS_ENV) $(PY) -m mkdocs build --strict
 
 clean-runs:
 	rm -rf checkpoints metrics mlflow.db mlruns data/digits.npz
