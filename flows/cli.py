@@ -228,27 +228,48 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
-def _started(params: Path, pool: str | None, rerun: list[str] | None, command: str = "launch"):
+def _prefect_server():
+    """Where the launch's flow reports: the user's Prefect server (PREFECT_API_URL) or `campaign
+    ui`'s (_report_to_ui set it), else the folder's resident server (flows/servers/resident.py;
+    started now if none runs, to boot while the launch checks), else (CAMPAIGN_SERVER=off) a
+    temporary server of the launch's own."""
+    from flows.servers import resident
+    from flows.servers.warmup import WarmUp
+
+    if os.environ.get("PREFECT_API_URL") or not resident.enabled():
+        return WarmUp()
+    server = resident.Resident(Path.cwd())
+    if server.started_here:
+        console.print(f"[dim]a Prefect server for this folder starts: {os.environ['PREFECT_API_URL'].removesuffix('/api')} "
+                      f"(later launches use it; it stops after {resident.idle_s() / 60:.0f} min unused, or with "
+                      "`campaign stop-server`)[/]", highlight=False)
+    return server
+
+
+def _started(params: Path, pool: str | None, rerun: list[str] | None, command: str = "launch", phases=None, spec=None):
     """Everything before the flow: the spec loaded and checked, Prefect's server booting, the
     MLflow store, the first trials' zygote. Returns the spec, the server and the trials."""
+    mark = phases.mark if phases is not None else (lambda phase: None)
     _report_to_ui()
-    spec = _loaded(params, pool)
+    spec = spec or _loaded(params, pool)
     _own_the_run(spec, command)
+    mark("the campaign is this run's (no other run of it is live)")
     if spec.cluster.pool is None and not spec.cluster.nodes:
         from cluster.inventory import discover, keep_off_cores, spare_cores
 
         # Before Prefect's server starts: the orchestration's processes stay off the cores of the trials' slots.
         keep_off_cores(spare_cores(discover(cpu_slots=spec.cluster.cpu_slots)))
     from training.spec import tracking_uri
-    from flows.servers.warmup import WarmUp
     from flows.run.warden import start_warden
     from tasks.records import campaign_dir
 
     # Before Prefect starts its server: if this process is killed outright, the warden ends
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
-    warm = WarmUp()  # Prefect's server boots while the checks below run
+    warm = _prefect_server()  # it boots (if it must) while the checks below run
+    mark("Prefect's server found" if getattr(warm, "state", None) else "Prefect's server starting (in the background)")
     trials, inventory, requests = _checked(spec, params)
+    mark("data, tracking store, devices and workloads checked")
     # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
     # server finishes its start; the flow's first MLflow call waits for it.
     if spec.cluster.pool is None:
@@ -262,29 +283,50 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None, command: s
         from tasks.tracking import prepare_store
 
         prepare_store(tracking_uri(spec.tracking))  # on a thread
+    mark("MLflow store opening (in the background)")
     if rerun:
         _set_aside_for_rerun(spec, trials, rerun)
     _prestart_warm_workers(spec, trials, inventory, requests)
+    mark("the first trials' warm workers starting (in the background)")
     return spec, warm, trials
 
 
 def _launch(params: Path, live: bool | None = None, pool: str | None = None, rerun: list[str] | None = None,
-            command: str = "launch") -> None:
+            command: str = "launch", timings: bool = False) -> None:
     from training.process import imports_without_gc
 
+    phases = None
+    if timings:
+        from flows.run.timings import Phases
+
+        phases = Phases(lambda line: console.print(f"[dim]timings[/] {escape(line)}", highlight=False))
+        phases.mark("command started, spec read")
+    spec = _loaded(params, pool)
+    if not rerun and (done := _nothing_to_do(spec, params)) is not None:
+        console.print(f"campaign [bold]{spec.campaign.name}[/]: every one of its {done['trials']} trials has ended before: "
+                      f"nothing to train (`campaign resume {params} --rerun TRIAL` trains one again)", highlight=False)
+        if phases is not None:
+            phases.mark("trials' records read: nothing to do")
+        _print_summary(done)
+        return
     with imports_without_gc():  # the spec, the checks' torch, Prefect's engine: kept for the launch's life
-        spec, warm, trials = _started(params, pool, rerun, command)
+        spec, warm, trials = _started(params, pool, rerun, command, phases, spec)
         from flows.run.campaign import campaign_flow
+    if phases is not None:
+        phases.mark("the flow's code imported")
 
     what = f"{len(trials)} trials" if spec.search is None else f"a {spec.search.strategy} search" + (f" of {spec.search.trials} points" if spec.search.trials else "")
     console.print(f"campaign [bold]{spec.campaign.name}[/]: {what}, {spec.resources.devices} device(s) each")
     previous = signal.signal(signal.SIGTERM, _terminate)
     previous_int = signal.signal(signal.SIGINT, _interrupt)
+    watch = _watch_first_step(spec, trials, phases)
     try:
         if live if live is not None else console.is_terminal:
-            summary = _launch_live(spec, params, pool, warm)
+            summary = _launch_live(spec, params, pool, warm, phases)
         else:
             warm.ready()
+            if phases is not None:
+                phases.mark("Prefect's server ready; the flow starts")
             with warm.flow_settings():
                 summary = campaign_flow(str(params), pool=pool)
     except Terminated:
@@ -298,15 +340,78 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+        if watch is not None:
+            watch.stop()
         if _ownership is not None:  # the run has ended: another may start
             _ownership.release()
+    if phases is not None:
+        phases.mark("campaign ended")
+    _print_summary(summary)
+
+
+def _print_summary(summary: dict) -> None:
     best = summary.get("best")
     pruned = f", {summary['pruned']} pruned" if summary.get("pruned") else ""
     score = next(((k, v) for k, v in (best or {}).items() if k != "trial"), None)
     console.print(f"finished {summary['finished']}/{summary['trials']} trials{pruned}" + (f"; best {best['trial']}: {score[0]} {score[1]:.4f}" if score else ""))
 
 
-def _launch_live(spec, params: Path, pool: str | None, warm):
+def _nothing_to_do(spec, params: Path) -> dict | None:
+    """The summary of a campaign with nothing left to train, read from its records without
+    Prefect, torch or MLflow (a relaunch of it answers in a fraction of a second), or None when
+    the launch has work to do or cannot tell without them: a grid (a search may add points), its
+    every trial finished or pruned with a verified result, its last run ended (its summary and
+    MLflow run closed), and its SQLite store still there."""
+    from tasks.grid import expand_grid
+    from tasks.mlflow_store import sqlite_file
+    from tasks.records import campaign_status, read_campaign
+    from tasks.summary import summarize, RANK_BY
+    from training.errors import CampaignError
+    from training.spec import summary_not_ours, tracking_uri
+
+    if spec.search is not None or spec.cluster.pool is not None:
+        return None
+    try:
+        record = read_campaign(spec.tracking.runs_dir, spec.campaign.name)
+        if record is None or record.state != "ended":
+            return None
+        trials = expand_grid(spec)
+        if {t.id for t in trials} != {t.id for t in record.trials}:
+            return None  # the grid changed: new trials to train
+        rows = campaign_status(spec.tracking.runs_dir, spec.campaign.name)
+        if not rows or any(r.state not in ("finished", "pruned") for r in rows):
+            return None
+        store = sqlite_file(tracking_uri(spec.tracking))
+        if store is None or not store.is_file():
+            return None  # a server's store, or one that is gone: the launch's own checks say what to do
+        summary = spec.tracking.summary
+        if summary is not None and (not summary.is_file() or summary_not_ours(summary, spec.campaign.name)):
+            return None
+    except (CampaignError, OSError):
+        return None  # the launch's checks report it, naming the file
+    results = {r.trial_id: {"metrics": r.metrics} for r in rows}
+    pruned = {r.trial_id for r in rows if r.state == "pruned"}
+    return summarize(trials, results, {}, pruned, (RANK_BY, "max"))
+
+
+def _watch_first_step(spec, trials, phases):
+    """With --timings: a watch that marks the first training step of any trial of the launch."""
+    if phases is None:
+        return None
+    from flows.run.timings import FirstStepWatch
+    from tasks.records import campaign_dir
+    from training.layout import trial_files
+    from training.manifest import checkpoint_report, checkpoint_step
+
+    root = campaign_dir(spec.tracking.runs_dir, spec.campaign.name)
+    baselines = {}
+    for trial in trials:
+        latest, _ = checkpoint_report(trial_files(root / trial.id).checkpoints)
+        baselines[root / trial.id] = checkpoint_step(latest) if latest else 0
+    return FirstStepWatch(phases, baselines).start()
+
+
+def _launch_live(spec, params: Path, pool: str | None, warm, phases=None):
     """The flow under a live table; Prefect's and the libraries' logs go to campaign.log."""
     from flows.run.campaign import campaign_flow
     from flows.run.live_view import LiveView, chatter_to_file
@@ -315,6 +420,8 @@ def _launch_live(spec, params: Path, pool: str | None, warm):
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
     chatter_to_file(log_path)
     warm.ready()  # Prefect's lines from its server's start go to the file too
+    if phases is not None:
+        phases.mark("Prefect's server ready; the flow starts")
     with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path), warm.flow_settings():
         return campaign_flow(str(params), pool=pool)
 
@@ -326,10 +433,14 @@ LIVE = typer.Option(None, "--live/--no-live", help="a table of trials redrawn in
 POOL = typer.Option(None, "--pool", help="run the trials on this campaign pool's nodes (sets cluster.pool; needs PREFECT_API_URL)")
 
 
+TIMINGS = typer.Option(False, "--timings", help="say each phase of the launch as it is reached, with its time since the "
+                       "command started, up to the first training step and the end")
+
+
 @app.command()
-def launch(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL) -> None:
+def launch(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL, timings: bool = TIMINGS) -> None:
     """Run the campaign: completed trials are skipped, partial ones resume from their checkpoint."""
-    _launch(params, live, pool)
+    _launch(params, live, pool, timings=timings)
 
 
 RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished trial again from scratch (its result and "
@@ -338,9 +449,21 @@ RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished
 
 @app.command()
 def resume(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[str] = POOL,
-           rerun: Optional[list[str]] = RERUN) -> None:
+           rerun: Optional[list[str]] = RERUN, timings: bool = TIMINGS) -> None:
     """Resume a campaign (the same as launching its spec again); --rerun TRIAL trains a finished trial again."""
-    _launch(params, live, pool, rerun, command="resume")
+    _launch(params, live, pool, rerun, command="resume", timings=timings)
+
+
+@app.command("stop-server")
+def stop_server() -> None:
+    """Stop this folder's resident Prefect server (the next launch starts it again)."""
+    from flows.servers import resident
+
+    state = resident.stop(Path.cwd())
+    if state is None:
+        console.print("no Prefect server runs for this folder", highlight=False)
+    else:
+        console.print(f"stopped this folder's Prefect server ({state['prefect_url']}, pid {state['pid']})", highlight=False)
 
 
 @app.command("repair-tracking")
@@ -426,7 +549,7 @@ def profile(
     from flows.run.profile import profile_flow, select_trial
     from training.spec import load_spec
     from tasks.grid import expand_grid
-    from tasks.profile import PREDICTION_COLUMNS, prediction_rows
+    from tasks.profile import prediction_rows, prediction_table
     from training.errors import CampaignError
     from training.profiler import to_rich_table
 
@@ -447,18 +570,16 @@ def profile(
     result = summary.result
     if result is None:
         _fail(f"trial {chosen.id} could not be profiled: the warning above says why", code=1)
-    console.print(to_rich_table(result.profile, result.peaks))
+    console.print(to_rich_table(result.profile, result.peaks, console.width))
     if result.ddp is not None:
         d = result.ddp
         console.print(f"DDP at {d.world_size} processes ({d.backend}): step {d.step_s * 1e3:.3f} ms, all-reduce {d.allreduce_bytes} B "
                       f"in {len(d.buckets)} bucket(s), {d.allreduce_s * 1e3:.3f} ms, {d.overlap_fraction:.0%} overlapped with backward")
     elif result.ddp_error:
         console.print(f"[yellow]DDP part failed:[/] {result.ddp_error.splitlines()[0]}")
-    table = Table(title=f"predicted step time of {chosen.id} (global batch {result.profile.batch_size}, one node)", title_justify="left")
-    for column in PREDICTION_COLUMNS:
-        table.add_column(column, justify="right")
-    for row in prediction_rows(result.predictions, result.profile.batch_size, result.ddp):
-        table.add_row(*row)
+    rows = prediction_rows(result.predictions, result.profile.batch_size, result.ddp)
+    table = prediction_table(f"predicted step time of {chosen.id} (global batch {result.profile.batch_size}, one node)", rows,
+                             console.width)
     console.print(table)
     console.print(f"profile in {result.directory}/ ({', '.join(result.files)}); MLflow run {summary.mlflow_run_id}; Prefect artifact {summary.artifact_key}")
 
@@ -587,7 +708,7 @@ def logs(
     import sys
     import time
 
-    from tasks.records import campaign_dir, trial_status
+    from tasks.records import campaign_dir
     from training.files import read_chunk
 
     with _bad_input():
@@ -607,11 +728,22 @@ def logs(
                 position += len(chunk)
                 sys.stdout.write(decode(chunk))
                 sys.stdout.flush()
-        if not follow or trial_status(trial_dir, trial, entry.label, entry.steps).state in TERMINAL:
+        if not follow or _trial_done_for_good(trial_dir, trial, entry):
             if follow and log.exists() and log.stat().st_size > position:
                 continue  # the last lines written as it ended
             return
         time.sleep(0.5)
+
+
+def _trial_done_for_good(trial_dir: Path, trial: str, entry) -> bool:
+    """What `logs -f` waits for: the trial has ended and nothing will run it again now. A trial
+    that failed or was stopped is followed on while a run of its campaign is live (a `resume`
+    just started: its record still says how the last run left it)."""
+    from flows.run.owner import run_is_live
+    from tasks.records import trial_status
+
+    state = trial_status(trial_dir, trial, entry.label, entry.steps).state
+    return state in TERMINAL and (state in ("finished", "pruned") or not run_is_live(trial_dir.parent))
 
 
 @app.command()

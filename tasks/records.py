@@ -340,7 +340,10 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     state = ("pruned" if result.get("pruned") else "finished") if result else record_state(record)
     if result_refused is not None and state in ("finished", "pruned"):
         state = "unverified"  # its record says finished, on the strength of a result that is not one
-    devices = agent.devices if state == "running" and agent is not None and agent.status == "running" else record.devices
+    # An elastic trial's agent says where it is (or last was: a finished trial's are its last
+    # devices, not those it started on); the record holds where a trial was started.
+    now_or_last = state == "running" and agent is not None and agent.status == "running" or state in ("finished", "pruned")
+    devices = agent.devices if now_or_last and agent is not None and agent.devices else record.devices
     latest, refused = checkpoint_report(trial_files(trial_dir).checkpoints)
     return TrialStatus(
         trial_id=trial_id, label=label, state=state,

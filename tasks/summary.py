@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from training.errors import CampaignError
-from training.spec import SUMMARY_WRITER, CampaignSpec, summary_not_ours
+from training.spec import (SUMMARY_WRITER, TRIAL_METRIC_NAMES, CampaignSpec, summary_not_ours, trial_metrics_folder,
+                           trial_metrics_not_ours)
 from tasks.grid import Trial
 from training.files import write_json_atomic
 
 RANK_BY = "val_accuracy"
-REPORTED = ("val_accuracy", "val_loss", "train_loss")  # per trial, in the DVC metrics
+REPORTED = TRIAL_METRIC_NAMES  # per trial, in the DVC metrics
 
 
 def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str], pruned: set[str] = frozenset(),
@@ -41,9 +42,23 @@ def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, di
     if why := summary_not_ours(path, name):
         raise CampaignError(f"tracking.summary: {path} {why}, and was left as it is; the trials' results are on disk "
                             f"and in MLflow: move {path} aside or point tracking.summary at a new file, then launch again")
-    # DVC reads the numbers (`dvc metrics show`); the two strings say whose file this is.
-    write_json_atomic(path, {"campaign": name, "written_by": SUMMARY_WRITER, **summary})
+    folder = trial_metrics_folder(path)
+    if why := trial_metrics_not_ours(folder):
+        raise CampaignError(f"tracking.summary: {folder} {why}, and was left as it is; move it aside, then launch again")
+    # DVC reads the numbers (`dvc metrics show`): the counts and the best trial here, the two
+    # strings saying whose file this is, and each trial's figures in a file of its own.
+    write_json_atomic(path, {"campaign": name, "written_by": SUMMARY_WRITER, **{k: v for k, v in summary.items() if k != "per_trial"}})
+    write_trial_metrics(folder, summary["per_trial"])
     return summary
+
+
+def write_trial_metrics(folder, per_trial: dict[str, dict[str, float]]) -> None:
+    """<folder>/<trial>.json per trial with figures; files of trials no longer in the campaign removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for trial_id, metrics in per_trial.items():
+        write_json_atomic(folder / f"{trial_id}.json", metrics)
+    for stale in set(p.name for p in folder.iterdir()) - {f"{t}.json" for t in per_trial}:
+        (folder / stale).unlink(missing_ok=True)
 
 
 def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], states: dict[str, str], run_ids: dict[str, str],

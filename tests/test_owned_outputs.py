@@ -70,12 +70,13 @@ def test_the_campaigns_own_summary_is_accepted_and_rewritten(tmp_path):
 
 
 def test_a_summary_written_before_the_marker_is_still_the_campaigns(tmp_path, monkeypatch):
-    """A summary `make campaign` wrote before summaries carried "written_by" (the repository's
-    metrics/campaign.json, as committed then): its fields say it is the campaign's."""
+    """A summary `make campaign` wrote before summaries carried "written_by" (and before each
+    trial's figures had a file of their own): its fields say it is the campaign's."""
     monkeypatch.chdir(REPO)
     spec = load_spec(REPO / "params.yaml")
     check_outputs(spec)  # the repository's own, as `make campaign` writes it now
-    older = {k: v for k, v in json.loads((REPO / "metrics" / "campaign.json").read_text()).items() if k != "written_by"}
+    older = {"best": {"trial": "lr0.1-width16-1d6bd000", "val_accuracy": 0.99164}, "campaign": "digits-cnn", "failed": 0,
+             "finished": 4, "per_trial": {"lr0.1-width16-1d6bd000": {"val_accuracy": 0.99164}}, "pruned": 0, "trials": 4}
     copy = tmp_path / "campaign.json"
     copy.write_text(json.dumps(older, indent=2))
     check_outputs(parse_spec({**spec_in(tmp_path, name="digits-cnn", summary=str(copy))}))  # accepted: its fields and name
@@ -89,6 +90,27 @@ def test_the_summary_is_not_written_over_a_file_put_there_during_the_campaign(tm
     with pytest.raises(CampaignError, match="left as it is"):
         write_summary(spec, expand_grid(spec), {}, {})
     assert spec.tracking.summary.read_text() == "notes\n"
+
+
+def test_each_trials_figures_go_beside_the_summary_and_a_foreign_file_there_is_refused(tmp_path):
+    """`dvc metrics show` reads a row per file: the trials' files sit in <summary>-trials/, whose
+    stale files (a trial no longer in the grid) are removed; a file the campaign did not write there
+    is never removed: the launch is refused naming it."""
+    spec = parse_spec(spec_in(tmp_path))
+    trials = expand_grid(spec)
+    results = {t.id: {"metrics": {"val_accuracy": 0.5, "val_loss": 1.0, "other": 3.0}} for t in trials}
+    folder = spec.tracking.summary.with_name(spec.tracking.summary.stem + "-trials")
+    folder.mkdir(parents=True)
+    (folder / "gone.json").write_text('{"val_accuracy": 0.1}')  # a trial of an earlier grid
+    write_summary(spec, trials, results, {})
+    assert {p.stem for p in folder.iterdir()} == {t.id for t in trials}
+    assert json.loads((folder / f"{trials[0].id}.json").read_text()) == {"val_accuracy": 0.5, "val_loss": 1.0}
+    assert "per_trial" not in json.loads(spec.tracking.summary.read_text())
+    (folder / "notes.txt").write_text("mine\n")
+    assert "notes.txt, which is not a trial's figures" in refusal(spec_in(tmp_path))
+    with pytest.raises(CampaignError, match="left as it is"):
+        write_summary(spec, trials, results, {})
+    assert (folder / "notes.txt").read_text() == "mine\n"
 
 
 def test_a_runs_folder_that_is_a_file_or_a_latest_pointer_that_is_not_a_name_is_refused(tmp_path):

@@ -23,7 +23,7 @@ from training.errors import CampaignError
 from training.models import MLP, SmallCNN
 from training.profiler import (
     BatchTooLargeError, BucketProfile, DdpProfile, LayerProfile, LayerTraceError, LinkEstimate, ModelProfile, StepTiming,
-    profile_model, to_markdown, to_rich_table,
+    COLUMNS, profile_model, table_rows, to_markdown, to_rich_table,
 )
 from training.roofline import DevicePeaks, DeviceUnavailableError, plot_roofline, probe_device, read_nvml
 
@@ -109,6 +109,32 @@ def test_markdown_and_rich_tables_have_a_row_per_layer_and_name_the_bound():
         assert cells[0] == l.name and cells[1] == l.kind
         assert cells[-1] == ("compute" if l.arithmetic_intensity >= 5 else "memory" if l.bytes_moved else "none")
     assert to_rich_table(profile, PEAKS).row_count == len(profile.layers) + 2
+
+
+def test_the_profile_and_prediction_tables_fit_80_columns_with_every_figure_whole():
+    """At 80 columns every column of the profile would be cut to 'f…': the narrow table keeps the
+    layer names, arithmetic intensity, times and bound whole; the predictions' headers wrap."""
+    from rich.console import Console
+
+    from tasks.profile import PREDICTION_COLUMNS, prediction_table
+
+    profile = profile_model(SmallCNN(width=16), digits(32), F.cross_entropy, CPU, repeats=1)
+    rows = table_rows(profile, PEAKS)
+    narrow, wide = Console(width=80, record=True), Console(width=400, record=True)
+    narrow.print(to_rich_table(profile, PEAKS, 80))
+    wide.print(to_rich_table(profile, PEAKS, 400))
+    text = narrow.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    for row in rows[:-2]:
+        line = next(line for line in text.splitlines() if line.split() and line.split()[0] == row[0])
+        assert [row[COLUMNS.index(c)] for c in ("FLOP/B", "fwd ms", "bwd ms", "share", "bound")] == line.split()[-5:]
+    every = wide.export_text()
+    assert all(column in every for column in ("act out", "bytes moved"))  # every column when it fits
+    figures = [["4", "16", "12.345", "13.001", "11.000", "1.234", "0.100", "0.010", "123,456", "1.85x"]]
+    narrow.print(prediction_table("predicted step time", figures, 80))
+    text = narrow.export_text().split("predicted step time")[1]
+    assert "…" not in text and all(figure in text.split() for figure in figures[0]), text
+    assert len(PREDICTION_COLUMNS) == len(figures[0])
 
 
 # --- roofline ----------------------------------------------------------------------------------

@@ -48,6 +48,46 @@ def test_logs_follow_a_trial_until_it_ends_and_watch_ends_with_it(tmp_path):
     assert watch.returncode == 0 and "finished" in out and "0.5000" in out, err
 
 
+def test_logs_follow_a_stopped_trial_while_a_run_of_its_campaign_is_live(tmp_path):
+    """Right after `campaign resume` the trial's record still says how the last run left it
+    (interrupted): `logs -f` follows it while the campaign's run is live, and ends with the trial."""
+    from flows.run.owner import claim_campaign
+    from tasks.records import update_record
+
+    runs = tmp_path / "runs"
+    trial = a_campaign(runs)
+    update_record(trial, state="interrupted")
+    cli = [sys.executable, "-m", "flows.cli", "logs", "t1", "-f", "--runs-dir", str(runs)]
+    alone = subprocess.run(cli, capture_output=True, text=True, timeout=60)  # no run: nothing will resume it
+    assert alone.returncode == 0 and alone.stdout == "trial t1: world size 1, fresh start\n", alone.stderr
+    ownership = claim_campaign(runs / "w", "w", "resume")  # this process resumes the campaign
+    try:
+        follow = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert follow.stdout.readline() == "trial t1: world size 1, fresh start\n"
+        with open(trial / "train.log", "a") as log:
+            log.write("trial t1: resumed from step-00000005\n")
+        assert follow.stdout.readline() == "trial t1: resumed from step-00000005\n"  # still following
+        write_result(trial / "result.json", trainer_result("t1", steps=10))
+        out, err = follow.communicate(timeout=30)
+        assert follow.returncode == 0 and out == "", err
+    finally:
+        ownership.release()
+
+
+def test_a_finished_elastic_trial_shows_the_devices_it_ended_on(tmp_path):
+    from tasks.records import campaign_status
+    from training.agent_state import AgentState
+    from training.layout import trial_files
+
+    trial = a_campaign(tmp_path / "runs")  # started on cpu0
+    AgentState(seq=2, gen=1, devices=("cpu0", "cpu1"), status="running").write(trial_files(trial).control)
+    assert campaign_status(tmp_path / "runs", "w")[0].devices == ["cpu0", "cpu1"]
+    write_result(trial / "result.json", trainer_result("t1", steps=10))
+    AgentState(seq=3, gen=2, devices=("cpu1",), status="finished").write(trial_files(trial).control)
+    [row] = campaign_status(tmp_path / "runs", "w")
+    assert row.state == "finished" and row.devices == ["cpu1"]
+
+
 def test_logs_name_the_trials_when_the_trial_is_unknown(tmp_path):
     runs = tmp_path / "runs"
     a_campaign(runs)
@@ -192,6 +232,8 @@ def test_the_flow_reports_metrics_as_words_not_dicts():
 
     assert format_metrics({"lr": 0.0, "train_loss": 0.08123, "val_accuracy": 0.97222, "step_time_s": 0.01}) == \
         "train_loss 0.0812, val_accuracy 0.9722"
+    assert format_metrics({"grad_noise_scale": 2.5e-06, "samples": 123456.0, "val_loss": 0.0}) == \
+        "grad_noise_scale 2.5e-06, samples 1.235e+05, val_loss 0.0000"
 
 
 @pytest.mark.slow

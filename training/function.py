@@ -239,7 +239,10 @@ class TrialContext:
         self.metrics.log(step, **values)
         evaluated = any(k.startswith("val_") for k in metrics)
         if not self.quiet and (evaluated or now - self._printed_at >= PROGRESS_EVERY_S):
-            print(progress_line(self.trial_id, step, self.steps, self.latest), flush=True)  # the log follows training
+            # The log follows training; validation figures only on the steps that reported them
+            # (repeated on later lines they would read as fresh).
+            shown = {**{k: v for k, v in self.latest.items() if not k.startswith("val_")}, **values}
+            print(progress_line(self.trial_id, step, self.steps, shown), flush=True)
             self._printed_at = now
         if self.pruning is not None and not self.pruned and self.pruning.spec["metric"] in values:
             if self.pruning.should_stop(step, values):

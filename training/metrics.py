@@ -43,8 +43,16 @@ from training.metrics_journal import MetricsJournal, read_journal
 def format_metrics(metrics: dict[str, float]) -> str:
     """{'val_accuracy': 0.97222, 'train_loss': 0.0812} -> 'val_accuracy 0.9722, train_loss 0.0812'
     (the learning rate and timings left out: they are in MLflow)."""
-    return ", ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
+    return ", ".join(f"{k} {format_figure(v)}" for k, v in metrics.items()
                      if isinstance(v, (int, float)) and k != "lr" and not k.endswith("_s"))
+
+
+def format_figure(value: float) -> str:
+    """Four decimals where they say something (0.9722), significant digits where they would
+    not (1.234e+05, 2.5e-06: a grad_noise_scale of 0.0000 hides the figure)."""
+    if value == 0 or 1e-3 <= abs(value) < 1e4:
+        return f"{value:.4f}"
+    return f"{value:.4g}"
 
 
 def result_line(trial_id: str, result: dict[str, Any]) -> str:

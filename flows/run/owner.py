@@ -64,6 +64,18 @@ def read_owner(campaign_dir: Path) -> Owner | None:
         return None
 
 
+def run_is_live(campaign_dir: Path) -> bool:
+    """Whether a run of the campaign is going on now (its owner record names a live process
+    here, or was renewed lately on another host). Read only: it takes no lock, so it never
+    makes a launch that claims the campaign at this moment fail."""
+    owner = read_owner(campaign_dir)
+    if owner is None:
+        return False
+    if owner.host == socket.gethostname():
+        return process_alive(owner.pid, None)
+    return time.time() - owner.renewed < FRESH_S
+
+
 def _user() -> str:
     try:
         return getpass.getuser()

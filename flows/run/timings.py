@@ -1,0 +1,71 @@
+"""Where a launch's time goes (`campaign launch --timings`): each phase's time since the
+command was started (the process's own start, read from the kernel, so the interpreter's
+start and the imports count), and the first training step of any trial, seen in the trials'
+progress files as it happens."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+WATCH_EVERY_S = 0.05
+
+
+def process_started_at() -> float:
+    """This process's start, as a wall-clock time (Linux: /proc); now where that is unknown."""
+    try:  # seconds since boot, both: the uptime now and the process's start (btime is whole seconds only)
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Phases:
+    """Marks of a launch's phases, each said as it is reached (`say`), so that no phase is silent."""
+
+    def __init__(self, say: Callable[[str], None], started_at: float | None = None):
+        self.say = say
+        self.started_at = process_started_at() if started_at is None else started_at
+        self.marks: list[tuple[str, float]] = []
+        self._lock = threading.Lock()
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        at = time.time() if at is None else at
+        with self._lock:
+            since_last = at - (self.marks[-1][1] if self.marks else self.started_at)
+            self.marks.append((phase, at))
+        self.say(f"{at - self.started_at:6.2f} s  (+{since_last:.2f} s)  {phase}")
+
+    def since_start(self, phase: str) -> float | None:
+        return next((at - self.started_at for name, at in self.marks if name == phase), None)
+
+
+class FirstStepWatch:
+    """Marks "first training step" once any of `trial_dirs` reports a step beyond where it
+    stood when the launch began (its checkpoint's step: a resumed trial starts there)."""
+
+    def __init__(self, phases: Phases, baselines: dict[Path, int]):
+        self.phases, self.baselines = phases, baselines
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="first-step-watch", daemon=True)
+
+    def start(self) -> "FirstStepWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        from training.progress import read_progress
+
+        while not self._stop.wait(WATCH_EVERY_S):
+            for trial_dir, baseline in self.baselines.items():
+                progress = read_progress(trial_dir)
+                if progress is not None and progress.updated >= self.phases.started_at and progress.step > baseline:
+                    self.phases.mark(f"first training step (trial {trial_dir.name}, step {progress.step})", progress.updated)
+                    return

@@ -1,0 +1,117 @@
+"""A relaunch with nothing to train answers from the campaign's records: no Prefect, no
+torch, no MLflow imported (a fraction of a second where a launch takes seconds), and only
+when the records say so for every trial; `--timings` says each phase as it is reached."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_signed_results import trainer_result
+from training.result import write_result
+
+IMPORTS = ("torch", "prefect", "mlflow")
+
+
+def finished_campaign(folder: Path, state: str = "ended", finished: int | None = None) -> Path:
+    """A grid campaign's spec and the records its launch leaves once every trial has finished
+    (its results signed as the trainer signs them), `finished` of them only when given."""
+    from tasks.grid import expand_grid
+    from tasks.records import CampaignRecord, TrialEntry, update_record, write_campaign
+    from training.spec import load_spec
+
+    params = folder / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "campaign": {"name": "done"}, "data": {"path": "data/digits.npz"}, "model": {"name": "small_cnn", "width": 8},
+        "training": {"steps": 20, "batch_size": 16, "lr": 0.1}, "grid": {"training.lr": [0.1, 0.2]},
+        "resources": {"devices": 1},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": str(folder / "runs"),
+                     "summary": str(folder / "metrics" / "done.json")}}))
+    spec = load_spec(params)
+    trials = expand_grid(spec)
+    write_campaign(spec.tracking.runs_dir, CampaignRecord(
+        name="done", state=state, trials=tuple(TrialEntry(t.id, t.label, 20, dict(t.overrides)) for t in trials)))
+    for i, trial in enumerate(trials[:finished]):
+        trial_dir = spec.tracking.runs_dir / "done" / trial.id
+        trial_dir.mkdir(parents=True)
+        update_record(trial_dir, state="finished", devices=["cpu0"])
+        write_result(trial_dir / "result.json", trainer_result(trial.id, metrics={"val_accuracy": 0.5 + i / 10}))
+    (folder / "mlflow.db").write_bytes(b"")  # the store is there (its content is the launch's own check)
+    (folder / "metrics").mkdir()
+    (folder / "metrics" / "done.json").write_text(json.dumps({"campaign": "done", "written_by": "campaign", "trials": 2,
+                                                               "finished": 2, "pruned": 0, "failed": 0}))
+    return params
+
+
+def launch_in_process(params: Path, *args: str) -> subprocess.CompletedProcess:
+    """`campaign launch` in a process that says at its end which heavy packages it imported."""
+    code = ("import sys; from flows.cli import app\n"
+            "try:\n    app([" + ", ".join(repr(a) for a in ("launch", str(params), "--no-live", *args)) + "])\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            f"print('imported:', [m for m in {IMPORTS!r} if m in sys.modules])\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=params.parent, timeout=120)
+
+
+def test_a_relaunch_with_nothing_to_train_reads_the_records_and_imports_nothing_heavy(tmp_path):
+    params = finished_campaign(tmp_path)
+    done = launch_in_process(params, "--timings")
+    assert "every one of its 2 trials has ended before: nothing to train" in done.stdout, done.stdout + done.stderr
+    assert "finished 2/2 trials" in done.stdout and "val_accuracy 0.6000" in done.stdout  # the best of the two
+    assert "trials' records read: nothing to do" in done.stdout  # --timings
+    assert "imported: []" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("case", ["a trial not finished", "its last run did not end", "the store is gone", "a result forged"])
+def test_a_relaunch_with_anything_left_or_unsure_goes_the_whole_way(tmp_path, case):
+    from flows.cli import _nothing_to_do
+    from training.spec import load_spec
+
+    params = finished_campaign(tmp_path, state="interrupted" if case == "its last run did not end" else "ended",
+                               finished=1 if case == "a trial not finished" else None)
+    if case == "the store is gone":
+        (tmp_path / "mlflow.db").unlink()
+    if case == "a result forged":
+        result = next((tmp_path / "runs" / "done").glob("*/result.json"))
+        forged = json.loads(result.read_text())
+        result.write_text(json.dumps({**forged, "metrics": {"val_accuracy": 1.0}}))
+    spec = load_spec(params)
+    assert _nothing_to_do(spec, params) is None
+    (tmp_path / "b").mkdir()
+    untouched = finished_campaign(tmp_path / "b")
+    assert _nothing_to_do(load_spec(untouched), untouched) is not None  # the same records, untouched
+
+
+def test_phases_are_said_as_they_are_reached_with_their_time_since_the_process_started():
+    from flows.run.timings import Phases, process_started_at
+    import time
+
+    said: list[str] = []
+    started = process_started_at()
+    assert started <= time.time() and time.time() - started < 3600  # this process's own start
+    phases = Phases(said.append, started_at=100.0)
+    phases.mark("spec read", at=100.5)
+    phases.mark("checked", at=101.75)
+    assert said == ["  0.50 s  (+0.50 s)  spec read", "  1.75 s  (+1.25 s)  checked"]
+    assert phases.since_start("checked") == 1.75
+
+
+def test_the_workload_checks_cache_is_kept_across_edits_a_check_never_runs(tmp_path, monkeypatch):
+    """The checks' cache key covers the code a check runs (the trainer's packages, the working
+    folder's modules, the examples' workloads), not the project's tests or benches: an edit of a
+    test must not cost the next launch its cached checks."""
+    from tasks.workload import _python_files
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(repo)
+    here = {p.relative_to(repo).parts[0] for p in _python_files()}
+    assert {"training", "tasks", "examples"} <= here and not here & {"tests", "bench", "flows", "cluster"}
+    assert len(_python_files()) == len(set(_python_files()))  # each file once
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "nets.py").write_text("X = 1\n")
+    monkeypatch.chdir(tmp_path)
+    assert tmp_path / "mylab" / "nets.py" in _python_files()  # the user's own modules count
