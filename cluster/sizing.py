@@ -165,12 +165,15 @@ def start_size(request: SizedRequest, place: Callable[[int], T | None], others_w
 
 
 def measure_memory(model, example_input, example_target, loss_fn, optimizer_state_per_param: int, on_gpu: bool,
-                   eval_input=None, autocast_dtype=None, resident_bytes: int = 0) -> MemoryEstimate:
+                   eval_input=None, autocast_dtype=None, resident_bytes: int = 0, eval_target=None) -> MemoryEstimate:
     """One forward/backward pass of `model` on the whole batch, counting what it keeps.
 
+    `loss_fn`: a loss `(outputs, targets) -> scalar` or a training.outputs.Objective (the part of
+    the model's output `model.output` names, or the model's own loss).
     `optimizer_state_per_param`: tensors of optimizer state per parameter (SGD with momentum:
-    1, Adam: 2). `eval_input`: an evaluation batch, whose no-grad forward's peak of live
-    tensors is measured too. `autocast_dtype`: the trial's autocast (activations saved in it).
+    1, Adam: 2). `eval_input` (and `eval_target`, for a model that takes labels): an evaluation
+    batch, whose no-grad forward's peak of live tensors is measured too. `autocast_dtype`: the
+    trial's autocast (activations saved in it).
     `resident_bytes`: what the trial keeps on the device besides (its data set). Runs
     wherever the model's parameters are.
     """
@@ -178,6 +181,9 @@ def measure_memory(model, example_input, example_target, loss_fn, optimizer_stat
 
     import torch
 
+    from training.outputs import as_objective
+
+    objective = as_objective(loss_fn)
     device_type = next(model.parameters()).device.type
     cast = torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
 
@@ -195,7 +201,7 @@ def measure_memory(model, example_input, example_target, loss_fn, optimizer_stat
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     with op_count() as ops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-            loss = loss_fn(model(example_input), example_target)
+            loss = objective(model, example_input, example_target)
         loss.backward()
     model.zero_grad(set_to_none=True)
     evaluation = 0
@@ -203,7 +209,7 @@ def measure_memory(model, example_input, example_target, loss_fn, optimizer_stat
         was_training = model.training
         model.eval()
         with torch.no_grad(), cast, live_peak() as live:
-            model(eval_input)
+            objective.forward(model, eval_input, eval_target)
         model.train(was_training)
         evaluation = live.peak
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

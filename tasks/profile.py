@@ -46,7 +46,7 @@ from tasks.workload import trial_workload
 from tasks.tracking import CAMPAIGN_TAG
 from training.errors import CampaignError
 from training.files import write_atomic
-from training.workload import build_loss, build_model, build_optimizer, datasets, sample_batch
+from training.workload import build_model, build_objective, build_optimizer, datasets, sample_batch
 from training.process import die_with_parent
 from training.profiler import DdpProfile, ModelProfile, ProfileError, profile_model, to_markdown
 from training.roofline import DevicePeaks, DeviceUnavailableError, plot_roofline, probe_device
@@ -173,7 +173,7 @@ def profile_layers(job: ProfileJob) -> tuple[ModelProfile, DevicePeaks]:
     with pinned(device):
         where = torch_device(device)
         peaks = probe_device(where)
-        profile = profile_model(model, example_batch(job), build_loss(job.workload["loss"]), where, job.repeats, optimizer=optimizer)
+        profile = profile_model(model, example_batch(job), build_objective(job.workload["model"], job.workload["loss"]), where, job.repeats, optimizer=optimizer)
     return profile, peaks
 
 

@@ -30,17 +30,18 @@ def estimate_memory(trial: TrialSpec, on_gpu: bool, device_memory: int = 0) -> M
     from training.batches import EVAL_BATCH_MIN, kept_on_device
     from tasks.workload import trial_workload
     from training.trainer import PRECISIONS
-    from training.workload import build_loss, build_model, datasets, sample_batch
+    from training.workload import build_model, build_objective, datasets, sample_batch
 
     work = trial_workload(trial)
     model = build_model(work["model"])
     train, val = datasets(work["data"])
     x, y = sample_batch(train, trial.training.batch_size)
-    eval_x, _ = sample_batch(val, min(len(val), max(trial.training.batch_size, EVAL_BATCH_MIN)))
+    eval_x, eval_y = sample_batch(val, min(len(val), max(trial.training.batch_size, EVAL_BATCH_MIN)))
     slots = optimizer_slots(work["optimizer"], trial.training.lr)
     on_device = trial.data.on_device
     resident = sum(kept_on_device(d, on_device, device_memory) or 0 for d in (train, val)) if on_gpu else 0
-    return measure_memory(model, x, y, build_loss(work["loss"]), slots, on_gpu, eval_input=eval_x,
+    return measure_memory(model, x, y, build_objective(work["model"], work["loss"]), slots, on_gpu,
+                          eval_input=eval_x, eval_target=eval_y,
                           autocast_dtype=PRECISIONS[trial.training.precision], resident_bytes=resident)
 
 

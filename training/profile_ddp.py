@@ -40,7 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.errors import CampaignError
 from training.files import write_atomic
-from training.workload import build_loss, build_model, datasets, move, sample_batch
+from training.outputs import as_objective
+from training.workload import build_model, build_objective, datasets, move, sample_batch
 from training.profiler import BucketProfile, DdpProfile, LinkEstimate
 from training.roofline import cpu_threads
 from training.train import pick_device
@@ -150,13 +151,14 @@ def _plain_step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     """Seconds of each training step without DDP (no communication). `aligned`: every rank
     starts each step together, after a barrier, as a synchronous DDP step would."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    objective = as_objective(loss_fn)
     times = []
     for i in range(steps + 2):
         optimizer.zero_grad(set_to_none=True)
         if aligned:
             dist.barrier()
         t0 = _sync(device)
-        loss_fn(model(x), y).backward()
+        objective(model, x, y).backward()
         optimizer.step()
         if i >= 2:
             times.append(_sync(device) - t0)
@@ -209,7 +211,7 @@ def _timed_steps(ddp: DDP, recorder: _CommRecorder, x: torch.Tensor, y: torch.Te
         optimizer.zero_grad(set_to_none=True)
         record = recorder.new_step()
         t0 = _sync(device)
-        loss = args.loss_fn(ddp(x), y) * len(y) * env.world_size / args.batch_size
+        loss = args.loss_fn(ddp, x, y) * len(y) * env.world_size / args.batch_size
         t1 = _sync(device)
         loss.backward()
         t2 = _sync(device)
@@ -234,7 +236,7 @@ def measure(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Ddp
         )
     torch.manual_seed(args.seed)
     model = build_model(args.workload["model"]).to(device)
-    args.loss_fn = build_loss(args.workload.get("loss", {"name": "cross_entropy"}))
+    args.loss_fn = build_objective(args.workload["model"], args.workload.get("loss", {"name": "cross_entropy"}))
     local = len(np.array_split(np.arange(args.batch_size), env.world_size)[env.rank])
     x, y = (move(v, device) for v in sample_batch(datasets(args.workload["data"])[0], local))  # real samples
     corun = measure_corun_slowdown(model, x, y, env, device, args.steps // 2 + 1, args.loss_fn)

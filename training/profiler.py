@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from training.errors import CampaignError
+from training.outputs import Objective, as_objective
 from training.roofline import DevicePeaks, DeviceUnavailableError, check_device, cpu_threads, is_device_failure, is_out_of_memory
 
 if TYPE_CHECKING:
@@ -361,18 +362,18 @@ class _StepTracer:
         if module in self.leaves:
             self.calls[self.names[module]][-1].out_bytes = _nbytes(output)
 
-    def run(self, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+    def run(self, x: Tensor, y: Tensor, objective: Objective) -> None:
         handles = []
         for m in self.names:
             handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(m.register_forward_hook(self._post, with_kwargs=True))
         try:
-            out = self.model(x)
+            out = objective.forward(self.model, x, y)
         finally:
             for h in handles:
                 h.remove()
         self.stack = [self.model]  # an error from here on belongs to the model as a whole
-        loss = loss_fn(out, y)
+        loss = objective.loss(out, y)
         if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad):
             raise LayerTraceError(f"loss_fn must return a scalar tensor that requires grad, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
         loss.backward()
@@ -441,12 +442,12 @@ def _profile_leaf(name: str, module: nn.Module, calls: list[_Call], timer: _Time
     )
 
 
-def _time_step(model: nn.Module, x: Tensor, y: Tensor, loss_fn, optimizer: torch.optim.Optimizer, timer: _Timer, repeats: int, warmup: int = 3) -> StepTiming:
+def _time_step(model: nn.Module, x: Tensor, y: Tensor, objective: Objective, optimizer: torch.optim.Optimizer, timer: _Timer, repeats: int, warmup: int = 3) -> StepTiming:
     fwd, bwd, opt, step = [], [], [], []
     for i in range(warmup + repeats):
         optimizer.zero_grad(set_to_none=True)
         t0 = timer.mark()
-        loss = loss_fn(model(x), y)
+        loss = objective(model, x, y)
         t1 = timer.mark()
         loss.backward()
         t2 = timer.mark()
@@ -469,7 +470,7 @@ def scaling_batch_sizes(batch_size: int, fractions: Iterable[int] = (1, 2, 4, 8)
 def profile_model(
     model: nn.Module,
     example_batch: tuple[Tensor, Tensor],
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    loss_fn: Objective | Callable[[Tensor, Tensor], Tensor],
     device: torch.device,
     repeats: int = 20,
     *,
@@ -478,6 +479,8 @@ def profile_model(
 ) -> ModelProfile:
     """Profile a training step of `model` on `example_batch` (the trial's batch) on `device`.
 
+    `loss_fn`: a loss `(outputs, targets) -> scalar` or a training.outputs.Objective (the
+    part of the model's output `model.output` names, or the model's own loss).
     The model is copied; the caller's weights are not touched. `threads` is the intra-op
     thread count on CPU (None: leave the process setting). `optimizer` builds the trial's
     optimizer (default: SGD with momentum, as the trainer uses).
@@ -486,6 +489,7 @@ def profile_model(
     """
     device = check_device(device)
     x, y = example_batch
+    objective = as_objective(loss_fn)
     make_optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
     timer = _Timer(device)
     where = f"model {type(model).__name__}"
@@ -495,7 +499,7 @@ def profile_model(
             x, y = x.to(device), y.to(device)
             tracer = _StepTracer(work)
             try:
-                tracer.run(x, y, loss_fn)
+                tracer.run(x, y, objective)
             finally:
                 where = tracer.culprit()
             leaves = _leaves(work)
@@ -505,7 +509,7 @@ def profile_model(
                 layers.append(_profile_leaf(name, leaves[name], calls, timer, repeats))
             where = f"model {type(model).__name__}"
             opt = make_optimizer(work.parameters())
-            scaling = tuple(_time_step(work, x[:b], y[:b], loss_fn, opt, timer, repeats) for b in scaling_batch_sizes(len(x)))
+            scaling = tuple(_time_step(work, x[:b], y[:b], objective, opt, timer, repeats) for b in scaling_batch_sizes(len(x)))
             threads_used = torch.get_num_threads() if device.type == "cpu" else 0
     except ProfileError:
         raise

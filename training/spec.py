@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_serializer, model_validator
 
 from training.errors import CampaignError
 
@@ -57,6 +57,7 @@ TARGET_HELP = "a callable named 'package.module:callable'"
 DIGITS_PATH = Path("data/digits.npz")
 METRICS = ("val_loss", "val_accuracy", "train_loss")  # what the project's loop reports at its evaluations
 METRIC_NAME = r"^[A-Za-z_][A-Za-z0-9_.]*$"
+OUTPUT_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # model.output: auto, loss, logits or another attribute (training.outputs)
 
 
 class DataSection(Strict):
@@ -117,8 +118,23 @@ class MLPSpec(Strict):
 class TargetModelSpec(Strict):
     """Any model: a callable returning a torch.nn.Module, called with `kwargs`."""
 
-    target: str = Field(pattern=TARGET, description=f"{TARGET_HELP} returning a torch.nn.Module")
+    target: str = Field(pattern=TARGET, description=f"{TARGET_HELP} returning a torch.nn.Module "
+                        "(training.hf:from_config builds a Hugging Face transformers model from its config)")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    output: str = Field(
+        default="auto", pattern=OUTPUT_NAME,
+        description="which part of the model's output the loss takes: auto (a tensor; a tuple's first element; a "
+                    "dict's or Hugging Face ModelOutput's logits), logits or another attribute name, or loss (the "
+                    "model computes its own: called as model(inputs, labels=targets), the loss section left out)")
+
+    @model_serializer(mode="wrap")
+    def _output_at_default_left_out(self, handler: Any) -> dict[str, Any]:
+        # A spec written before model.output existed keeps its trials' ids (tasks/grid.py hashes
+        # the dump), and with them their checkpoints; the trainer reads a missing one as auto.
+        dumped = handler(self)
+        if self.output == "auto":
+            dumped.pop("output", None)
+        return dumped
 
 
 def _model_kind(raw: Any) -> str | None:
@@ -566,6 +582,10 @@ class CampaignSpec(Strict):
             field = "devices" if self.resources.devices == "auto" else "memory_gb"
             raise ValueError(f"resources.{field}: auto measures the project's loop on its model; a function trial (training.target) "
                              f"owns its model: give resources.{field} as a number" + (" of GiB, or leave it out (a whole device)" if field == "memory_gb" else ""))
+        if getattr(self.model, "output", None) == "loss" and (self.loss.name or self.loss.target):
+            raise ValueError(f"loss.{'name' if self.loss.name else 'target'}: model.output: loss trains on the loss the model "
+                             "computes itself, and this one would not be used: remove the loss section, or set model.output "
+                             "to the part of the output your loss takes (auto: logits)")
         for section, metric in (("search", self.search.metric if self.search else None),
                                 ("early_stopping", self.early_stopping.metric if self.early_stopping else None)):
             if metric is not None and metric not in METRICS and not self.function:

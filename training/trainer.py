@@ -61,7 +61,7 @@ from training.hashing import GAMMA, MIX1, MIX2, mix64
 from training.metrics import MetricsLogger, progress_line
 from training.noise_scale import LocalNorm, NoiseScale, decay_for, harmonic_mean, squared_norm
 from training.pruning import Pruning
-from training.workload import build_loss, build_model, build_optimizer, datasets
+from training.workload import build_model, build_objective, build_optimizer, datasets
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 HOLD_POLL_S = 0.02
@@ -141,7 +141,7 @@ class Trainer(Stateful):
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
         self.model = build_model(cfg.model).to(device)
-        self.loss_fn = build_loss(cfg.loss)
+        self.objective = build_objective(cfg.model, cfg.loss)  # the model's output (model.output) under the loss
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
         self.step = 0
         self.start_lr = cfg.lr
@@ -469,7 +469,7 @@ class Trainer(Stateful):
             # Gradients are reduced across processes once per step, on the last micro-batch.
             with (self.ddp.no_sync() if self.ddp is not None and i < last else contextlib.nullcontext()):
                 with self._autocast():
-                    loss = self.loss_fn(self.forward(x), y)  # the mean over the micro-batch
+                    loss = self.objective(self.forward, x, y)  # the mean over the micro-batch
                 factor = span.size * scale  # 1 when the batch splits evenly: no op on the device then (exact either way)
                 self.scaler.scale(loss if factor == 1.0 else loss * factor).backward()
             if measure and i == 0 and self.noise_sizes[0] == "micro":
@@ -513,8 +513,9 @@ class Trainer(Stateful):
             for x, y in eval_batches(self.val_set, max(self.cfg.batch_size, EVAL_BATCH_MIN), self.device,
                                      self.cfg.data.get("on_device", "auto"), self.cfg.data.get("workers", 0), self._val_cache):
                 with self._autocast():
-                    out = self.model(x)
-                    loss = self.loss_fn(out, y)
+                    raw = self.objective.forward(self.model, x, y)
+                    loss = self.objective.loss(raw, y)
+                out = self.objective.predictions(raw)
                 n = len(y)
                 loss_sum += loss.float() * n
                 if correct is not None and isinstance(out, torch.Tensor) and not y.is_floating_point() and out.shape[:-1] == y.shape:

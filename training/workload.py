@@ -3,7 +3,9 @@
 Each part is a built-in chosen by name or a user's callable named by
 `target: "package.module:callable"` with `kwargs`:
 
-- model:     a callable returning a `torch.nn.Module`;
+- model:     a callable returning a `torch.nn.Module` (`model.output` says which part of what it
+             returns the loss takes: training.outputs; `training.hf:from_config` builds a
+             Hugging Face model from its config);
 - data:      a callable returning `(train, val)`, two map-style datasets whose items are
              `(input, target)`;
 - loss:      a callable `(outputs, targets) -> scalar`, the mean over the batch's samples
@@ -35,8 +37,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from training.config import LOADER_FIELDS
 from training.errors import CampaignError
-
-Loss = Callable[[Any, torch.Tensor], torch.Tensor]
+from training.outputs import AUTO, Loss, Objective
 
 
 class WorkloadError(CampaignError):
@@ -216,6 +217,13 @@ def build_loss(spec: dict[str, Any]) -> Loss:
     return LOSSES[spec.get("name", "cross_entropy")]
 
 
+def build_objective(model: dict[str, Any], loss: dict[str, Any]) -> Objective:
+    """The loss of a step on the model's output: the part `model.output` names (training.outputs)
+    under the loss section's loss, or the model's own loss (`output: loss`)."""
+    output = model.get("output", AUTO)
+    return Objective(None if output == "loss" else build_loss(loss), output)
+
+
 # --- optimizer -------------------------------------------------------------------------
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -262,19 +270,26 @@ def check_workload(model: dict[str, Any], data: dict[str, Any], loss: dict[str, 
         raise WorkloadError(f"data: two train samples do not collate into a batch ({type(e).__name__}: {e}); "
                             "every sample must have the same shapes") from None
     net = build_model(model)
-    loss_fn = build_loss(loss)
+    objective = build_objective(model, loss)
     try:
-        outputs = net(x)
+        raw = objective.forward(net, x, y)
     except Exception as e:
-        raise WorkloadError(f"model: the forward pass on a batch of data samples (input {_describe(x)}) raised "
+        called = "model(inputs, labels=targets) (model.output: loss)" if objective.model_loss else "the forward pass"
+        raise WorkloadError(f"model: {called} on a batch of data samples (input {_describe(x)}) raised "
                             f"{type(e).__name__}: {e}; the model and the data do not fit each other") from None
+    outputs = objective.predictions(raw)  # a ModelOutputError names model.output and what the output has
     _check_labels(train, val, y, outputs)
     try:
-        value = loss_fn(outputs, y)
+        value = objective.loss(raw, y)
+    except CampaignError:
+        raise
     except Exception as e:
         raise WorkloadError(f"loss: on the model's output {_describe(outputs)} and the targets {_describe(y)} it raised "
                             f"{type(e).__name__}: {e}") from None
     if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+        if objective.model_loss:
+            raise WorkloadError(f"model.output: loss: the model's own loss must be a scalar float tensor (the mean over the "
+                                f"batch), got {_describe(value)}")
         raise WorkloadError(f"loss: it must return a scalar float tensor (the mean over the batch), got {_describe(value)}")
     if not torch.isfinite(value).all():
         raise WorkloadError(f"loss: it is {value.item()} on two training samples: check the model's output and the targets")
