@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,transformers]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,lightning,transformers]'
 	touch $(STAMP)
 
 setup: $(STAMP)
