@@ -820,14 +820,18 @@ def ui(
     try:
         for line in describe(servers, uri):
             console.print(line, highlight=False)
-        if servers.mlflow_url:  # straight to the campaign's runs, charts side by side
+        if servers.mlflow_url:  # straight to the campaign's trials, a row each, best first
             from mlflow import MlflowClient
 
-            from tasks.tracking import experiment_id, runs_url
+            from tasks.summary import ranked_by, varied_params
+            from tasks.tracking import campaign_view_url, experiment_id, save_campaign_view
 
             experiment = experiment_id(MlflowClient(uri), spec.tracking.experiment)
-            console.print(f"MLflow runs {runs_url(servers.mlflow_url, experiment)}   (experiment {spec.tracking.experiment}; "
-                          "each campaign's end prints a link comparing its trials' curves)", highlight=False, soft_wrap=True)
+            metric, mode = ranked_by(spec)
+            save_campaign_view(uri, experiment, spec.campaign.name, metric, mode, varied_params(spec))
+            console.print(f"MLflow runs {campaign_view_url(servers.mlflow_url, experiment, spec.campaign.name)}   (campaign "
+                          f"{spec.campaign.name}'s trials, best {metric} first; each campaign's end prints a link to their curves)",
+                          highlight=False, soft_wrap=True)
         console.print("launches from this folder report to this Prefect server; Ctrl-C stops both", highlight=False)
         code = main_loop(servers, busy=lambda: reporting_campaigns(spec.tracking.runs_dir, servers.prefect_api),
                          say=lambda line: console.print(line, highlight=False))

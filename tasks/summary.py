@@ -33,10 +33,20 @@ def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: d
     return summary
 
 
+def ranked_by(spec: CampaignSpec) -> tuple[str, str]:
+    """The campaign's metric and min|max: a grid ranks by validation accuracy, as it always has;
+    a search by its own objective. The summary's best trial, MLflow's view and its charts follow it."""
+    return spec.objective if spec.searched else (RANK_BY, "max")
+
+
+def varied_params(spec: CampaignSpec) -> list[str]:
+    """The parameters the campaign's trials differ by (their MLflow params' names): the grid's, the search space's."""
+    return list(dict.fromkeys([*spec.grid, *(spec.search.space if spec.search else ())]))
+
+
 def write_summary(spec: CampaignSpec, trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str],
                   pruned: set[str] = frozenset()) -> dict[str, Any]:
-    # A grid ranks by validation accuracy, as it always has; a search by its own objective.
-    summary = summarize(trials, results, failed, pruned, spec.objective if spec.searched else (RANK_BY, "max"))
+    summary = summarize(trials, results, failed, pruned, ranked_by(spec))
     path, name = spec.tracking.summary, spec.campaign.name
     # Checked before the launch (training.spec.check_outputs); again now: a file may have been put there since.
     if why := summary_not_ours(path, name):
@@ -64,8 +74,10 @@ def write_trial_metrics(folder, per_trial: dict[str, dict[str, float]]) -> None:
 def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], states: dict[str, str], run_ids: dict[str, str],
                      mlflow_ui: str | None = None, experiment_id: str | None = None) -> str:
     """The campaign as a markdown table (the flow run's Prefect artifact): every trial, its
-    state and metrics, its MLflow run (a link when an MLflow UI is known); the best trial
-    first in words."""
+    state and metrics, its MLflow run (a link when an MLflow UI is known, and one to the
+    campaign's view there); the best trial first in words."""
+    from tasks.tracking import campaign_view_url
+
     def run_cell(run_id: str | None) -> str:
         if run_id is None:
             return "-"
@@ -81,6 +93,9 @@ def summary_markdown(name: str, summary: dict[str, Any], trials: list[Trial], st
         lines.append(f"{counts}; best **{best['trial']}**: {metric} {value:.4f}")
     else:
         lines.append(counts)
+    if mlflow_ui and experiment_id:
+        lines += ["", f"MLflow: [every trial, best first]({campaign_view_url(mlflow_ui, experiment_id, name)}) · "
+                      f"[their curves]({campaign_view_url(mlflow_ui, experiment_id, name, charts=True)})"]
     lines += ["", "| trial | grid point | state | " + " | ".join(REPORTED) + " | MLflow run |",
               "| --- | --- | --- | " + " | ".join("---" for _ in REPORTED) + " | --- |"]
     for t in trials:

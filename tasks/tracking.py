@@ -108,12 +108,63 @@ def runs_url(mlflow_ui: str, experiment: str) -> str:
     return f"{mlflow_ui.rstrip('/')}/#/experiments/{experiment}/runs"
 
 
-def compare_url(mlflow_ui: str, experiment: str, run_ids: list[str]) -> str:
-    """MLflow's compare page for these runs: their curves, metric by metric, side by side."""
-    from urllib.parse import quote
+# A campaign's view in MLflow's UI: its trials, one row each, the metric it ranks by and the
+# parameters it varies as columns, best first; or their curves, that metric's first. MLflow's
+# experiment page takes its search, sort and view mode from the URL, but its columns and
+# charts only from a saved view: an experiment tag `mlflow.sharedViewState.<key>` holding the
+# page's state as JSON, opened by `?viewStateShareKey=<key>` (its "Share" button writes one).
+# The URL must carry no search of its own, or the page ignores the saved view.
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+VIEW_METRICS = ("val_accuracy", "val_loss", "train_loss")  # columns and first charts after the ranking metric
+MAX_VIEW_PARAMS = 30  # parameter columns (a wide search space: the first ones)
 
-    runs = quote(json.dumps(sorted(run_ids)), safe="")
-    return f"{mlflow_ui.rstrip('/')}/#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment]), safe='')}"
+
+def view_key(campaign: str) -> str:
+    """One saved view per campaign (campaign names are URL- and tag-safe: training.spec.CAMPAIGN_NAME),
+    so a link printed by an earlier launch opens the latest view."""
+    return f"campaign-{campaign}"
+
+
+def campaign_view_url(mlflow_ui: str, experiment: str, campaign: str, charts: bool = False) -> str:
+    """The campaign's trials in MLflow: a table (best first), or with `charts` their curves."""
+    mode = "CHART" if charts else "TABLE"
+    return f"{runs_url(mlflow_ui, experiment)}?viewStateShareKey={view_key(campaign)}&compareRunsMode={mode}"
+
+
+def _line_chart(metric: str, section: str) -> dict[str, Any]:
+    """A line chart card as MLflow's UI stores one (RunsChartsLineCardConfig), per step."""
+    return {"uuid": f"campaign-{metric}", "type": "LINE", "metricKey": metric, "metricSectionId": section, "deleted": False,
+            "isGenerated": True, "runsCountToCompare": 10, "lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear",
+            "xAxisKey": "step", "selectedXAxisMetricKey": "", "useGlobalXaxisKey": True, "useGlobalLineSmoothing": True,
+            "yAxisKey": "metric", "yAxisExpressions": [], "ignoreOutliers": False, "range": {}}
+
+
+def campaign_view(campaign: str, metric: str, mode: str, params: list[str]) -> dict[str, Any]:
+    """The saved view of a campaign's trials (pure): only its trial runs (not the parent that
+    folds them), sorted by `metric` (`mode`: max, best first), that metric, the losses and
+    `params` as columns; in the charts, `metric` first, then the losses, then MLflow's own."""
+    metrics = list(dict.fromkeys([metric, *VIEW_METRICS]))
+    section = "campaign-model-metrics"
+    return {
+        "searchFilter": f"tags.`{CAMPAIGN_TAG}` = '{campaign}' and tags.`{KIND_TAG}` = 'trial'",
+        "orderByKey": f"metrics.`{metric}`", "orderByAsc": mode == "min",
+        "selectedColumns": [f"metrics.`{m}`" for m in metrics] + [f"params.`{p}`" for p in params[:MAX_VIEW_PARAMS]],
+        # MLflow keeps its last two sections for the model's and the system's metrics; charts it
+        # adds for other metrics go after ours, since the section counts as arranged by hand.
+        "compareRunSections": [
+            {"uuid": section, "name": "Model metrics", "display": True, "isReordered": True, "deleted": False, "isGenerated": True},
+            {"uuid": "campaign-system-metrics", "name": "System metrics", "display": True, "isReordered": False, "deleted": False,
+             "isGenerated": True}],
+        "compareRunCharts": [_line_chart(m, section) for m in metrics],
+    }
+
+
+@in_hub
+@retrying
+def save_campaign_view(uri: str, experiment: str, campaign: str, metric: str, mode: str, params: list[str]) -> None:
+    """Write the campaign's view (`campaign_view`) as its experiment's saved view `view_key(campaign)`."""
+    _client(uri).set_experiment_tag(experiment, VIEW_TAG_PREFIX + view_key(campaign),
+                                    json.dumps(campaign_view(campaign, metric, mode, params)))
 
 
 def _find_run(client, exp_id: str, filter_string: str):

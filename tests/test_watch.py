@@ -201,9 +201,9 @@ def test_an_event_line_with_a_url_keeps_it_whole_at_80_columns_and_links_it_in_a
     from rich.console import Console
 
     from flows.run.live_view import _EventLines
-    from tasks.tracking import compare_url
+    from tasks.tracking import campaign_view_url
 
-    url = compare_url("http://127.0.0.1:5000", "3", [f"{i:032x}" for i in range(4)])
+    url = campaign_view_url("http://127.0.0.1:5000", "3", "a-campaign-named-at-some-length", charts=True)
     assert len(url) > 80
     event = logging.LogRecord("campaign", logging.INFO, __file__, 1, f"MLflow compare {url}", None, None)
     for terminal in (False, True):
@@ -277,7 +277,7 @@ def test_the_summary_links_each_trial_to_its_mlflow_run_when_a_ui_is_known(tmp_p
     assert "| abc |" in plain and "| [abc](http://127.0.0.1:5001/#/experiments/7/runs/abc) |" in linked
 
 
-def test_the_live_view_links_the_flow_run_and_the_mlflow_run_when_uis_serve_them():
+def test_the_live_view_links_the_flow_run_and_the_campaigns_trials_in_mlflow_when_uis_serve_them():
     from dataclasses import replace
 
     from flows.run.live_view import campaign_links
@@ -286,7 +286,7 @@ def test_the_live_view_links_the_flow_run_and_the_mlflow_run_when_uis_serve_them
     record = CampaignRecord(name="c", prefect_api="http://127.0.0.1:4200/api", flow_run_id="f-1", mlflow_ui="http://127.0.0.1:5000/",
                             mlflow_experiment_id="7", mlflow_run_id="r-9")
     assert campaign_links(record) == ["Prefect  http://127.0.0.1:4200/runs/flow-run/f-1",
-                                      "MLflow   http://127.0.0.1:5000/#/experiments/7/runs/r-9"]
+                                      "MLflow   http://127.0.0.1:5000/#/experiments/7/runs?viewStateShareKey=campaign-c&compareRunsMode=TABLE"]
     temporary = replace(record, prefect_api=None, mlflow_ui=None)  # Prefect's temporary API, no MLflow UI
     assert len(campaign_links(temporary)) == 1 and "`campaign ui`" in campaign_links(temporary)[0]
 

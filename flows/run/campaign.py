@@ -34,12 +34,12 @@ from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_function, trial_workload
 from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_dir, read_campaign, completed_result, trial_status, log_allocation, read_allocations, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
-from tasks.summary import summary_markdown, write_summary
+from tasks.summary import ranked_by, summary_markdown, varied_params, write_summary
 from tasks.system_metrics import SystemSampler
 from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
-from tasks.tracking import compare_url, run_experiment, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
+from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -706,6 +706,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
     ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
+    # The view the links open (the live view's, the summary's, `campaign ui`'s): its trials as rows, best first.
+    save_campaign_view(uri, experiment, name, *ranked_by(spec), varied_params(spec))
     before = read_campaign(spec.tracking.runs_dir, name) or CampaignRecord(name=name)  # a search's trials so far
     write_campaign(spec.tracking.runs_dir, dataclasses.replace(
         before, launches=before.launches + 1, params=str(Path(params_path).resolve()), mlflow_run_id=parent_run_id,
@@ -726,8 +728,8 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
-        if ui and run.run_ids:  # where to see the trials' curves side by side
-            logger.info(f"MLflow compare {compare_url(ui, experiment, list(run.run_ids.values()))}")
+        if ui and run.run_ids:  # where to see the trials' curves side by side, the campaign's metric first
+            logger.info(f"MLflow compare {campaign_view_url(ui, experiment, name, charts=True)}")
         create_markdown_artifact(summary_markdown(name, summary, known, states, run.run_ids, ui, experiment), key=summary_key(name),
                                  description=f"campaign {name}: its trials, states, metrics and MLflow runs")
         if rows := timeline_rows(intervals(read_allocations(run.root))):

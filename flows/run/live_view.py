@@ -141,15 +141,21 @@ class _EventLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "")
         line = Text(time.strftime("%H:%M:%S ", time.localtime(record.created)), style="dim")
-        message = record.getMessage()
-        at = 0
-        for url in _URL.finditer(message):  # a link (OSC 8 where the console is a terminal), never cut
-            line.append(message[at:url.start()], style=style)
-            line.append(url.group(), style=Style.parse(style or "none") + Style(link=url.group()))
-            at = url.end()
-        line.append(message[at:], style=style)
+        line.append_text(linked(record.getMessage(), style))
         # soft_wrap: no hard line breaks; the terminal wraps a long line, so a URL copies whole.
         self.console.print(line, highlight=False, soft_wrap=True)
+
+
+def linked(message: str, style: str = "") -> Text:
+    """`message` with each URL in it a link (OSC 8 where the console is a terminal): one link
+    however the terminal wraps it."""
+    line, at = Text(), 0
+    for url in _URL.finditer(message):
+        line.append(message[at:url.start()], style=style)
+        line.append(url.group(), style=Style.parse(style or "none") + Style(link=url.group()))
+        at = url.end()
+    line.append(message[at:], style=style)
+    return line
 
 
 def chatter_to_file(path: Path) -> None:
@@ -172,15 +178,17 @@ def chatter_to_file(path: Path) -> None:
 
 def campaign_links(record: CampaignRecord) -> list[str]:
     """Where to look at a campaign from its record: its Prefect flow run (when it reports to a
-    Prefect server with a UI, not the temporary API) and its MLflow parent run (when an
-    MLflow UI serves the store: `campaign ui`, or the spec's own server)."""
+    Prefect server with a UI, not the temporary API) and its trials in MLflow, a row each,
+    best first (when an MLflow UI serves the store: `campaign ui`, or the spec's own server)."""
+    from tasks.tracking import campaign_view_url
+
     links = []
     api, flow_run_id = record.prefect_api, record.flow_run_id
     if api and flow_run_id:
         links.append(f"Prefect  {api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}")
-    ui, experiment, run = record.mlflow_ui, record.mlflow_experiment_id, record.mlflow_run_id
-    if ui and experiment and run:
-        links.append(f"MLflow   {ui.rstrip('/')}/#/experiments/{experiment}/runs/{run}")
+    ui, experiment = record.mlflow_ui, record.mlflow_experiment_id
+    if ui and experiment and record.mlflow_run_id:
+        links.append(f"MLflow   {campaign_view_url(ui, experiment, record.name)}")
     if not links:
         links.append("`campaign ui` (in another terminal, before the launch) serves Prefect's and MLflow's UIs with links here")
     return links
@@ -205,7 +213,9 @@ class LiveView:
         footer = Text(f"{ended}/{len(rows)} trials ended · Prefect and library logs: {self.log_path}", style="dim")
         record = read_campaign(self.runs_dir, self.name) or CampaignRecord(name=self.name)
         if record.state == "running" or rows:
-            footer.append("\n" + "\n".join(campaign_links(record)))
+            for link in campaign_links(record):
+                footer.append("\n")
+                footer.append_text(linked(link, "dim"))
         if not rows:
             return Group(Text(f"campaign {self.name}: starting (Prefect's API, the checks, the first trials)…"), footer)
         return Group(trials_table(self.name, rows, etas), footer)
