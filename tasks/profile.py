@@ -259,6 +259,29 @@ def prediction_rows(predictions: Sequence[StepTimeBreakdown], global_batch: int,
     return rows
 
 
+def prediction_table(title: str, rows: list[list[str]], width: int | None = None) -> "Table":
+    """The predictions as a rich table: a row per device count, or, where that is wider than
+    `width` (ten columns at 80 would be cut to 'step …'), a row per quantity and a column per
+    device count."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in PREDICTION_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    if width is None or Console(width=10_000).measure(table).maximum <= width:
+        return table
+    turned = Table(title=title, title_justify="left")
+    turned.add_column(PREDICTION_COLUMNS[0], no_wrap=True)
+    for row in rows:
+        turned.add_column(row[0], justify="right", no_wrap=True)
+    for i, quantity in enumerate(PREDICTION_COLUMNS[1:], start=1):
+        turned.add_row(quantity, *(row[i] for row in rows))
+    return turned
+
+
 def render_markdown(job: ProfileJob, profile: ModelProfile, peaks: DevicePeaks, ddp: DdpProfile | None,
                     predictions: Sequence[StepTimeBreakdown], ddp_error: str | None) -> str:
     lines = [f"# Profile of trial {job.trial_id} ({job.label})", "", to_markdown(profile, peaks, ddp).rstrip(), ""]

@@ -608,15 +608,35 @@ def to_markdown(profile: ModelProfile, peaks: DevicePeaks, ddp: DdpProfile | Non
     return text + "\n" + (_ddp_markdown(ddp) + "\n" if ddp is not None else "")
 
 
-def to_rich_table(profile: ModelProfile, peaks: DevicePeaks) -> "Table":
-    """The profile as a rich table for the terminal."""
+# What a narrow terminal shows (80 columns): each layer's arithmetic intensity, its time and
+# what bounds it; the FLOPs and bytes behind the ratio stay in profile.md.
+NARROW_COLUMNS = ("layer", "type", "FLOP/B", "fwd ms", "bwd ms", "share", "bound")
+
+
+def to_rich_table(profile: ModelProfile, peaks: DevicePeaks, width: int | None = None) -> "Table":
+    """The profile as a rich table for the terminal: every column, or NARROW_COLUMNS without
+    borders when every column would not fit in `width` (a column cut to 'f…' says nothing)."""
+    from rich import box
+    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=_caption(profile, peaks), title_justify="left")
-    for i, column in enumerate(COLUMNS):
-        table.add_column(column, justify="left" if i in (0, 1, len(COLUMNS) - 1) else "right")
-    rows = table_rows(profile, peaks)
-    for i, row in enumerate(rows):
-        style = {"compute": "blue", "memory": "dark_orange"}.get(row[-1])
-        table.add_row(*row, style=style, end_section=i == len(rows) - 3)
-    return table
+    def build(columns: tuple[str, ...], **style) -> Table:
+        table = Table(title=_caption(profile, peaks), title_justify="left", **style)
+        rows = table_rows(profile, peaks)
+        keep = [COLUMNS.index(c) for c in columns]
+        for column, k in zip(columns, keep):
+            if column in ("layer", "type"):  # names wrap; figures are never cut
+                table.add_column(column, overflow="fold")
+            else:
+                figures = max(len(row[k]) for row in rows)
+                table.add_column(column, justify="left" if column == "bound" else "right", no_wrap=True,
+                                 min_width=max(figures, *(len(word) for word in column.split())))
+        for i, row in enumerate(rows):
+            style_of = {"compute": "blue", "memory": "dark_orange"}.get(row[-1])
+            table.add_row(*(row[k] for k in keep), style=style_of, end_section=i == len(rows) - 3)
+        return table
+
+    table = build(COLUMNS)
+    if width is None or Console(width=10_000).measure(table).maximum <= width:
+        return table
+    return build(NARROW_COLUMNS, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))

@@ -1052,6 +1052,36 @@ def summary_not_ours(path: Path, campaign: str) -> str | None:
     return None
 
 
+def trial_metrics_folder(summary: Path) -> Path:
+    """Where each trial's figures go beside the summary (metrics/campaign.json ->
+    metrics/campaign-trials/<trial>.json): DVC shows a file per row, so `dvc metrics show`
+    is a row per trial with a column per metric, not one line with a column per trial's metric."""
+    return summary.with_name(f"{summary.stem}-trials")
+
+
+TRIAL_METRIC_NAMES = ("val_accuracy", "val_loss", "train_loss")  # what a trial's file holds (tasks/summary.py)
+
+
+def trial_metrics_not_ours(folder: Path) -> str | None:
+    """None when `folder` may take the trials' figures: it does not exist, or it is a folder of
+    files the campaign wrote (JSON objects of TRIAL_METRIC_NAMES only). Else what it holds,
+    for the error: stale files in it are removed, so it must hold nothing else."""
+    from training.files import InputError, loads_json, read_bounded
+
+    if not folder.exists():
+        return None
+    if folder.is_symlink() or not folder.is_dir():
+        return "is not a folder"
+    for path in sorted(folder.iterdir()):
+        try:
+            raw = loads_json(read_bounded(path, 1 << 20), path)
+        except (InputError, OSError):
+            return f"holds {path.name}, which is not a trial's figures"
+        if not isinstance(raw, dict) or not set(raw) <= set(TRIAL_METRIC_NAMES):
+            return f"holds {path.name}, which is not a trial's figures"
+    return None
+
+
 def _latest_pointer_not_ours(path: Path) -> str | None:
     """None when `path` (<runs_dir>/latest, rewritten by every launch) is absent or holds a campaign's name."""
     from training.files import InputError, read_bounded
@@ -1079,6 +1109,9 @@ def check_outputs(spec: CampaignSpec) -> None:
     if summary is not None and (why := summary_not_ours(summary, spec.campaign.name)):
         problems.append(f"  tracking.summary: {summary} exists and {why}; the campaign would replace it with its summary. "
                         f"Point tracking.summary at a new file (e.g. metrics/{spec.campaign.name}.json) or move {summary} aside")
+    if summary is not None and (why := trial_metrics_not_ours(trial_metrics_folder(summary))):
+        problems.append(f"  tracking.summary: {trial_metrics_folder(summary)} (each trial's figures, beside the summary) {why}. "
+                        "Point tracking.summary at a new file or move the folder aside")
     runs = spec.tracking.runs_dir
     for folder, what in ((runs, "tracking.runs_dir"), (runs / spec.campaign.name, "the campaign's folder in tracking.runs_dir")):
         if folder.exists() and not folder.is_dir():

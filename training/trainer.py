@@ -563,8 +563,11 @@ class Trainer(Stateful):
             loss = self.train_step(self.step, batches)
             self.step += 1
             self.last_step_at = time.time()
-            if after_first_step is not None and self.step == start_step + 1:
-                after_first_step()
+            if self.step == start_step + 1:
+                if self.is_rank0:  # the launch's first step is seen (`campaign launch --timings`)
+                    self.write_progress("running")
+                if after_first_step is not None:
+                    after_first_step()
             evaluate = self.step % cfg.eval_every == 0 or self.done
             stop_here = False
             if self.is_rank0:
@@ -637,7 +640,10 @@ class Trainer(Stateful):
                 self.latest.pop("grad_noise_scale", None)
             self.metrics.log(window.step, **{k: v for k, v in self.latest.items() if not k.startswith("val_")})
             if not (hold_last_line and not self._pending_logs):
-                print(progress_line(self.cfg.trial_id, window.step, self.cfg.steps, self.latest), flush=True)  # the log follows training
+                # The log follows training. Validation figures only on the lines of the steps that
+                # measured them (the caller's): repeated here they would read as fresh.
+                fresh = {k: v for k, v in self.latest.items() if not k.startswith("val_")}
+                print(progress_line(self.cfg.trial_id, window.step, self.cfg.steps, fresh), flush=True)
 
     def _device_memory(self) -> dict[str, int] | None:
         """Where the peak came from: the allocator's pools (large: blocks over 1 MB, such as
