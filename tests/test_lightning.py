@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning  # noqa: F401  (not installed: fail here, loudly)
+import lightning  # not installed: these tests fail here, loudly
 import psutil
 import pytest
 import torch
@@ -65,10 +65,12 @@ def fit(digits, folder: Path, steps: int, on_report=None) -> tuple[TrialContext,
     ctx.report = recorded
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a trial's process computes
+    sigterm = signal.signal(signal.SIGTERM, lambda *_: setattr(ctx, "terminated", True))  # as FunctionTrial.train does
     try:
         torch.manual_seed(0)
         digits.train(ctx, hidden=16, batch_size=32)
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         torch.set_num_threads(threads)
         ctx.close()
     return ctx, reports
@@ -96,19 +98,33 @@ def test_self_log_is_reported_once_per_step_and_a_second_fit_resumes_after_the_s
     assert saved_steps(tmp_path) == ["step-00000080", "step-00000100"]
 
 
-@pytest.mark.parametrize("flag", ["terminated", "pruned"])
+@pytest.mark.parametrize("flag", ["sigterm", "pruned"])
 def test_should_stop_stops_the_trainer_after_a_save_at_that_step(digits, tmp_path, flag):
-    """SIGTERM's flag, or the pruner's, raised while step 30 is reported: the next step's end
-    asks should_stop, the trainer stops there, and that step is saved once its metrics (with
-    Lightning's validation, which a stop brings) are reported."""
-    def raise_flag(ctx, step):
+    """A SIGTERM (the trial's handler, not Lightning's, takes it: no exception ends the fit),
+    or the pruner's verdict, while step 30 is reported: the next step's end asks should_stop,
+    the trainer stops there, and that step is saved once its metrics (with Lightning's
+    validation, which a stop brings) are reported."""
+    def stop_at_30(ctx, step):
         if step == 30:
-            setattr(ctx, flag, True)
+            os.kill(os.getpid(), signal.SIGTERM) if flag == "sigterm" else setattr(ctx, "pruned", True)
 
-    ctx, reports = fit(digits, tmp_path, 200, on_report=raise_flag)
+    ctx, reports = fit(digits, tmp_path, 200, on_report=stop_at_30)
     assert reports[-1] == (31, {"train_loss", "val_loss", "val_acc", "epoch"})  # Lightning logs a stopping step
     assert saved_steps(tmp_path)[-1] == "step-00000031"
     assert (ctx.pruned, ctx.stopped) == ((True, False) if flag == "pruned" else (False, True))
+
+
+def test_the_callback_on_a_trainer_of_its_own_says_to_build_it_with_campaign_trainer(digits, tmp_path):
+    from training.lightning import CampaignCallback
+
+    ctx = context(tmp_path, 10)
+    trainer = lightning.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[CampaignCallback(ctx)])
+    try:
+        with pytest.raises(FunctionError, match=r"build the trainer with training\.lightning\.campaign_trainer\(ctx, \.\.\.\)"):
+            trainer.fit(digits.DigitsClassifier(steps=2), digits.DigitsData(32))
+    finally:
+        ctx.close()
 
 
 def test_trainer_arguments_the_trial_decides_are_refused_naming_the_field(digits, tmp_path):
