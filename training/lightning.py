@@ -292,14 +292,15 @@ def campaign_trainer(ctx: TrialContext, save_every: int | None = None, **trainer
     }
     if "val_check_interval" not in trainer_kwargs and "check_val_every_n_epoch" not in trainer_kwargs:
         defaults.update(val_check_interval=cfg.eval_every, check_val_every_n_epoch=None)  # steps, across epochs
-    kwargs = {**defaults, **trainer_kwargs, "callbacks": [*(trainer_kwargs.get("callbacks") or []), callback]}
+    yours = trainer_kwargs.get("callbacks") or []
+    kwargs = {**defaults, **trainer_kwargs, "callbacks": [*([yours] if isinstance(yours, pl.Callback) else yours), callback]}
     if ctx.world_size > 1:
         strategy = TrialDDP(parallel_devices=[ctx.device] * ctx.world_size, cluster_environment=TrialEnvironment(ctx),
                             checkpoint_io=callback.checkpoints)
     else:
         strategy = SingleDeviceStrategy(device=ctx.device, checkpoint_io=callback.checkpoints)
     with _quiet(ctx.quiet):
-        trainer = pl.Trainer(accelerator="gpu" if ctx.device.type == "cuda" else "cpu", strategy=strategy, **kwargs)
+        trainer = pl.Trainer(accelerator="cuda" if ctx.device.type == "cuda" else "cpu", strategy=strategy, **kwargs)
     saved = ctx.load()  # every rank
     if saved is not None:
         callback.saved_step = saved[0]
