@@ -297,9 +297,12 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
 
     phases = None
     if timings:
-        from flows.run.timings import Phases
+        from tasks.timings import Phases
+
+        from tasks import timings as launch_timings
 
         phases = Phases(lambda line: console.print(f"[dim]timings[/] {escape(line)}", highlight=False))
+        launch_timings.register(phases)  # the flow and the trials' launches mark theirs
         phases.mark("command started, spec read")
     spec = _loaded(params, pool)
     if not rerun and (done := _nothing_to_do(spec, params)) is not None:
@@ -398,7 +401,7 @@ def _watch_first_step(spec, trials, phases):
     """With --timings: a watch that marks the first training step of any trial of the launch."""
     if phases is None:
         return None
-    from flows.run.timings import FirstStepWatch
+    from tasks.timings import FirstStepWatch
     from tasks.records import campaign_dir
     from training.layout import trial_files
     from training.manifest import checkpoint_report, checkpoint_step

@@ -28,6 +28,7 @@ from prefect import task
 
 from cluster.inventory import visible_devices_env
 from cluster.types import Device
+from tasks import timings
 from tasks.records import TrialRecord, completed_result, update_record
 from tasks.trial_log import LogForwarder
 from tasks.watchdog import Watchdog, trial_processes
@@ -496,6 +497,7 @@ def _refuse_lost_lease(config: TrialConfig) -> None:
 def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
     _refuse_lost_lease(config)
     write_atomic(plan.config_path, config.to_json().encode())
+    timings.mark_first("launched", f"the first trial's processes start ({'a warm worker' if plan.warm else 'a new process'})")
     if plan.warm:
         return _run_warm(plan, config)
     if plan.elastic:  # a new agent starts a new command sequence

@@ -87,7 +87,7 @@ def test_a_relaunch_with_anything_left_or_unsure_goes_the_whole_way(tmp_path, ca
 
 
 def test_phases_are_said_as_they_are_reached_with_their_time_since_the_process_started():
-    from flows.run.timings import Phases, process_started_at
+    from tasks.timings import Phases, process_started_at
     import time
 
     said: list[str] = []

@@ -34,6 +34,7 @@ from tasks.sizing import size_trials
 from tasks.workload import check_trials, trial_function, trial_workload
 from tasks.records import CampaignRecord, TrialEntry, add_trial_entry, campaign_dir, read_campaign, completed_result, trial_status, log_allocation, read_allocations, process_identity, update_campaign, update_record, write_campaign
 from tasks.resize import answer, pending_request, request_resize
+from tasks import timings
 from tasks.summary import ranked_by, summary_markdown, varied_params, write_summary
 from tasks.system_metrics import SystemSampler
 from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
@@ -273,6 +274,7 @@ class CampaignRun:
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices,
                 self.shared_storage, placement.shared_bytes)
         else:
+            timings.mark_first("submitted", f"the first trial submitted ({trial.id})")
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
@@ -692,6 +694,7 @@ def flow_run_name() -> str:
 @flow(name="campaign", flow_run_name=flow_run_name, log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None, pool: str | None = None) -> dict[str, Any]:
     logger = CampaignLog(get_run_logger())
+    timings.mark("the flow run started")
     spec = load_spec(params_path, pool=pool)
     check_data(spec)
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
@@ -705,6 +708,7 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
         open_metrics_hub(store=uri)
     varies = spec.grid if search is None else {k: str(v.model_dump()) for k, v in (spec.search.space.items() if spec.search else [])}
     parent_run_id = open_campaign_run(uri, spec.tracking.experiment, name, varies, search.total if search else len(trials))
+    timings.mark("the campaign's MLflow run open")
     ui, experiment = mlflow_ui(uri), run_experiment(uri, parent_run_id)
     # The view the links open (the live view's, the summary's, `campaign ui`'s): its trials as rows, best first.
     save_campaign_view(uri, experiment, name, *ranked_by(spec), varied_params(spec))

@@ -31,6 +31,7 @@ class Phases:
         self.say = say
         self.started_at = process_started_at() if started_at is None else started_at
         self.marks: list[tuple[str, float]] = []
+        self.kinds_seen: set[str] = set()  # mark_first's
         self._lock = threading.Lock()
 
     def mark(self, phase: str, at: float | None = None) -> None:
@@ -69,3 +70,25 @@ class FirstStepWatch:
                 if progress is not None and progress.updated >= self.phases.started_at and progress.step > baseline:
                     self.phases.mark(f"first training step (trial {trial_dir.name}, step {progress.step})", progress.updated)
                     return
+
+
+# The launch's phases, where --timings asked for them: the flow and the trial launches mark
+# theirs through `mark` (nothing when none is registered).
+_current: Phases | None = None
+
+
+def register(phases: Phases | None) -> None:
+    global _current
+    _current = phases
+
+
+def mark(phase: str) -> None:
+    if _current is not None:
+        _current.mark(phase)
+
+
+def mark_first(kind: str, phase: str) -> None:
+    """Mark `phase` if it is the first of its `kind` (the first trial submitted, launched, ...)."""
+    if _current is not None and kind not in _current.kinds_seen:
+        _current.kinds_seen.add(kind)
+        _current.mark(phase)

@@ -1,0 +1,112 @@
+"""How soon a launch trains, and how soon a relaunch with nothing to do answers: the default
+campaign (params.yaml, a fresh runs folder and MLflow store each round) launched
+
+- cold: a temporary Prefect server of its own (CAMPAIGN_SERVER=off), as every launch did before
+  the folder's resident server;
+- warm: the folder's resident server already running (started by an uncounted first launch);
+- again with nothing left to train (every trial finished): the no-op relaunch.
+
+Rounds alternate cold and warm. The times are the launch's own `--timings` marks (seconds since
+the command's process started): "first training step" is the first step of any trial, seen in
+its progress file. Goals (issue 61): first step <= 2 s warm, <= 6 s cold; no-op relaunch <= 1 s.
+
+    .venv/bin/python bench/instant_start.py              # 3 rounds
+    .venv/bin/python bench/instant_start.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = re.compile(r"timings\s+([\d.]+) s\s+\(\+[\d.]+ s\)\s+(.*)")
+
+
+def project(folder: Path, digits: Path) -> Path:
+    """The default campaign in `folder`: params.yaml as the repository has it, its data path absolute."""
+    folder.mkdir(parents=True)
+    spec = yaml.safe_load((ROOT / "params.yaml").read_text())
+    spec["data"]["path"] = str(digits)
+    (folder / "params.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return folder
+
+
+def launch(folder: Path, server: str) -> tuple[dict[str, float], float]:
+    """The launch's --timings marks (phase -> seconds since its start) and its wall time."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "CAMPAIGN_SERVER": server,
+           "COLUMNS": "400"}
+    env.pop("PREFECT_API_URL", None)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live", "--timings"], cwd=folder,
+                          env=env, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the launch in {folder} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    marks = {}
+    for line in done.stdout.splitlines():
+        if m := MARK.search(line):
+            marks.setdefault(m.group(2).split(" (")[0].strip(), float(m.group(1)))
+    return marks, wall
+
+
+def fresh(folder: Path) -> None:
+    """The campaign's runs, store and summary gone: the next launch trains every trial."""
+    for name in ("checkpoints", "mlflow.db", "metrics"):
+        path = folder / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def median(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}" if values else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="instant-start-"))
+    digits = work / "digits.npz"
+    subprocess.run([sys.executable, "-m", "training.data", "--out", str(digits)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cold, warm = project(work / "cold", digits), project(work / "warm", digits)
+    launch(warm, "on")  # uncounted: starts the warm folder's resident server (and migrates its database)
+    firsts: dict[str, list[float]] = {"cold": [], "warm": []}
+    walls: dict[str, list[float]] = {"cold": [], "warm": [], "no-op": []}
+    try:
+        for round_ in range(args.rounds):
+            for name, folder, server in (("cold", cold, "off"), ("warm", warm, "on"))[:: 1 if round_ % 2 == 0 else -1]:
+                fresh(folder)
+                marks, wall = launch(folder, server)
+                first = marks.get("first training step")
+                firsts[name].append(first if first is not None else float("nan"))
+                walls[name].append(wall)
+                print(f"round {round_ + 1} {name}: first training step {first:.2f} s, campaign {wall:.2f} s "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            _, wall = launch(warm, "on")  # every trial finished: nothing to do
+            walls["no-op"].append(wall)
+            print(f"round {round_ + 1} no-op relaunch: {wall:.2f} s", flush=True)
+    finally:
+        subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=warm, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nmedians of {args.rounds} rounds (load {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} cores):")
+    print(f"  first training step, cold (a temporary Prefect server): {median(firsts['cold'])} s   goal <= 6 s")
+    print(f"  first training step, warm (the folder's resident server): {median(firsts['warm'])} s   goal <= 2 s")
+    print(f"  no-op relaunch: {median(walls['no-op'])} s   goal <= 1 s")
+    print(f"  the whole campaign: cold {median(walls['cold'])} s, warm {median(walls['warm'])} s")
+
+
+if __name__ == "__main__":
+    main()
