@@ -6,7 +6,7 @@ Both sides report every `log_every` steps and save every `save_every`. The plain
 context prints its reports and `torch.save`s its state; the campaign's sends them to MLflow
 and writes verified DCP checkpoints. Each side's rate is taken between its first and last
 report, so neither start-up (imports, data, Prefect) counts: that is the campaign's fixed
-cost, measured elsewhere (README, "start-up").
+cost, measured elsewhere (docs/benchmarks.md).
 
 Goal (issue 28): ratio >= 0.98 (median of the rounds). Prints; passes nothing.
 

@@ -318,7 +318,7 @@ def stall_outside_a_lease_transaction(pid: int, lease_db: Path) -> None:
 
     Stopped inside one (a few ms per heartbeat; longer on a loaded host, and it once happened
     in CI), it keeps SQLite's write lock: every other campaign then waits, sharing nothing,
-    until it resumes or dies (the README says so). That is not what this test is about, so
+    until it resumes or dies (docs/guarantees.md says so). That is not what this test is about, so
     such a stop is undone and tried again."""
     for _ in range(200):
         os.kill(pid, signal.SIGSTOP)

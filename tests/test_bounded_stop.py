@@ -65,7 +65,7 @@ def make(pidfile, width=8):
 
 
 def test_the_stop_bound_leaves_the_trials_their_grace():
-    assert STOP_GRACE_S + 3 <= STOP_BOUND_S <= 15  # the bound the README states
+    assert STOP_GRACE_S + 3 <= STOP_BOUND_S <= 15  # the bound docs/guarantees.md states
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The GPU suite's dry run (bench/gpu_suite.py --dry-run): every step of the GPU proof runs
-on the CPU, tiny, so that the command the next GPU session runs in one call cannot rot.
+on the CPU, tiny, so that the command a lent GPU machine runs in one call cannot rot.
 
 One test per group of steps (`--steps`), so that the test run's workers share them: the whole
 suite in one test held one worker for ~2.5 min. `profile` reads the campaign `packing` ran."""
