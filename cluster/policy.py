@@ -367,6 +367,7 @@ class ElasticPolicy:
     rank_tie: float = 1.5
     arrival_window_s: float = 0.0  # 0: growth past the request is not limited by arrivals
     critical_boost: float = 1.0  # weight factor of a job that finishes last whatever is done (1: none)
+    admit_short: bool = True  # a protected long job lends a waiting short one its devices when that costs less than the wait
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
@@ -375,7 +376,7 @@ class ElasticPolicy:
         plans = [self._plan(cluster, job, now) for job in jobs]
         self._weigh_by_rank(plans)
         self._boost_critical(cluster, plans)
-        self._yield_to_shorter(plans, now)
+        self._yield_to_shorter(cluster, plans, now)
         self._admit_starving(cluster, plans)
         for plan in plans:
             plan.hull = self._hull(cluster, plan)
@@ -464,7 +465,7 @@ class ElasticPolicy:
             if job.remaining_steps * step_s >= (work - plan.remaining) / max(total - size, 1):  # type: ignore[operator]
                 plan.weight *= self.critical_boost
 
-    def _yield_to_shorter(self, plans: list[_JobPlan], now: float) -> None:
+    def _yield_to_shorter(self, cluster: Cluster, plans: list[_JobPlan], now: float) -> None:
         """Protected jobs far longer than the shortest waiting job keep only their minimum.
 
         All they hold beyond it goes back to the greedy, not just what the waiting jobs need:
@@ -481,6 +482,48 @@ class ElasticPolicy:
             # Not again within yield_min_s of its last change: each yield is a restart.
             if plan.floor > keep and far_longer and plan.job.unchanged_for(now) >= self.yield_min_s:
                 plan.floor = keep
+        if self.admit_short:
+            self._admit_short(cluster, plans)
+
+    def _admit_short(self, cluster: Cluster, plans: list[_JobPlan]) -> None:
+        """A waiting job that the protected jobs' floors leave no room for takes the devices
+        it needs from the protected job that it is far shorter than and that its start delays
+        least, when that delay is under the wait for the soonest finish: the timers keep long
+        jobs from churning among themselves, not a short job from starting.
+
+        The long job's delay is two pauses (the shrink and the growth back) plus the share of
+        its speed the lent devices give (its model's) over the short job's run;
+        the wait is how soon a running job with a known end finishes (what holding the short
+        job costs it). Shortest waiting job first; each long job lends once per decision."""
+        spare = cluster.total - sum(p.floor for p in plans)
+        waiting = sorted((p for p in plans if not p.job.running and p.remaining is not None and not p.starving),
+                         key=lambda p: (p.remaining, p.job.arrival, p.job.id))  # type: ignore[arg-type, return-value]
+        if not waiting:
+            return
+        ends = [p.job.remaining_steps * p.job.model.step_time(p.job.devices, nodes_of(p.job.placement))  # type: ignore[operator]
+                for p in plans if p.job.running and p.job.remaining_steps is not None]
+        soonest = min(ends, default=math.inf)
+        lenders = [p for p in plans if p.floor > p.job.min_devices and p.remaining is not None and p.job.running]
+        for plan in waiting:
+            need = plan.job.min_devices - max(spare, 0)
+            if need <= 0:
+                spare -= plan.job.min_devices
+                continue
+            run_s = plan.job.remaining_steps * plan.job.model.step_time(plan.job.min_devices, cluster.min_nodes(plan.job.min_devices))  # type: ignore[operator]
+            best: tuple[float, _JobPlan] | None = None
+            for lender in lenders:
+                if lender.floor - lender.job.min_devices < need or plan.remaining >= self.yield_ratio * lender.remaining:  # type: ignore[operator]
+                    continue
+                job = lender.job
+                slower = 1.0 - _speedup_packed(cluster, job, job.devices - need) / speedup(job.model, job.devices, nodes_of(job.placement))
+                delay = 2 * self.pause_s + run_s * max(slower, 0.0)
+                if delay < soonest and (best is None or delay < best[0]):
+                    best = (delay, lender)
+            if best is None:
+                return  # a shorter job that cannot start holds the longer ones back from jumping it
+            best[1].floor -= need
+            lenders.remove(best[1])
+            spare += need - plan.job.min_devices
 
     def _remaining_device_s(self, cluster: Cluster, job: Job) -> float | None:
         """Device-seconds the job still needs at its requested size, when its length is known."""

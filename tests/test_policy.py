@@ -178,14 +178,20 @@ def test_under_arrival_pressure_a_job_grows_up_to_its_request_but_not_past_it():
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
 def test_elastic_leaves_recently_changed_jobs_whole(scenario):
+    """Whole, but for the devices a far shorter waiting job needs to start (`admit_short`):
+    a job changed a moment ago lends at most one waiting job's minimum."""
     cluster, jobs = scenario
-    policy = ElasticPolicy(min_run_s=300.0)
     now = 100_000.0
     recent = [replace(j, since=now - 10) if j.running else j for j in jobs]
-    allocation = policy.decide(cluster, recent, now)
+    allocation = ElasticPolicy(min_run_s=300.0, admit_short=False).decide(cluster, recent, now)
     for job in recent:
         if job.running:
             assert devices_of(allocation.get(job.id)) >= job.devices, job.id
+    lent = max((j.min_devices for j in recent if not j.running), default=0)
+    allocation = ElasticPolicy(min_run_s=300.0).decide(cluster, recent, now)
+    for job in recent:
+        if job.running:
+            assert devices_of(allocation.get(job.id)) >= job.devices - lent, job.id
 
 
 @settings(max_examples=300, deadline=None)
@@ -376,12 +382,42 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     assert devices_of(allocation["grown"]) == 2 and devices_of(allocation["short"]) == 2
     # Not far shorter (over yield_ratio of the protected job's work): the protection holds.
     assert ElasticPolicy().decide(cluster, [grown, replace(short, remaining_steps=20_000.0)], now) == {"grown": {"node0": 4}}
-    # Changed under `yield_min_s` ago: it is not resized again so soon.
-    assert ElasticPolicy().decide(cluster, [replace(grown, since=now - 1800.0), short], now) == {"grown": {"node0": 4}}
+    # Changed under `yield_min_s` ago: it is not yielded down again so soon; it lends the
+    # newcomer only the device it needs to start (`admit_short`), or nothing with that off.
+    recent = replace(grown, since=now - 1800.0)
+    assert ElasticPolicy().decide(cluster, [recent, short], now) == {"grown": {"node0": 3}, "short": {"node0": 1}}
+    assert ElasticPolicy(admit_short=False).decide(cluster, [recent, short], now) == {"grown": {"node0": 4}}
     # Lengths unknown, or the rule off: the newcomer waits out the protection.
     assert ElasticPolicy(yield_ratio=0.0).decide(cluster, [grown, short], now) == {"grown": {"node0": 4}}
     unknown = [replace(grown, remaining_steps=None), replace(short, remaining_steps=None)]
     assert ElasticPolicy().decide(cluster, unknown, now) == {"grown": {"node0": 4}}
+
+
+def test_a_short_newcomer_starts_at_once_when_a_protected_long_job_lending_it_a_device_costs_less_than_waiting():
+    """The timers keep long jobs from churning, not a short job from starting: a job of
+    minutes arriving in a full cluster starts in the same decision on a device of a long job
+    changed minutes ago (still protected by `min_run_s` and `yield_min_s`), because the long
+    job's delay (two pauses and a device's share over the short run) is under the wait for
+    the soonest finish; when a running job ends sooner than that, the newcomer waits for it."""
+    cluster = Cluster.uniform(1, 4)
+    now = 36_000.0
+    long = Job("long", 0.0, 4, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 600.0,
+               remaining_steps=36_000.0)
+    short = Job("short", now, 1, 1, 1, GOOD_SCALING, remaining_steps=100.0)
+    allocation = ElasticPolicy().decide(cluster, [long, short], now)
+    assert devices_of(allocation["short"]) == 1 and devices_of(allocation["long"]) == 3
+    # Off: the newcomer waits out the protection.
+    assert ElasticPolicy(admit_short=False).decide(cluster, [long, short], now) == {"long": {"node0": 4}}
+    # Not far shorter than the long job: no loan.
+    assert "short" not in ElasticPolicy().decide(cluster, [long, replace(short, remaining_steps=20_000.0)], now)
+    # A run too long to be worth a device of the long job against a finish soon: it waits for
+    # the finish (held briefly rather than shrinking the long one).
+    ending = Job("ending", 0.0, 1, 1, 1, GOOD_SCALING, attained=600.0, placement={"node0": 1}, since=now - 600.0, remaining_steps=30.0)
+    three = replace(long, placement={"node0": 3})
+    assert "short" not in ElasticPolicy().decide(cluster, [three, ending, short], now)
+    # Lengths unknown: nothing to price the loan with.
+    unknown = [replace(long, remaining_steps=None), replace(short, remaining_steps=None)]
+    assert ElasticPolicy().decide(cluster, unknown, now) == {"long": {"node0": 4}}
 
 
 def test_elastic_repacks_a_spread_job_onto_one_node_when_it_pays():
