@@ -267,18 +267,29 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None, command: s
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
     warm = _prefect_server()  # it boots (if it must) while the checks below run
-    mark("Prefect's server found" if getattr(warm, "state", None) else "Prefect's server starting (in the background)")
+    booting = getattr(warm, "process", None) is not None  # a server starts here: it takes a core meanwhile
+    mark("Prefect's server starting (in the background)" if booting else "Prefect's server found")
+    # The process that makes the campaign's MLflow calls (tasks/tracking_hub.py; not a pool's
+    # campaign) imports MLflow (~2 s of CPU) on the other core while the checks run here, when
+    # no server boots beside them; with one booting, three processes on a small host only slowed
+    # the checks (the first trial 0.6 s later, measured), so it starts after them. It writes
+    # nothing until told the store (below, once the checks have passed).
+    hub_early = spec.cluster.pool is None and not booting
+    if hub_early:
+        from tasks.tracking_hub import open_metrics_hub
+
+        open_metrics_hub()
     trials, inventory, requests = _checked(spec, params)
     mark("data, tracking store, devices and workloads checked")
     # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
     # server finishes its start; the flow's first MLflow call waits for it.
     if spec.cluster.pool is None:
-        from tasks.tracking_hub import open_metrics_hub
+        from tasks.tracking_hub import build_store_ahead, open_metrics_hub
 
-        # By the process that makes the campaign's MLflow calls (tasks/tracking_hub.py; not a
-        # pool's campaign), as it starts. Started before the checks, it only slowed them on a
-        # small host (CPU-bound: the first trial 0.6 s later, measured).
-        open_metrics_hub(store=tracking_uri(spec.tracking))
+        if not hub_early:
+            open_metrics_hub(store=tracking_uri(spec.tracking))
+        else:
+            build_store_ahead(tracking_uri(spec.tracking))
     else:
         from tasks.tracking import prepare_store
 

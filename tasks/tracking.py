@@ -73,6 +73,12 @@ def open_store(uri: str) -> None:
         pass
 
 
+@in_hub
+def build_store(uri: str) -> None:
+    """open_store, run by the campaign's hub (tasks.tracking_hub.build_store_ahead)."""
+    open_store(uri)
+
+
 _store_builds: list[threading.Thread] = []
 
 

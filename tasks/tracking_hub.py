@@ -110,6 +110,19 @@ class MetricsHub:
             raise HubCallError(f"{name} failed in the campaign's hub: {answer['error']}")
         return answer.get("value")
 
+    def call_unanswered(self, name: str, args: list) -> None:
+        """Send `name` to run in the hub and return at once: the next call's answer comes
+        after it, and skips it (an error it raised included: it is left for a later use to report)."""
+        with self._lock:
+            if self.gone:
+                return
+            self._next += 1
+            try:
+                self.proc.stdin.write(json.dumps({"id": self._next, "name": name, "args": args, "kwargs": {}}, default=str) + "\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError):
+                self.gone = True
+
     def _answer(self, deadline: float | None) -> bytes | None:
         """The hub's next answer line; b"" if its pipe closed, None if none came by `deadline`."""
         while b"\n" not in self._pending:
@@ -180,6 +193,14 @@ def open_metrics_hub(store: str | None = None) -> MetricsHub:
         os.environ.update(_hub.env())
         use_hub(_hub)
     return _hub
+
+
+def build_store_ahead(uri: str) -> None:
+    """The hub builds `uri`'s MLflow store now (~1.5 s for a new SQLite one), while this process
+    goes on: once the checks have passed (nothing is written before), the flow's first MLflow
+    call finds it built."""
+    if _hub is not None:
+        _hub.call_unanswered("tasks.tracking.build_store", [uri])
 
 
 def end_metrics_hub() -> None:

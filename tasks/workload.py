@@ -112,21 +112,22 @@ def code_fingerprint() -> str:
 
 # Folders of the project that a workload check never runs: an edit there (a test, a bench)
 # must not cost the next launch its cached checks (~10 s of imports and model builds).
+# (tasks/ too: it only hands the check its workload, which is part of the key.)
 NOT_CHECKED = ("tests", "bench", "docs", "flows", "cluster", "schema", "site")
 
 
 def _python_files() -> list[Path] | None:
-    """The .py files a workload check can run: the trainer's package (training/, tasks/) and the
-    working folder's own modules (not in hidden folders, virtual environments or the project's
+    """The .py files a workload check can run: the trainer's package (training/) and the working
+    folder's own modules (not in hidden folders, virtual environments or the project's
     NOT_CHECKED folders); None where the folders hold more than MAX_FINGERPRINT_ENTRIES."""
     import os
 
     project = Path(__file__).resolve().parent.parent
     files: list[Path] = []
     seen = 0
-    for top in dict.fromkeys([project / "training", project / "tasks", Path.cwd().resolve()]):
+    for top in dict.fromkeys([project / "training", Path.cwd().resolve()]):
         for folder, dirs, names in os.walk(top):
-            skip = (*NOT_CHECKED, "training", "tasks") if Path(folder) == project else ()  # those two: walked already
+            skip = (*NOT_CHECKED, "tasks", "training") if Path(folder) == project else ()  # training/: walked already
             dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__", "venv", *skip)]
             seen += len(names) + len(dirs)
             if seen > MAX_FINGERPRINT_ENTRIES:

@@ -77,6 +77,24 @@ def test_an_answer_left_unread_by_an_interrupted_call_is_not_taken_for_the_next_
     assert experiment == MlflowClient(tracking_uri=uri).get_run(opened).info.experiment_id
 
 
+def test_a_hub_opened_without_a_store_builds_it_when_told_and_the_next_answer_is_the_next_calls(tmp_path):
+    """A launch opens its hub while it checks the spec (MLflow imported there meanwhile), and
+    tells it the store once the checks have passed: that order returns at once, its answer is
+    skipped, and each later call gets its own."""
+    from tasks.tracking_hub import MetricsHub
+
+    store = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{store}"
+    hub = MetricsHub()
+    try:
+        hub.call_unanswered("tasks.tracking.build_store", [uri])
+        opened = hub.call("tasks.tracking.open_campaign_run", [uri, "e", "c", {}, 1], {})
+        experiment = hub.call("tasks.tracking.run_experiment", [uri, opened], {})
+    finally:
+        hub.close()
+    assert store.exists() and experiment == MlflowClient(tracking_uri=uri).get_run(opened).info.experiment_id
+
+
 def test_a_drain_kept_waiting_by_a_trainer_that_never_ends_ends_the_hub_and_says_so():
     import socket
 
