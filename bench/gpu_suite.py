@@ -11,10 +11,15 @@ are parsed from what it prints or writes:
    agent's workers, torchrun's workers) initialises CUDA and runs on the GPU, and how soon
    against a new interpreter (bench/zygote_probe.py; a zygote refuses to fork once the CUDA
    driver is loaded in it);
-1. throughput: our trainer against a plain loop (bench/gpu_throughput.py), SmallCNN in
-   fp32, ResNet-20 and char-GPT in bf16, median of 5 alternating rounds, with the host-device
-   syncs counted in our timed steps under `torch.cuda.set_sync_debug_mode("warn")` (goals:
-   ratio >= 0.97, 0 syncs);
+1. throughput: our trainer (its steps replayed from CUDA graphs: training/graphs.py) against
+   a plain eager loop (bench/gpu_throughput.py), SmallCNN and ResNet-20 in fp32 and bf16, the
+   char-GPT in bf16, median of 5 alternating rounds, with the host-device syncs counted in our
+   timed steps under `torch.cuda.set_sync_debug_mode("warn")` (goals: ratio >= 1.3 for the
+   two small models, >= 0.97 for the char-GPT, 0 syncs);
+1b. gpt2: GPT-2 124M (transformers, from its config) on random tokens, bf16, compiled: ours
+   against a plain compiled loop and one compiled with mode="reduce-overhead" (goal >= 0.99),
+   model FLOPs utilisation against the measured bf16 peak, beside nanoGPT's and llm.c's
+   published figures (bench/gpt2_bench.py);
 2. packing: the default campaign's trials and an 8-trial ResNet-20 grid with `memory_gb:
    auto` (they share the GPU where sharing pays) against the same trials one at a time
    (whole device): samples/s over the span from the first start to the last end, and each
@@ -86,7 +91,7 @@ def zygotes(dry: bool, work: Path) -> dict:
 
 def throughput(dry: bool, work: Path) -> dict:
     figures, logs, ok = {}, [], True
-    runs = [("small_cnn", "fp32")] if dry else [("small_cnn", "fp32"), ("resnet,gpt", "bf16")]
+    runs = [("small_cnn", "fp32")] if dry else [("small_cnn,resnet", "fp32"), ("small_cnn,resnet,gpt", "bf16")]
     for workloads, precision in runs:
         out = work / f"throughput-{precision}.json"
         extra = ["--rounds", "1", "--steps", "10", "--warmup", "10"] if dry else ["--rounds", "5"]
@@ -97,8 +102,24 @@ def throughput(dry: bool, work: Path) -> dict:
         if out.exists():
             for key, value in json.loads(out.read_text())["workloads"].items():
                 figures[f"{key} ({precision})"] = {k: value[k] for k in ("plain_steps_s", "ours_steps_s", "ratio", "syncs")}
-    goal = all(f["ratio"] >= 0.97 and not f["syncs"] for f in figures.values()) if figures else False
-    return {"ok": ok, "figures": figures, "goal": "ours/plain >= 0.97 and 0 syncs each", "reached": goal and not dry, "log": logs}
+    # CUDA graphs (training.graphs) are what should lift the launch-bound small models past a plain eager loop.
+    goal = all(f["ratio"] >= (0.97 if key.startswith("gpt") else 1.3) and not f["syncs"] for key, f in figures.items()) if figures else False
+    return {"ok": ok, "figures": figures, "goal": "ours/plain eager >= 1.3 for small_cnn and resnet (fp32 and bf16), >= 0.97 for the "
+            "char-GPT; 0 syncs each", "reached": goal and not dry, "log": logs}
+
+
+def gpt2(dry: bool, work: Path) -> dict:
+    """GPT-2 124M, bf16, compiled: ours against a plain compiled loop (and against compile's own
+    CUDA graphs, mode reduce-overhead), with MFU and the published figures (bench/gpt2_bench.py)."""
+    out = work / "gpt2.json"
+    code, text, _ = run([sys.executable, "bench/gpt2_bench.py", "--json", str(out), *(["--dry-run"] if dry else [])], timeout=900)
+    found = json.loads(out.read_text()) if out.exists() else {}
+    figures = {k: found[k] for k in ("device", "model", "batch", "tokens_per_step", "precision", "compiled", "flops_per_step",
+                                     "peak_flops", "loops", "ours / plain", "plain reduce-overhead / plain", "published") if k in found}
+    reached = bool(found) and found["ours / plain"] >= 0.99
+    return {"ok": code == 0 and bool(found), "figures": figures, "note": found.get("note"),
+            "goal": "ours/plain compiled >= 0.99; MFU shown beside nanoGPT's and llm.c's", "reached": reached and not dry,
+            "log": [text[-2500:]]}
 
 
 def campaign_span(root: Path) -> float:
@@ -344,7 +365,7 @@ def precision_accuracy(dry: bool, work: Path, kinds: list[str]) -> tuple[dict[st
     return accuracy, within and all(len(accuracy.get(k, [])) == 2 for k in kinds), text
 
 
-STEPS = {"zygotes": zygotes, "throughput": throughput, "packing": packing, "exact": exact, "profile": profile, "precision": precision}
+STEPS = {"zygotes": zygotes, "throughput": throughput, "gpt2": gpt2, "packing": packing, "exact": exact, "profile": profile, "precision": precision}
 
 
 def markdown(report: dict) -> str:

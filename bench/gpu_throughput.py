@@ -155,11 +155,11 @@ class Plain:
 class Ours:
     """training.trainer.Trainer's own loop, stopped at a step by its control hook."""
 
-    def __init__(self, w: Workload, device: torch.device, precision: str, total_steps: int, log_every: int, work: Path):
+    def __init__(self, w: Workload, device: torch.device, precision: str, total_steps: int, log_every: int, work: Path, **settings):
         cfg = TrialConfig(trial_id=f"bench-{w.name}", seed=0, model=w.model, data=w.data, optimizer=w.optimizer,
                           steps=total_steps, batch_size=w.batch, lr=w.lr, warmup_steps=20, precision=precision,
                           checkpoint_every=10**9, eval_every=10**9, log_every=log_every, control_every=CONTROL_EVERY,
-                          trial_dir=str(work / w.name))
+                          trial_dir=str(work / w.name), **settings)
         self.trainer = Trainer(cfg, device)
         self.trainer.attach(DistEnv(0, 1, 0))
         self.device = device

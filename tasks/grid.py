@@ -13,7 +13,7 @@ from training.spec import CampaignSpec, TrialSpec, set_path
 from training.config import LOADER_FIELDS
 from training.layout import portable_name
 
-NOT_TRAINED = ("stall_timeout_s",)  # training settings that are not part of a trial's identity
+NOT_TRAINED = ("stall_timeout_s", "cuda_graphs")  # a graph replays the step it captured: the same computation  # training settings that are not part of a trial's identity
 LABEL_VALUE_CHARS = 60  # a grid value's share of a label; the whole value is in the trial's spec and MLflow params
 
 

@@ -24,6 +24,13 @@ def check_zygotes_and_throughput(steps: dict) -> None:
     assert steps["throughput"]["figures"]["small_cnn (fp32)"]["ratio"] > 0
 
 
+def check_gpt2(steps: dict) -> None:
+    figures = steps["gpt2"]["figures"]
+    assert set(figures["loops"]) == {"plain", "ours"}  # reduce-overhead: compiled loops only, on a GPU
+    assert all(0 < loop["mfu"] < 1 for loop in figures["loops"].values()) and figures["ours / plain"] > 0
+    assert {"nanoGPT", "llm.c"} <= set(figures["published"])
+
+
 def check_packing_and_profile(steps: dict) -> None:
     assert steps["packing"]["figures"]["ResNet-20 grid"]["spec"].startswith("valid, 2 trials")  # its spec, checked
     figures, trials = steps["packing"]["figures"]["default campaign"], 4  # the ResNet grid runs on a GPU only
@@ -49,7 +56,7 @@ def check_precision(steps: dict) -> None:
     assert {k: len(v) for k, v in accuracy.items()} == {"fp32": 2, "bf16": 2}
 
 
-GROUPS = {"zygotes,throughput": check_zygotes_and_throughput, "packing,profile": check_packing_and_profile, "exact": check_exact,
+GROUPS = {"zygotes,throughput": check_zygotes_and_throughput, "gpt2": check_gpt2, "packing,profile": check_packing_and_profile, "exact": check_exact,
           "precision": check_precision}
 
 

@@ -17,7 +17,8 @@ Two feeds deliver a process's micro-batches in order:
   the device; a micro-batch is one gather there, with the epoch's permutation kept on the
   device too: no host work that grows with the batch, no host-to-device copy per step.
 - `LoaderFeed`: any map-style dataset through a DataLoader (worker processes, pinned
-  memory, prefetching) whose batch sampler walks the same order.
+  memory, prefetching) whose batch sampler walks the same order; on a GPU each batch is
+  copied on a side stream while the step before it runs (`training.graphs.copied_ahead`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from training.data import SampleOrder, shard_bounds
+from training.graphs import copied_ahead
 from training.workload import WorkloadError, dataset_bytes, move, split_pair
 
 DEVICE_BYTES_AUTO = 2 * 2**30  # `on_device: auto` keeps a TensorDataset on a GPU up to this size...
@@ -197,8 +199,11 @@ class LoaderFeed:
             persistent_workers=False, **loader_options(self.device, self.workers),
         )
         self._iterator = iter(loader)
-        for batch in self._iterator:
-            x, y = split_pair(batch)
+        pairs = (split_pair(batch) for batch in self._iterator)
+        if self.device.type == "cuda":  # each batch's copy overlaps the step before it (training.graphs)
+            yield from copied_ahead(pairs, self.device)
+            return
+        for x, y in pairs:
             yield move(x, self.device, non_blocking=True), move(y, self.device, non_blocking=True)
 
     def close(self) -> None:

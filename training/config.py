@@ -33,6 +33,7 @@ class TrialConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     grad_clip_norm: float | None = None
     compile: bool = False  # torch.compile the model
+    cuda_graphs: str = "auto"  # auto | on | off: the step replayed from a CUDA graph where it can be (training.graphs)
     # The data-parallel width the result is defined for: each step's global batch is split
     # into this many logical ranks, whatever the number of processes (training.batches).
     logical_ranks: int = 1

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from training.errors import CampaignError
+from training.flops import mfu
 from training.outputs import Objective, as_objective
 from training.roofline import DevicePeaks, DeviceUnavailableError, check_device, cpu_threads, is_device_failure, is_out_of_memory
 
@@ -133,6 +134,11 @@ class ModelProfile:
     @property
     def step(self) -> StepTiming:
         return next(s for s in self.scaling if s.batch_size == self.batch_size)
+
+    def mfu(self, peaks: DevicePeaks) -> float:
+        """Model FLOPs utilisation: the layers' FLOPs of one step over the measured step time,
+        as a share of the device's measured peak (training.flops)."""
+        return mfu(sum(l.flops for l in self.layers), self.step.step_s, peaks.peak_flops) if self.step.step_s > 0 else 0.0
 
     @property
     def other_s(self) -> float:
@@ -575,7 +581,7 @@ def _caption(profile: ModelProfile, peaks: DevicePeaks) -> str:
         f"{profile.model}, batch {profile.batch_size} on {profile.device}{threads}: step {_ms(s.step_s)} ms "
         f"(forward with loss {_ms(s.forward_s)}, backward {_ms(s.backward_s)}, optimizer {_ms(s.optimizer_s)}). "
         f"Device {peaks.name}: {peaks.peak_flops / 1e9:.1f} GFLOP/s, {peaks.peak_bytes_per_s / 1e9:.1f} GB/s, "
-        f"ridge {peaks.ridge_intensity:.2f} FLOP/B. Layer times are measured one layer at a time; "
+        f"ridge {peaks.ridge_intensity:.2f} FLOP/B. Model FLOPs utilisation {profile.mfu(peaks):.1%} of that peak. Layer times are measured one layer at a time; "
         f"total fwd/bwd ms are whole-step times."
     )
 

@@ -150,6 +150,27 @@ _MATMUL_N = {"cpu": 1024, "cuda": 8192}
 _COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
 
 
+# matmul_peak's sizes: a trainer measures the peak once at its start, on a device other trials
+# may share, so the probe stays small (96 MiB of bf16 on a GPU) and each timing spans 8 calls.
+_PEAK_N = {"cpu": 512, "cuda": 4096}
+_PEAK_CALLS = 8
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
+    """FLOP/s of the best square matrix multiply in `dtype` on `device`: the peak a trainer's
+    model FLOPs utilisation is held against (training.flops), at the dtype its autocast uses."""
+    n = _PEAK_N[device.type]
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+
+    def calls() -> None:
+        for _ in range(_PEAK_CALLS):
+            torch.mm(a, b, out=out)
+
+    return 2 * n**3 * _PEAK_CALLS / _best_seconds(calls, device, repeats)
+
+
 def probe_device(device: torch.device, threads: int | None = 1, repeats: int = 3) -> DevicePeaks:
     """Measure the device's peak float32 FLOP/s and copy bandwidth (and read NVML on a GPU).
 

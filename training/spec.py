@@ -244,6 +244,11 @@ class TrainingSection(Strict):
     grad_clip_norm: float | None = Field(default=None, gt=0.0, le=1e6, description="clip the global gradient norm to this "
                                          "(past 1e6 it clips nothing a run reaches: leave it unset)")
     compile: bool = Field(default=False, description="torch.compile the model")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="capture each step's forward and backward in a CUDA graph and replay it (fewer kernel launches: small models "
+                    "run faster); auto and on: where the step can be captured (a GPU, one process, one micro-batch of static "
+                    "shapes), else the plain step, with the reason in the trial's log; off: never")
     logical_ranks: int | None = Field(
         default=None, ge=1, le=MAX_DEVICES,
         description="data-parallel width the result is defined for (default: the most devices a trial may use)")
@@ -306,7 +311,8 @@ class TrainingSection(Strict):
             raise ValueError("training.kwargs and training.check belong to training.target (your own function): set it, or remove them")
         if self.target is not None:
             ours = {name: value for name, value in (
-                ("precision", self.precision != "fp32"), ("compile", self.compile), ("grad_clip_norm", self.grad_clip_norm is not None),
+                ("precision", self.precision != "fp32"), ("compile", self.compile), ("cuda_graphs", self.cuda_graphs != "auto"),
+                ("grad_clip_norm", self.grad_clip_norm is not None),
                 ("scaling", self.scaling != "reproducible"), ("max_batch_size", self.max_batch_size is not None),
                 ("reduction", self.reduction != "fast"), ("max_device_batch", self.max_device_batch is not None)) if value}
             if ours:

@@ -54,6 +54,8 @@ from training.fence import commit_guard, grant_of
 from training.config import TrialConfig
 from training.data import SampleOrder, shard_bounds
 from training.exact import OrderedReduction
+from training.flops import matmul_dtype, mfu, step_flops
+from training.graphs import StepGraph, graph_plan
 from training.batch_choice import read_batch_choice
 from training.result import write_result
 from training.layout import trial_files
@@ -184,6 +186,12 @@ class Trainer(Stateful):
         self.pruned = False
         self._async_group = None
         self.trace = None  # an open file when cfg.trace: every (step, samples, loss) this process trains on
+        self.step_graph: StepGraph | None = None  # the step replayed from a CUDA graph (training.graphs), where it can be
+        self._said: set[str] = set()  # what the trial's log was told about CUDA graphs: each line once per process
+        # Model FLOPs utilisation on a GPU (training.flops): the FLOPs of this process's step, counted at its
+        # first step, over the device's measured peak at the trial's precision; logged as `mfu`.
+        self.flops_per_step: float | None = None
+        self.peak_flops: float | None = None
 
     # --- binding to a process group -----------------------------------------------------
     def attach(self, env: DistEnv, trace_name: str | None = None) -> None:
@@ -222,6 +230,7 @@ class Trainer(Stateful):
         elif env.rank != 0:
             self.metrics.close()
             self.metrics = MetricsLogger(None, None)
+        self._plan_graph(env)
 
     def _scheduled_batch(self, env: DistEnv) -> int | None:
         """The batch the scheduler chose for this size (goodput with max_batch_size): rank 0
@@ -289,6 +298,9 @@ class Trainer(Stateful):
             self.trace.close()
         self.feed.close()
         self._batches = self._batches_next = None
+        if self.step_graph is not None:  # the next attach captures again, at its own size and batch
+            self.step_graph.release()
+            self.step_graph = None
         self.ordered = self.local_norm = None
         self.ddp, self.forward, self.checkpointer, self._async_group, self.trace = None, None, None, None, None
 
@@ -320,6 +332,7 @@ class Trainer(Stateful):
         self._record_kept = any(k.startswith("trainer.record.") for k in keys)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._release_graph()
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler.is_enabled() and state.get("scaler"):
@@ -350,6 +363,7 @@ class Trainer(Stateful):
 
     def load_state_bytes(self, payload: bytes) -> None:
         state = torch.load(io.BytesIO(payload), map_location=self.device, weights_only=True)
+        self._release_graph()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -432,15 +446,17 @@ class Trainer(Stateful):
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
 
-    def _autocast(self):
+    def _autocast(self, cache: bool = True):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def train_step(self, step: int, batches) -> torch.Tensor:
         """One optimizer step over this process's micro-batches (pulled from `batches`);
         the mean loss over its samples, left on the device (reading it would make the host
         wait for the device on every step)."""
+        if self.step_graph is not None:
+            return self._graph_step(step, batches)
         cfg, spans = self.cfg, self.spans
         # One multiplication; DDP then averages over world_size, so each sample's gradient
         # ends up scaled by 1 / batch_size at every world size (exact: summed, not averaged).
@@ -456,6 +472,8 @@ class Trainer(Stateful):
         last = len(spans) - 1
         for i, span in enumerate(spans):
             x, y = next(batches)
+            if self.flops_per_step is None and i == 0:
+                self._count_flops(x, y)
             if span.first:
                 self._seed(step, span.logical_rank)
                 if keep_buffers:
@@ -494,15 +512,94 @@ class Trainer(Stateful):
             small_sq = small_sq if slot_sq is None else slot_sq
         if measure:
             self._measure_noise(small_sq)
-        if cfg.grad_clip_norm is not None:
+        self._optimizer_step()
+        return total if last == 0 else total / sum(span.size for span in spans)
+
+    def _optimizer_step(self) -> None:
+        """After the step's gradients: clipping, the optimizer and the schedule (outside any graph)."""
+        if self.cfg.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.samples_seen += self.batch_size  # before the scheduler: a goodput schedule counts samples
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total if last == 0 else total / sum(span.size for span in spans)
+        if self.step_graph is None or not self.step_graph.captured:
+            self.optimizer.zero_grad(set_to_none=True)
+        # else the gradients are the graph's outputs: each replay writes them afresh, and
+        # set to None the optimizer would no longer see what the graph writes.
+
+    # --- CUDA graphs (training.graphs) ---------------------------------------------------------
+    def _plan_graph(self, env: DistEnv) -> None:
+        """At each attach: capture this size's step, or say once why not."""
+        plan = graph_plan(self.cfg.cuda_graphs, self.device.type, env.world_size, len(self.spans), self.cfg.trace)
+        assert not plan.capture or self.noise_sizes is None  # one micro-batch in one process: one batch size, no estimate
+        self.step_graph = StepGraph(self.device, self._graphed_micro_batch, self._drop_grads) if plan.capture else None
+        self._say_graphs(("on: " if plan.capture else "off: ") + plan.reason, warn=self.cfg.cuda_graphs == "on" and not plan.capture)
+
+    def _say_graphs(self, line: str, warn: bool = False) -> None:
+        if line in self._said or self.env is None or self.env.rank != 0:
+            return
+        self._said.add(line)
+        print(f"{'warning: training.cuda_graphs is on, but ' if warn else ''}cuda_graphs {line}", flush=True)
+        self.metrics.tag("cuda_graphs", line[:500])
+
+    def _graph_step(self, step: int, batches) -> torch.Tensor:
+        """One step of one micro-batch: its forward and backward from the graph (captured at the
+        third step; eager before it, and for good after a failed capture), then the optimizer."""
+        span = self.spans[0]
+        x, y = next(batches)
+        if self.flops_per_step is None:
+            self._count_flops(x, y)
+        self._seed(step, span.logical_rank)  # read by the replay: the eager step's random draws
+        loss = self.step_graph.step(x, y)
+        if self.step_graph.failed is not None:
+            self._say_graphs(f"off: {self.step_graph.failed}", warn=self.cfg.cuda_graphs == "on")
+        self._optimizer_step()
+        return loss
+
+    def _graphed_micro_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """What the graph holds: the forward with the loss, the backward, and (exact) the
+        gradient filed in its slot and summed; its mean loss, on the device."""
+        span = self.spans[0]
+        # A graph replays the casts it captured: autocast's cache of cast weights would hand
+        # the replay a copy cast before the optimizer changed them.
+        with self._autocast(cache=False):
+            loss = self.objective(self.forward, x, y)
+        factor = span.size * (1 if self.ordered is not None else self.env.world_size) / self.batch_size
+        self.scaler.scale(loss if factor == 1.0 else loss * factor).backward()
+        if self.ordered is not None:
+            self.ordered.take(span.logical_rank)
+            self.ordered.reduce()
+        return loss.detach()
+
+    def _drop_grads(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _release_graph(self) -> None:
+        """Weights or optimizer state loaded: the graph captures again at the next step."""
+        if self.step_graph is not None:
+            self.step_graph.release()
+
+    def _count_flops(self, x: Any, y: Any) -> None:
+        """This process's model FLOPs per step and the device's peak, on a GPU's rank 0 (which
+        logs `mfu`); on a CPU slot no figure: its peak would be measured on the core the trial
+        trains on, at each start, for a figure `campaign profile` already gives."""
+        self.flops_per_step = 0.0
+        if self.device.type != "cuda" or not self.is_rank0:
+            return
+        from training.roofline import matmul_peak
+
+        try:
+            local = sum(s.size for s in self.spans)
+            per_micro_batch = step_flops(lambda: build_model(self.cfg.model), self.objective, x, y, model=self.model)
+            self.flops_per_step = per_micro_batch * local / self.spans[0].size
+            self.peak_flops = matmul_peak(self.device, matmul_dtype(self.cfg.precision))
+            torch.cuda.reset_peak_memory_stats(self.device)  # the probe's matrices are not the trial's peak
+        except Exception as exc:  # a model the meta device cannot run (data-dependent shapes): no MFU
+            self.flops_per_step = 0.0
+            print(f"mfu: not measured ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -633,6 +730,8 @@ class Trainer(Stateful):
         while self._pending_logs and (wait or self._pending_logs[0].landed()):
             window = self._pending_logs.pop(0)
             self.latest.update(train_loss=window.loss(), lr=window.lr, step_time_s=window.step_time_s)
+            if self.flops_per_step and self.peak_flops and window.step_time_s > 0:
+                self.latest["mfu"] = mfu(self.flops_per_step, window.step_time_s, self.peak_flops)
             noise = self.noise.value()  # in samples; none until a measurement says so
             if noise is not None:  # (carried through a resize to a size that cannot measure it)
                 self.latest["grad_noise_scale"] = noise

@@ -48,3 +48,13 @@ def byte_windows(block: int = 64, chars: int = 500_000, val_fraction: float = 0.
     tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     split = int(len(tokens) * (1 - val_fraction))
     return Windows(tokens[:split], block, shift), Windows(tokens[split:], block, shift)
+
+
+def random_tokens(block: int = 1024, vocab: int = 50257, samples: int = 256, val: int = 16, seed: int = 0):
+    """(train, val) windows of uniformly random tokens: a language model's shapes and FLOPs with no
+    text at all (bench/gpt2_bench.py times GPT-2 124M on them). TensorDatasets: on a GPU the
+    trainer keeps them in device memory."""
+    from torch.utils.data import TensorDataset
+
+    tokens = torch.randint(vocab, (samples + val, block + 1), generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(tokens[:samples, :-1], tokens[:samples, 1:]), TensorDataset(tokens[samples:, :-1], tokens[samples:, 1:])

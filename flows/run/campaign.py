@@ -147,7 +147,7 @@ def trial_config(spec: CampaignSpec, trial: Trial, trial_dir: Path, mlflow_run_i
     hold = os.environ.get(HOLD_ENV)
     return TrialConfig(pruning=pruning, hold_at_step=int(hold) if hold else None,
         trial_id=trial.id, seed=trial.spec.seed, **trial_workload(trial.spec), **trial_function(trial.spec), steps=t.steps, batch_size=t.batch_size, lr=t.lr,
-        precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile,
+        precision=t.precision, grad_clip_norm=t.grad_clip_norm, compile=t.compile, cuda_graphs=t.cuda_graphs,
         logical_ranks=t.logical_ranks or request.max_devices, scaling=t.scaling, lr_scaling=t.lr_scaling, max_batch_size=t.max_batch_size, reduction=t.reduction, max_device_batch=t.max_device_batch,
         schedule=t.schedule, warmup_steps=t.warmup_steps,
         checkpoint_every=t.checkpoint_every, keep_checkpoints=spec.tracking.keep_checkpoints,
