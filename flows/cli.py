@@ -29,9 +29,25 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # command failed before its flow began. `launch` starts its own and gives it a minute (warmup.py).
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-app = typer.Typer(help="Declarative ML experiment campaigns: params.yaml -> Prefect -> DDP trials -> MLflow + DVC.", no_args_is_help=True)
+app = typer.Typer(help="Declarative ML experiment campaigns: params.yaml -> Prefect -> DDP trials -> MLflow + DVC. Prefect keeps "
+                  "each project folder's runs in its own database (.campaign/prefect/prefect.db): --prefect-db, PREFECT_HOME or "
+                  "PREFECT_API_URL share another.", no_args_is_help=True)
 console = Console()
 err = Console(stderr=True)
+
+
+@app.callback()
+def _project_options(
+    prefect_db: Optional[Path] = typer.Option(
+        None, "--prefect-db", envvar="CAMPAIGN_PREFECT_DB", metavar="FILE",
+        help="the Prefect database (SQLite) of the servers this folder's commands start (default: .campaign/prefect/prefect.db, "
+             "the folder's own, so its `campaign ui` shows its campaigns and no other folder's; e.g. ~/.prefect/prefect.db to "
+             "share Prefect's default one). Without it, a PREFECT_API_URL, PREFECT_HOME or Prefect's own database URL you set "
+             "is kept"),
+) -> None:
+    from flows.servers.prefect_db import use_folder_database
+
+    use_folder_database(Path.cwd(), prefect_db)  # before Prefect reads its settings (each command imports it later)
 
 PARAMS = typer.Argument(Path("params.yaml"), help="campaign spec")
 
@@ -234,8 +250,11 @@ def _prefect_server():
     started now if none runs, to boot while the launch checks), else (CAMPAIGN_SERVER=off) a
     temporary server of the launch's own."""
     from flows.servers import resident
+    from flows.servers.prefect_db import make_database_folder
     from flows.servers.warmup import WarmUp
 
+    if not os.environ.get("PREFECT_API_URL"):
+        make_database_folder()  # the server started now keeps the folder's runs in the folder
     if os.environ.get("PREFECT_API_URL") or not resident.enabled():
         return WarmUp()
     server = resident.Resident(Path.cwd())
@@ -339,6 +358,7 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
             summary = _launch_live(spec, params, pool, warm, phases)
         else:
             warm.ready()
+            _settle_dead_flow_run(spec.campaign.name, spec.tracking.runs_dir, lambda: [os.environ.get("PREFECT_API_URL")], owned=True)
             if phases is not None:
                 phases.mark("Prefect's server ready; the flow starts")
             with warm.flow_settings():
@@ -361,6 +381,35 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     if phases is not None:
         phases.mark("campaign ended")
     _print_summary(summary)
+
+
+def _settle_dead_flow_run(name: str, runs_dir: Path, apis, owned: bool) -> None:
+    """The campaign's last flow run, left Running by a process that died, marked Crashed
+    (flows/run/crashed.py): by a launch, which owns the campaign now, through the server it
+    reports to; by `status`, when no process owns it and a server of the folder answers. A
+    record or server that fails here never stops the command: the next one tries again."""
+    from flows.run.crashed import settle_dead_flow_run
+    from tasks.records import campaign_dir, read_campaign
+
+    try:
+        said = settle_dead_flow_run(read_campaign(runs_dir, name), campaign_dir(runs_dir, name), apis, owned)
+    except Exception as e:  # noqa: BLE001
+        err.print(f"[yellow]could not check campaign {escape(name)}'s last flow run in Prefect ({escape(e.__class__.__name__)}: "
+                  f"{escape(str(e))})[/]", highlight=False)
+        return
+    if said:
+        console.print(f"[dim]{escape(said)}[/]", highlight=False, soft_wrap=True)
+
+
+def _folder_prefect_apis() -> list[str | None]:
+    """The Prefect APIs that serve this folder's runs, without starting one: its resident
+    server, its `campaign ui`'s, the user's (PREFECT_API_URL)."""
+    from flows.servers import resident
+    from flows.servers.ui import running_ui
+
+    found = resident.find(Path.cwd())
+    ui = running_ui(Path.cwd())
+    return [found and found["prefect_api"], ui and ui["prefect_api"], os.environ.get("PREFECT_API_URL")]
 
 
 def _print_summary(summary: dict) -> None:
@@ -434,6 +483,7 @@ def _launch_live(spec, params: Path, pool: str | None, warm, phases=None):
     log_path = campaign_dir(spec.tracking.runs_dir, spec.campaign.name) / "campaign.log"
     chatter_to_file(log_path)
     warm.ready()  # Prefect's lines from its server's start go to the file too
+    _settle_dead_flow_run(spec.campaign.name, spec.tracking.runs_dir, lambda: [os.environ.get("PREFECT_API_URL")], owned=True)
     if phases is not None:
         phases.mark("Prefect's server ready; the flow starts")
     with LiveView(console, spec.tracking.runs_dir, spec.campaign.name, log_path), warm.flow_settings():
@@ -577,6 +627,10 @@ def profile(
         checked_requests(spec, [chosen], inventory_for(spec))
     except CampaignError as e:
         _fail(str(e))
+    if not os.environ.get("PREFECT_API_URL"):  # Prefect starts a server of its own, on the folder's database
+        from flows.servers.prefect_db import make_database_folder
+
+        make_database_folder()
     try:
         summary = profile_flow(str(params), chosen.id)
     except Exception as e:  # devices busy, or the flow failed: it has logged the details
@@ -693,6 +747,7 @@ def status(
     with _bad_input():
         name = _campaign_name(campaign, runs_dir)
         table, ended, refused = _status_table(name, runs_dir)
+    _settle_dead_flow_run(name, runs_dir, _folder_prefect_apis, owned=False)
     if not watch:
         console.print(table)
         for line in refused:
@@ -825,6 +880,9 @@ def ui(
     ports, notes = stable_ports(folder, {"prefect": prefect_port, "mlflow": mlflow_port})
     for note in notes:
         console.print(note, highlight=False)
+    from flows.servers.prefect_db import make_database_folder
+
+    make_database_folder()  # its Prefect server shows this folder's campaigns (flows/servers/prefect_db.py)
     try:
         servers = start_servers(uri, folder / ".campaign", ports["prefect"], ports["mlflow"])
     except RuntimeError as e:
@@ -834,6 +892,8 @@ def ui(
     try:
         for line in describe(servers, uri):
             console.print(line, highlight=False)
+        for record in campaign_records(spec.tracking.runs_dir):  # what its UI shows of campaigns that died: Crashed
+            _settle_dead_flow_run(record.parent.name, spec.tracking.runs_dir, lambda: [servers.prefect_api], owned=False)
         if servers.mlflow_url:  # straight to the campaign's trials, a row each, best first
             from mlflow import MlflowClient
 
@@ -972,6 +1032,9 @@ def pool_server(pool: str = typer.Option(..., help="the pool's name"),
            "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
     console.print(f"pool {pool}: Prefect server on http://{host}:{port} (API auth required); every node: "
                   f"export PREFECT_API_URL=http://{host}:{port}/api", highlight=False)
+    from flows.servers.prefect_db import make_database_folder
+
+    make_database_folder()  # the pool's runs in the head node's folder (flows/servers/prefect_db.py)
     os.execvpe(sys.executable, [sys.executable, "-m", "flows.servers.warmup", "--host", host, "--port", str(port)], env)
 
 

@@ -9,7 +9,8 @@ holds it (host, pid, user, since), for the refusal's message, and is renewed eve
 seconds: a folder shared between hosts whose file system does not carry locks across them
 (some NFS set-ups) still refuses a second run while the first one's record is fresh.
 
-`campaign status`, `logs` and `resize` never take the lock: they keep working beside the run.
+`campaign status`, `logs` and `resize` never take the lock: they keep working beside the run
+(`run_alive` tries a shared lock and drops it at once; a claim in that moment waits for it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from training.files import read_status_json, write_json_atomic
 LOCK_NAME, RECORD_NAME = "owner.lock", "owner.json"
 RENEW_S = 5.0  # how often the owner's record is renewed
 FRESH_S = 30.0  # another host's record younger than this: its run is alive
+PROBE_WAIT_S = 0.5  # a claim waits this long for the lock while `run_alive` probes it
 
 
 class CampaignBusy(CampaignError):
@@ -130,9 +132,7 @@ def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwner
         except OSError as e:
             raise CampaignError(f"cannot take campaign {name}'s owner lock in {campaign_dir} ({e}): the runs folder "
                                 "(tracking.runs_dir) must be writable") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_soon(fd):
             os.close(fd)
             raise CampaignBusy(_busy(name, _holder(campaign_dir))) from None
         if _same_file(fd, campaign_dir / LOCK_NAME):
@@ -146,6 +146,36 @@ def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwner
     owner = Owner(socket.gethostname(), os.getpid(), _user(), now, now, command)
     write_json_atomic(campaign_dir / RECORD_NAME, asdict(owner), durable=False)
     return CampaignOwnership(campaign_dir, fd, owner, made)
+
+
+def _lock_soon(fd: int, wait_s: float = PROBE_WAIT_S) -> bool:
+    """The exclusive lock, waiting out a moment of `run_alive`'s shared probe (microseconds long)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
+def run_alive(campaign_dir: Path) -> bool:
+    """Whether a run owns the campaign now (another process holds its lock, or another host's
+    record is fresh), read without owning it: a shared lock tried and dropped at once."""
+    try:
+        fd = os.open(campaign_dir / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # never launched here, or its folder is gone: no run holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the probe's lock, if it got one
+    other = read_owner(campaign_dir)
+    return other is not None and other.host != socket.gethostname() and time.time() - other.renewed < FRESH_S
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -4,9 +4,9 @@ Both are the projects' own servers: Prefect's app as `prefect server start` serv
 flows.servers.warmup's retries of refused writes) and `mlflow server`, on free loopback ports. The
 Prefect UI is pointed at its own API (PREFECT_UI_API_URL). While it runs, `.campaign/ui.json`
 in the project folder names the Prefect API, and `campaign launch` from that folder reports
-there instead of starting Prefect's temporary server, so the runs show up live. The Prefect
-server keeps its database where the temporary one does (PREFECT_HOME), so campaigns launched
-before show up too.
+there instead of starting a server, so the runs show up live. The Prefect server keeps its
+database where the folder's other servers do (the folder's own: flows/servers/prefect_db.py),
+so the folder's campaigns launched before show up too, and no other folder's.
 """
 
 from __future__ import annotations
