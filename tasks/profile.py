@@ -1,4 +1,4 @@
-"""Profile one trial on leased devices, write what it found, log it to the trial's MLflow run.
+"""Profile one trial on leased devices, write what it found, log it to an MLflow run of its own.
 
     <runs_dir>/<campaign>/<trial_id>/profile/
         profile.md        per-layer table, DDP measurement, predicted step times (markdown)
@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from mlflow import MlflowClient
-from mlflow.entities import Metric, RunTag
+from mlflow.entities import RunTag
 from prefect import get_run_logger, task
 
 from cluster.inventory import visible_devices_env
@@ -359,19 +359,45 @@ def profile_trial(job: ProfileJob) -> ProfileResult | None:
 
 # --- MLflow ----------------------------------------------------------------------------------------
 
+PROFILED_TAG = "campaign.profiled_trial"  # not TRIAL_TAG: a trial's run is found by that, and this is not one
+
+
+@task(name="open profile run", retries=2, retry_delay_seconds=1)
+def open_profile_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, label: str) -> str:
+    """A run of its own for this profile, under the campaign's run (`campaign.kind` profile): the
+    trials' runs keep only their training curves, and the campaign's view lists trials alone."""
+    from tasks.tracking import KIND_TAG, PARENT_TAG
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    tags = {PARENT_TAG: parent_run_id, CAMPAIGN_TAG: campaign, KIND_TAG: "profile", PROFILED_TAG: trial_id}
+    return client.create_run(experiment, run_name=f"profile {label}", tags=tags).info.run_id
+
+
+def profile_tags(result: ProfileResult) -> dict[str, str]:
+    """What the profile found, as the run's tags: the device, the measured step time (one device,
+    and under DDP at its size) and the predicted one at each size of one node."""
+    tags = {"profile.trial": result.trial_id, "profile.device": f"{result.peaks.device} ({result.peaks.name})",
+            "profile.dir": str(result.directory), "profile.step_ms.measured_1": f"{result.profile.step.step_s * 1e3:.4g}"}
+    if result.ddp is not None:
+        tags[f"profile.step_ms.measured_{result.ddp.world_size}"] = f"{result.ddp.step_s * 1e3:.4g}"
+    for p in result.predictions:
+        if math.isfinite(p.step_s):
+            tags[f"profile.step_ms.predicted_{p.devices}"] = f"{p.step_s * 1e3:.4g}"
+    if result.ddp_error is not None:
+        tags["profile.ddp_error"] = result.ddp_error.splitlines()[0][:500]
+    return tags
+
+
 @task(name="log profile", retries=2, retry_delay_seconds=1)
 def log_profile(uri: str, run_id: str, result: ProfileResult) -> None:
-    """The profile directory as the run's artifacts under `profile/`; the measured step time and
-    the predicted ones (metric step = device count) as metrics, so MLflow can plot them."""
+    """The profile directory (its figures: roofline.png, profile.md, predictions.json...) as the
+    run's artifacts under `profile/`, what it measured and predicted as tags (`profile_tags`):
+    no metrics, whose charts would be two-point "curves" over device counts. The run ends FINISHED."""
     client = MlflowClient(tracking_uri=uri)
     client.log_artifacts(run_id, str(result.directory), artifact_path=MLFLOW_ARTIFACT_PATH)
-    now = int(time.time() * 1000)
-    metrics = [Metric("profile_step_s", result.profile.step.step_s, now, 1)]
-    metrics += [Metric("profile_predicted_step_s", p.step_s, now, p.devices) for p in result.predictions]
-    if result.ddp is not None:
-        metrics.append(Metric("profile_ddp_step_s", result.ddp.step_s, now, result.ddp.world_size))
-    tags = [RunTag("profile.device", f"{result.peaks.device} ({result.peaks.name})"), RunTag("profile.dir", str(result.directory))]
-    client.log_batch(run_id, metrics=[m for m in metrics if math.isfinite(m.value)], tags=tags)
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in profile_tags(result).items()])
+    client.set_terminated(run_id, status="FINISHED")
 
 
 RunState = tuple[str, int | None]  # MLflow status and end time

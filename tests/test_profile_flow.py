@@ -67,22 +67,33 @@ def test_a_finished_trial_gets_its_profile_in_its_own_mlflow_run_and_in_prefect(
     assert result is not None and result.ddp_error is None
     assert summary.trial_id == trial.id and len(summary.devices) == 2
 
-    # The trial's own run was found again (no duplicate) and keeps its finished state.
-    assert summary.mlflow_run_id == run_id
-    assert len(client.search_runs([client.get_experiment_by_name("prof").experiment_id])) == 2
+    # A run of its own under the campaign's: the trial's run is untouched (its charts stay its
+    # training curves), and the campaign's runs keep their finished state.
+    profile_run = client.get_run(summary.mlflow_run_id)
+    assert summary.mlflow_run_id not in (parent_id, run_id)
+    assert profile_run.info.status == "FINISHED" and profile_run.info.run_name == f"profile {trial.label}"
+    tags = profile_run.data.tags
+    assert (tags["mlflow.parentRunId"], tags["campaign.kind"], tags["campaign.profiled_trial"]) == (parent_id, "profile", trial.id)
+    assert "campaign.trial_id" not in tags  # a trial's run is found by that tag: this is not one
+    assert len(client.search_runs([client.get_experiment_by_name("prof").experiment_id])) == 3
     for rid in (parent_id, run_id):
         info = client.get_run(rid).info
         assert info.status == "FINISHED" and info.end_time == ended[rid]
-    logged = {a.path for a in client.list_artifacts(run_id, "profile")}
+    assert client.get_run(run_id).data.metrics == {} and client.list_artifacts(run_id) == []
+    assert profile_run.data.metrics == {}  # no two-point "curves" over device counts: its figures and tags say it
+    logged = {a.path for a in client.list_artifacts(summary.mlflow_run_id, "profile")}
     assert {"profile/profile.md", "profile/roofline.png", "profile/profile.json", "profile/ddp.json", "profile/predictions.json"} <= logged
-    markdown = Path(client.download_artifacts(run_id, "profile/profile.md", str(tmp_path / "dl"))).read_text()
+    markdown = Path(client.download_artifacts(summary.mlflow_run_id, "profile/profile.md", str(tmp_path / "dl"))).read_text()
     assert markdown == result.markdown
     for layer in ("features.0", "features.2", "head.2"):
         assert f"| {layer} |" in markdown
     assert "DDP at 2 process(es) (gloo), global batch 16" in markdown
-    assert Path(client.download_artifacts(run_id, "profile/roofline.png", str(tmp_path / "dl"))).read_bytes()[:8] == PNG_MAGIC
-    history = client.get_metric_history(run_id, "profile_predicted_step_s")
-    assert sorted(m.step for m in history) == [1, 2] and all(m.value > 0 for m in history)
+    roofline = client.download_artifacts(summary.mlflow_run_id, "profile/roofline.png", str(tmp_path / "dl"))
+    assert Path(roofline).read_bytes()[:8] == PNG_MAGIC
+    predicted = {k: float(v) for k, v in tags.items() if k.startswith("profile.step_ms.predicted_")}
+    assert sorted(predicted) == ["profile.step_ms.predicted_1", "profile.step_ms.predicted_2"] and min(predicted.values()) > 0
+    assert float(tags["profile.step_ms.measured_1"]) > 0 and float(tags["profile.step_ms.measured_2"]) > 0  # the DDP run's
+    assert tags["profile.trial"] == trial.id and tags["profile.dir"].endswith(f"{trial.id}/profile")
 
     # On disk, readable back by code; the DDP part all-reduced exactly the model's gradients.
     profile_dir = tmp_path / "runs" / "prof" / trial.id / "profile"
@@ -157,7 +168,7 @@ def test_a_trial_that_cannot_be_profiled_goes_on_without_a_profile(breakage, cul
     assert LeaseStore().leases() == []
 
 
-def test_a_failed_ddp_part_drops_only_that_part_and_new_runs_wait_for_the_campaign(tmp_path, digits_npz, prefect_backend, monkeypatch, caplog):
+def test_a_failed_ddp_part_drops_only_that_part_and_the_campaigns_run_waits_for_its_launch(tmp_path, digits_npz, prefect_backend, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # the ranks cannot form their group
     caplog.set_level(logging.WARNING)
@@ -174,9 +185,12 @@ def test_a_failed_ddp_part_drops_only_that_part_and_new_runs_wait_for_the_campai
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("noddp").experiment_id])
-    # Created the way a campaign would, and left for `campaign launch` to run the trial in.
-    assert sorted(r.data.tags["campaign.kind"] for r in runs) == ["campaign", "trial"]
-    assert all(r.info.status == "SCHEDULED" for r in runs)
-    child = next(r for r in runs if r.data.tags["campaign.kind"] == "trial")
-    assert child.info.run_id == summary.mlflow_run_id and child.data.tags["campaign.trial_id"] == summary.trial_id
-    assert "profile/ddp.log" in {a.path for a in client.list_artifacts(child.info.run_id, "profile")}
+    # The campaign's run created the way a campaign would, and left for `campaign launch` to run
+    # (SCHEDULED); no trial's run yet: the profile has its own, finished.
+    assert sorted(r.data.tags["campaign.kind"] for r in runs) == ["campaign", "profile"]
+    parent = next(r for r in runs if r.data.tags["campaign.kind"] == "campaign")
+    own = next(r for r in runs if r.data.tags["campaign.kind"] == "profile")
+    assert parent.info.status == "SCHEDULED" and own.info.status == "FINISHED"
+    assert own.info.run_id == summary.mlflow_run_id and own.data.tags["campaign.profiled_trial"] == summary.trial_id
+    assert own.data.tags["mlflow.parentRunId"] == parent.info.run_id and "exited with code" in own.data.tags["profile.ddp_error"]
+    assert "profile/ddp.log" in {a.path for a in client.list_artifacts(own.info.run_id, "profile")}

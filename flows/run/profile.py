@@ -2,7 +2,8 @@
 
     spec -> the trial (default: the first of the grid) -> its size -> free devices, leased
     -> tasks/profile.py (per-layer table, roofline, DDP under torchrun, step-time prior)
-    -> the trial's MLflow child run (found or created as a campaign would) + a Prefect artifact
+    -> an MLflow run of its own under the campaign's (created as a campaign would make it),
+       its figures as artifacts and what it measured as tags + a Prefect artifact
 
 The devices are leased like a trial's, whole, so a profile never shares a device with a
 running trial (its timings would be wrong, and on a GPU it could take the trial's memory).
@@ -25,8 +26,9 @@ from cluster.types import WHOLE_DEVICE, Device, Inventory, Request
 from flows.run.campaign import checked_requests, inventory_for
 from training.spec import load_spec, tracking_uri
 from tasks.grid import Trial, expand_grid
-from tasks.profile import ProfileResult, log_profile, profile_dir, profile_job, profile_trial, restore_run_states, run_states
-from tasks.tracking import open_campaign_run, open_trial_run
+from tasks.profile import (ProfileResult, log_profile, open_profile_run, profile_dir, profile_job, profile_trial,
+                           restore_run_states, run_states)
+from tasks.tracking import open_campaign_run
 from training.errors import CampaignError
 
 
@@ -45,7 +47,7 @@ class ProfileSummary:
     label: str
     devices: tuple[str, ...]  # profiled on, rank order
     result: ProfileResult | None  # None: the trial could not be profiled (the flow logged why)
-    mlflow_run_id: str | None = None
+    mlflow_run_id: str | None = None  # the profile's own run
     artifact_key: str | None = None  # the Prefect markdown artifact
 
 
@@ -94,7 +96,7 @@ def free_devices(inventory: Inventory, request: SizedRequest, leases: Sequence[L
 
 @flow(name="profile")
 def profile_flow(params_path: str = "params.yaml", trial_id: str | None = None) -> ProfileSummary:
-    """Profile one trial of the spec (default: the first) and log it to its MLflow run."""
+    """Profile one trial of the spec (default: the first) and log it to an MLflow run of its own."""
     logger = get_run_logger()
     spec = load_spec(params_path)
     trials = expand_grid(spec)
@@ -121,11 +123,11 @@ def profile_flow(params_path: str = "params.yaml", trial_id: str | None = None) 
     uri, experiment = tracking_uri(spec.tracking), spec.tracking.experiment
     before = run_states(uri, experiment, name)
     parent_run_id = open_campaign_run(uri, experiment, name, spec.grid, len(trials))
-    run_id = open_trial_run(uri, parent_run_id, name, trial)
-    try:
+    try:  # a run of its own, under the campaign's: the trial's run keeps its training curves alone
+        run_id = open_profile_run(uri, parent_run_id, name, trial.id, trial.label)
         log_profile(uri, run_id, result)
     finally:
-        restore_run_states(uri, before, [parent_run_id, run_id])
+        restore_run_states(uri, before, [parent_run_id])
     key = artifact_key(name, trial.id)
     create_markdown_artifact(result.markdown, key=key, description=f"profile of trial {trial.id} ({trial.label}) of campaign {name}")
     logger.info(f"profile of trial {trial.id}: {result.directory}, MLflow run {run_id}, Prefect artifact {key}")
