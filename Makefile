@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export GLOO_SOCKET_IFNAME := lo
 export MASTER_ADDR := 127.0.0.1
 
-.PHONY: setup campaign test test-fast bench schema docs docs-build clean-runs
+.PHONY: setup campaign test test-fast bench schema screenshots docs docs-build clean-runs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,11 @@ bench: setup
 	$(PY) bench/packing_bench.py
 	$(PY) bench/scheduler_bench.py --jobs 160 --seeds 1 --heavy 0   # one workload; the full eight take hours (Pollux's search)
 	$(PY) bench/profile_bench.py
+
+# The README's pictures (docs/images/*.png: the live table, the Prefect artifact, curves.png, the
+# MLflow view), taken by the browser test from the campaign it runs: run it, look at them, commit them.
+screenshots: setup
+	CAMPAIGN_SCREENSHOTS=docs/images $(TEST_ENV) $(PY) -m pytest -q tests/test_ui.py
 
 # The JSON Schema of params.yaml (schema/params.schema.json, for editors), from training/spec.py's
 # models: run after changing one (tests/test_spec_schema.py fails until then), and commit it.
