@@ -244,6 +244,20 @@ def _report_to_ui() -> None:
         console.print(f"reporting to the Prefect server of `campaign ui`: {ui['prefect_url']}", highlight=False)
 
 
+def _unmake_project_folder(server) -> None:
+    """A refused launch leaves nothing behind: the Prefect server it started (with its database
+    in `.campaign/`) is stopped, and `.campaign/`, which it made, removed."""
+    import shutil
+
+    from flows.servers import resident
+
+    if isinstance(server, resident.Resident):
+        resident.stop(Path.cwd())
+    else:
+        server.stop()
+    shutil.rmtree(Path.cwd() / ".campaign", ignore_errors=True)
+
+
 def _prefect_server():
     """Where the launch's flow reports: the user's Prefect server (PREFECT_API_URL) or `campaign
     ui`'s (_report_to_ui set it), else the folder's resident server (flows/servers/resident.py;
@@ -285,6 +299,7 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None, command: s
     # Before Prefect starts its server: if this process is killed outright, the warden ends
     # what it left behind and sets its records straight (it writes nothing until then).
     start_warden(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), tracking_uri(spec.tracking))
+    made_folder = not (Path.cwd() / ".campaign").exists()
     warm = _prefect_server()  # it boots (if it must) while the checks below run
     booting = getattr(warm, "process", None) is not None  # a server starts here: it takes a core meanwhile
     mark("Prefect's server starting (in the background)" if booting else "Prefect's server found")
@@ -298,7 +313,12 @@ def _started(params: Path, pool: str | None, rerun: list[str] | None, command: s
         from tasks.tracking_hub import open_metrics_hub
 
         open_metrics_hub()
-    trials, inventory, requests = _checked(spec, params)
+    try:
+        trials, inventory, requests = _checked(spec, params)
+    except typer.Exit:
+        if made_folder:  # refused: the server started for it, and the folder it made, go too
+            _unmake_project_folder(warm)
+        raise
     mark("data, tracking store, devices and workloads checked")
     # Checked: the MLflow store may be made now (SQLite: its tables, ~2 s), while Prefect's
     # server finishes its start; the flow's first MLflow call waits for it.
