@@ -41,7 +41,8 @@ def check_trials(trials: list[Trial]) -> None:
     code: str | None = None  # the project's code, fingerprinted once for every workload
     for trial in trials:
         if trial.spec.training.target is not None:
-            _check_function(trial, seen, len(trials) > 1)
+            code = code_fingerprint() if code is None else code
+            _check_function(trial, seen, len(trials) > 1, code)
             continue
         work = trial_workload(trial.spec)
         key = json.dumps(work, sort_keys=True, default=str)
@@ -136,12 +137,11 @@ def _python_files() -> list[Path] | None:
     return sorted(files)
 
 
-def _check_function(trial: Trial, seen: set[str], several: bool) -> None:
-    """A function trial's target (and its check hook, in a folder of its own) once per distinct one."""
+def _check_function(trial: Trial, seen: set[str], several: bool, code: str | None = None) -> None:
+    """A function trial's target (and its check hook, in a folder of its own) once per distinct
+    one; one that passed with this code (`code`: code_fingerprint()) is remembered, as a
+    workload is: a relaunch imports neither the user's module nor torch to check it again."""
     import tempfile
-
-    from training.config import TrialConfig
-    from training.function import check_function
 
     t = trial.spec.training
     check = {"target": t.check, "kwargs": dict(t.kwargs)} if t.check else None
@@ -149,6 +149,14 @@ def _check_function(trial: Trial, seen: set[str], several: bool) -> None:
     if key in seen:
         return
     seen.add(key)
+    what = {"function": trial_function(trial.spec)["function"], "check": check, "batch_size": t.batch_size, "seed": trial.spec.seed,
+            "checkpoint_every": t.checkpoint_every}
+    passed = passed_check(what, t.lr, code if code is not None else code_fingerprint())
+    if passed.exists():
+        return
+    from training.config import TrialConfig
+    from training.function import check_function  # torch: only when a function is checked
+
     with tempfile.TemporaryDirectory(prefix="campaign-check-") as folder:
         cfg = TrialConfig(trial_id=trial.id, seed=trial.spec.seed, model={}, data={}, steps=1, batch_size=t.batch_size,
                           lr=t.lr, checkpoint_every=t.checkpoint_every, keep_checkpoints=1, trial_dir=folder,
@@ -158,3 +166,5 @@ def _check_function(trial: Trial, seen: set[str], several: bool) -> None:
         except CampaignError as e:
             where = f"trial {trial.id} ({trial.label}): " if several and trial.overrides else ""
             raise type(e)(f"{where}{e}") from None
+    passed.parent.mkdir(parents=True, exist_ok=True)
+    passed.touch()

@@ -115,3 +115,37 @@ def test_the_workload_checks_cache_is_kept_across_edits_a_check_never_runs(tmp_p
     (tmp_path / "mylab" / "nets.py").write_text("X = 1\n")
     monkeypatch.chdir(tmp_path)
     assert tmp_path / "mylab" / "nets.py" in _python_files()  # the user's own modules count
+
+
+def test_a_function_trial_that_passed_its_check_is_not_checked_again_until_its_code_changes(tmp_path, monkeypatch):
+    """A relaunch of a `training.target` campaign imports neither the user's module nor torch to
+    check it again; an edit of the user's code checks it again, and a failure is never remembered."""
+    import training.function
+    from tasks.grid import expand_grid
+    from tasks.workload import CHECK_CACHE_ENV, check_trials
+    from training.errors import CampaignError
+    from training.spec import parse_spec
+
+    monkeypatch.setenv(CHECK_CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "__init__.py").write_text("")
+    (tmp_path / "mylab" / "loop.py").write_text("def fit(ctx, every=1):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    checked = []
+    real = training.function.check_function
+    monkeypatch.setattr(training.function, "check_function", lambda *a: checked.append(a[0]["target"]) or real(*a))
+
+    def spec(target: str = "mylab.loop:fit"):
+        return parse_spec({"campaign": {"name": "c"}, "training": {"target": target, "steps": 2, "batch_size": 8, "lr": 0.1}})
+
+    check_trials(expand_grid(spec()))
+    check_trials(expand_grid(spec()))
+    assert checked == ["mylab.loop:fit"]  # the relaunch found it passed
+    (tmp_path / "mylab" / "loop.py").write_text("def fit(ctx, every=2):\n    pass\n")
+    check_trials(expand_grid(spec()))
+    assert len(checked) == 2  # the user's code changed: checked again
+    for _ in range(2):
+        with pytest.raises(CampaignError, match="training.target"):
+            check_trials(expand_grid(spec("mylab.loop:missing")))
+    assert len(checked) == 4  # a failure is checked every time
