@@ -903,8 +903,18 @@ def ui(
     from flows.servers.prefect_db import make_database_folder
 
     make_database_folder()  # its Prefect server shows this folder's campaigns (flows/servers/prefect_db.py)
+    from flows.servers import resident
+
+    # The folder's resident Prefect server, where launches report anyway (started here if none
+    # runs): `campaign ui` adds the MLflow UI beside it. With PREFECT_API_URL set, or the resident
+    # server turned off, it runs a Prefect server of its own, as before.
+    resident_url = None
     try:
-        servers = start_servers(uri, folder / ".campaign", ports["prefect"], ports["mlflow"])
+        if not os.environ.get("PREFECT_API_URL") and resident.enabled():
+            state = resident.find(folder) or resident.wait_for(folder, resident.start(folder, ports["prefect"]))
+            resident.register_client(folder)  # it does not stop for idleness while the UI runs
+            resident_url = state["prefect_url"]
+        servers = start_servers(uri, folder / ".campaign", ports["prefect"], ports["mlflow"], prefect_url=resident_url)
     except RuntimeError as e:
         _fail(str(e), code=1)
     write_state(folder, servers)
@@ -926,7 +936,9 @@ def ui(
             console.print(f"MLflow runs {campaign_view_url(servers.mlflow_url, experiment, spec.campaign.name)}   (campaign "
                           f"{spec.campaign.name}'s trials, best {metric} first; each campaign's end prints a link to their curves)",
                           highlight=False, soft_wrap=True)
-        console.print("launches from this folder report to this Prefect server; Ctrl-C stops both", highlight=False)
+        console.print("launches from this folder report to this Prefect server; " + (
+            "Ctrl-C stops the MLflow UI (the folder's Prefect server stays for its launches: `campaign stop-server`)"
+            if resident_url else "Ctrl-C stops both"), highlight=False)
         code = main_loop(servers, busy=lambda: reporting_campaigns(spec.tracking.runs_dir, servers.prefect_api),
                          say=lambda line: console.print(line, highlight=False))
     finally:
@@ -934,7 +946,7 @@ def ui(
         stop_servers(servers)
     if code is not None:
         _fail(f"a server exited with code {code}; see {folder / '.campaign'}/*-server.log", code=1)
-    console.print("stopped the Prefect server and the MLflow UI")
+    console.print("stopped the MLflow UI" if resident_url else "stopped the Prefect server and the MLflow UI")
 
 
 @app.command()

@@ -83,3 +83,39 @@ def test_a_launch_without_a_resident_server_starts_a_temporary_one_when_told(mon
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a server of the user's: nothing started
     monkeypatch.chdir(tmp_path)
     assert isinstance(_prefect_server(), WarmUp) and not (tmp_path / ".campaign").exists()
+
+
+@pytest.mark.slow
+def test_campaign_ui_serves_from_the_folders_server_and_leaves_it_running(folder):
+    """`campaign ui` adds the MLflow UI beside the folder's resident Prefect server (started for
+    it if none runs), and a launch reports there; Ctrl-C stops the MLflow UI, not the server."""
+    import signal
+
+    import yaml
+
+    (folder / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "ui"}, "data": {"path": "digits.npz"}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 2, "batch_size": 8, "lr": 0.1},
+        "tracking": {"mlflow_uri": f"sqlite:///{folder}/mlflow.db", "runs_dir": "runs"}}))
+    errors = folder / "ui.err"  # a file, not a pipe nobody reads while the test reads its output
+    with open(errors, "w") as stderr:
+        ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "params.yaml"], cwd=folder, env=resident_env(),
+                              stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in ui.stdout:  # until it says it serves (or exits)
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        assert lines and "Ctrl-C stops the MLflow" in lines[-1], "".join(lines) + errors.read_text()
+        server = json.loads((folder / ".campaign" / "server.json").read_text())
+        shown = json.loads((folder / ".campaign" / "ui.json").read_text())
+        assert shown["prefect_api"] == server["prefect_api"] and shown["mlflow_url"]  # one Prefect server for the folder
+        ui.send_signal(signal.SIGINT)
+        out, _ = ui.communicate(timeout=60)
+        assert ui.returncode == 0 and "stopped the MLflow UI" in out, out + errors.read_text()
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+    assert process_alive(server["pid"], None)  # the folder's server stays for its launches
+    assert answer(command(folder, resident_env())) == (False, server["pid"], server["prefect_api"])

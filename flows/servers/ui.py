@@ -106,11 +106,14 @@ MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_port: int = 0, host: str = "127.0.0.1",
-                  prefect_home: Path | None = None, auth_string: str | None = None) -> Servers:
+                  prefect_home: Path | None = None, auth_string: str | None = None, prefect_url: str | None = None) -> Servers:
     """Start both servers and wait until they answer; raises RuntimeError (naming the log) if one does not.
     `host`: the Prefect server's address (a pool's nodes must reach it; MLflow stays on loopback).
     `prefect_home`: the Prefect server's own folder (its database) instead of the user's.
-    `auth_string`: Prefect's API auth the server then requires (a pool's)."""
+    `auth_string`: Prefect's API auth the server then requires (a pool's).
+    `prefect_url`: a Prefect server that runs already (the folder's resident one): only MLflow's is started."""
+    if prefect_url is not None:
+        return _start_mlflow_beside(tracking_uri, logs, mlflow_port, prefect_url)
     prefect_port = prefect_port or free_port()
     prefect_url = f"http://{host}:{prefect_port}"
     env = {"PREFECT_UI_API_URL": prefect_url + "/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -137,6 +140,24 @@ def start_servers(tracking_uri: str, logs: Path, prefect_port: int = 0, mlflow_p
                 stop_servers(servers)
                 raise RuntimeError(f"{url} did not come up (exit code {process.poll()}); see {log}")
             time.sleep(0.5)
+    return servers
+
+
+def _start_mlflow_beside(tracking_uri: str, logs: Path, mlflow_port: int, prefect_url: str) -> Servers:
+    """The MLflow UI alone, beside a Prefect server that runs already."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return Servers(prefect_url, None, ())
+    mlflow_port = mlflow_port or free_port()
+    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+    process = _start([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                      "--backend-store-uri", tracking_uri, "--workers", "1"], MLFLOW_SERVER_ENV, logs / "mlflow-server.log")
+    servers = Servers(prefect_url, mlflow_url, (process,))
+    deadline = time.time() + START_TIMEOUT_S
+    while not healthy(mlflow_url + "/health"):
+        if process.poll() is not None or time.time() > deadline:
+            stop_servers(servers)
+            raise RuntimeError(f"{mlflow_url}/health did not come up (exit code {process.poll()}); see {logs / 'mlflow-server.log'}")
+        time.sleep(0.5)
     return servers
 
 
