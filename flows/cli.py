@@ -449,6 +449,7 @@ def _nothing_to_do(spec, params: Path) -> dict | None:
     from tasks.mlflow_store import sqlite_file
     from tasks.records import campaign_status, read_campaign
     from tasks.summary import summarize, RANK_BY
+    from tasks.tracking_store import check_tracking_store
     from training.errors import CampaignError
     from training.spec import summary_not_ours, tracking_uri
 
@@ -467,6 +468,7 @@ def _nothing_to_do(spec, params: Path) -> dict | None:
         store = sqlite_file(tracking_uri(spec.tracking))
         if store is None or not store.is_file():
             return None  # a server's store, or one that is gone: the launch's own checks say what to do
+        check_tracking_store(spec, params)  # sound, and holding the runs the records name (sqlite3 alone)
         summary = spec.tracking.summary
         if summary is not None and (not summary.is_file() or summary_not_ours(summary, spec.campaign.name)):
             return None
@@ -936,11 +938,11 @@ def ui(
             console.print(f"MLflow runs {campaign_view_url(servers.mlflow_url, experiment, spec.campaign.name)}   (campaign "
                           f"{spec.campaign.name}'s trials, best {metric} first; each campaign's end prints a link to their curves)",
                           highlight=False, soft_wrap=True)
-        console.print("launches from this folder report to this Prefect server; " + (
+        ready = "launches from this folder report to this Prefect server; " + (
             "Ctrl-C stops the MLflow UI (the folder's Prefect server stays for its launches: `campaign stop-server`)"
-            if resident_url else "Ctrl-C stops both"), highlight=False)
+            if resident_url else "Ctrl-C stops both")
         code = main_loop(servers, busy=lambda: reporting_campaigns(spec.tracking.runs_dir, servers.prefect_api),
-                         say=lambda line: console.print(line, highlight=False))
+                         say=lambda line: console.print(line, highlight=False), ready=ready)
     finally:
         clear_state(folder)
         stop_servers(servers)

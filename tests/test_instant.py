@@ -66,7 +66,8 @@ def test_a_relaunch_with_nothing_to_train_reads_the_records_and_imports_nothing_
     assert "imported: []" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("case", ["a trial not finished", "its last run did not end", "the store is gone", "a result forged"])
+@pytest.mark.parametrize("case", ["a trial not finished", "its last run did not end", "the store is gone", "a result forged",
+                                  "the store is not one"])
 def test_a_relaunch_with_anything_left_or_unsure_goes_the_whole_way(tmp_path, case):
     from flows.cli import _nothing_to_do
     from training.spec import load_spec
@@ -75,6 +76,8 @@ def test_a_relaunch_with_anything_left_or_unsure_goes_the_whole_way(tmp_path, ca
                                finished=1 if case == "a trial not finished" else None)
     if case == "the store is gone":
         (tmp_path / "mlflow.db").unlink()
+    if case == "the store is not one":
+        (tmp_path / "mlflow.db").write_bytes(b"SQLite format 3\x00" + b"\x00" * 50)  # truncated
     if case == "a result forged":
         result = next((tmp_path / "runs" / "done").glob("*/result.json"))
         forged = json.loads(result.read_text())

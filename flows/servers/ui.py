@@ -218,13 +218,16 @@ def reporting_campaigns(runs_dir: Path, prefect_api: str) -> list[str]:
     return names
 
 
-def main_loop(servers: Servers, busy=lambda: [], say=print) -> int | None:
+def main_loop(servers: Servers, busy=lambda: [], say=print, ready: str | None = None) -> int | None:
     """Wait until a server exits (returns its code) or a signal arrives (returns None).
 
+    `ready` is said once the signals are handled here (a Ctrl-C from then on stops in order).
     On a signal while `busy()` names campaigns that report here, keep serving until they
     end; a second signal stops at once."""
     stop = []
     previous = {s: signal.signal(s, lambda *_: stop.append(s)) for s in (signal.SIGINT, signal.SIGTERM)}
+    if ready is not None:
+        say(ready)
     told = False
     try:
         while True:
