@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from training.graphs import tensors_in
 from training.workload import move
 
 
@@ -32,7 +33,7 @@ def step_flops(build: Callable[[], torch.nn.Module], objective: Callable, x: Any
     except (RuntimeError, NotImplementedError):
         if model is None:
             raise
-    first = next(iter(_tensors(x)))
+    first = next(iter(tensors_in(x)))
     device = first.device
     one = lambda v: _first_sample(v)  # noqa: E731
     copy_ = copy.deepcopy(model).train()
@@ -46,17 +47,6 @@ def _counted(model: torch.nn.Module, objective: Callable, x: Any, y: Any) -> int
     with FlopCounterMode(display=False) as counter:
         objective(model, x, y).backward()
     return int(counter.get_total_flops())
-
-
-def _tensors(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def _first_sample(value: Any) -> Any:
