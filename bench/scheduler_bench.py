@@ -25,6 +25,7 @@ time is wall-clock). Then the decision time alone is measured at 4,096 GPUs (1,0
 
     .venv/bin/python bench/scheduler_bench.py                       # the eight workloads (long: Pollux's search)
     .venv/bin/python bench/scheduler_bench.py --jobs 160 --seeds 1 --heavy 0   # one workload, a few minutes
+    .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux   # Pollux replayed once, reused after
 
 Each workload's floor is the average JCT if every goodput job had the cluster to itself from
 its arrival (its true curves, best size and batch); the goal table states ours against it:
@@ -36,6 +37,8 @@ Prints tables; never passes or fails on the figures.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import pickle
 import platform
 import random
 import statistics
@@ -112,8 +115,15 @@ def main() -> None:
         results = {}
         for name, policy, jobs_of in runs:
             started = time.perf_counter()
+            cached = _pollux_cache(args, jobs, seed) if name == POLLUX and args.pollux_cache else None
+            if cached is not None and cached.exists():
+                results[name] = pickle.loads(cached.read_bytes())
+                continue
             # Jobs tell every policy their steps left; only ours reads them (UNKNOWN is told not to).
             results[name] = (simulate(cluster, jobs_of, policy, config, seed=seed), time.perf_counter() - started)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_bytes(pickle.dumps(results[name]))
         bound = alone_bound(cluster, adaptive, config, seed)
         title = (f"Philly sample: {jobs} jobs in 8 h (seed {seed}), {gpu_hours:,.0f} GPU-hours of work, "
                  f"{cluster.total} GPUs ({args.nodes} x {args.per_node}), growth {args.growth}x; "
@@ -136,6 +146,22 @@ def alone_bound(cluster: Cluster, jobs: list, config: SimConfig, seed: int) -> f
     return statistics.mean(
         simulate(cluster, [replace(job, arrival=0.0)], ElasticPolicy(pause_s=config.pause_s), oracle, seed=seed).jobs[0].completion_time
         for job in jobs)
+
+
+# What a Pollux replay depends on besides the bench's settings: a change to any of these
+# makes `--pollux-cache` replay Pollux again (our policy's code is not among them).
+POLLUX_SOURCES = ("cluster/pollux.py", "cluster/jobs.py", "cluster/simulator.py", "cluster/goodput.py", "cluster/throughput.py",
+                  "cluster/types.py", "cluster/workloads.py", "cluster/noise_scales.json")
+
+
+def _pollux_cache(args: argparse.Namespace, jobs: int, seed: int) -> Path:
+    """Where `--pollux-cache` keeps this workload's Pollux replay: named by the workload and
+    a digest of every setting and source file the replay depends on (and the trace)."""
+    digest = hashlib.sha256(repr((jobs, seed, args.growth, args.nodes, args.per_node, args.pause, args.tick,
+                                  args.pollux_generations, platform.python_version())).encode())
+    for path in (*(REPO / name for name in POLLUX_SOURCES), args.trace):
+        digest.update(path.read_bytes())
+    return args.pollux_cache / f"pollux-{jobs}s{seed}-{digest.hexdigest()[:16]}.pkl"
 
 
 def gap_closed(ours: float, pollux: float, floor: float) -> float:
@@ -287,6 +313,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--pause", type=float, default=20.0, help="seconds lost per start, resize or restart")
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between periodic decisions")
     parser.add_argument("--sweep", action="store_true", help="also our policy with each knob moved alone (goodput mode), beside the same Pollux run")
+    parser.add_argument("--pollux-cache", type=Path, default=None, metavar="DIR",
+                        help="keep each workload's Pollux replay in DIR and reuse it while Pollux, the simulator, the trace "
+                             "and these settings are unchanged (our policy's changes replay in minutes)")
     parser.add_argument("--by-length", action="store_true", help="also, per workload, ours (goodput) against Pollux by tenths of job length")
     parser.add_argument("--growth", type=int, default=4, help="an elastic job may take up to this many times its request")
     parser.add_argument("--big-nodes", type=int, default=1024)
