@@ -130,7 +130,11 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
         usage = LeaseStore().usage()
     except (LeaseError, LeaseStoreError):  # the flow reports the lease file's problem itself
         return
-    prestart_warm_workers(warm_first_wave(spec, trials, inventory, requests, usage), Path.cwd())
+    if first := warm_first_wave(spec, trials, inventory, requests, usage):
+        from flows.servers.spares import adopt_zygote
+
+        adopt_zygote(Path.cwd())  # the resident server's, torch imported already (flows/servers/spares.py), if it has one
+    prestart_warm_workers(first, Path.cwd())
 
 
 def _use_pool_secret(pool: str) -> None:

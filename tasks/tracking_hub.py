@@ -59,15 +59,15 @@ class MetricsHub:
         self.folder = tempfile.mkdtemp(prefix="campaign-metrics-")  # short: a socket path has ~100 characters
         self.path = os.path.join(self.folder, "sink")
         answers, answer_fd = os.pipe()
+        args = ["--path", self.path, "--flush-s", str(flush_s), *(["--store", store] if store else [])]
+        env = {**os.environ, "PYTHONPATH": _package_root()}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
             server.bind(self.path)
             server.listen(64)  # connections wait in the backlog until the hub takes them
             try:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "tasks.tracking_hub", "--listen-fd", str(server.fileno()), "--path", self.path,
-                     "--flush-s", str(flush_s), "--answer-fd", str(answer_fd), *(["--store", store] if store else [])],
-                    stdin=subprocess.PIPE, pass_fds=(server.fileno(), answer_fd),
-                    env={**os.environ, "PYTHONPATH": _package_root()}, text=True)
+                self.proc = self._spare(server.fileno(), answer_fd, args, env) or subprocess.Popen(
+                    [sys.executable, "-m", "tasks.tracking_hub", "--listen-fd", str(server.fileno()), "--answer-fd", str(answer_fd),
+                     *args], stdin=subprocess.PIPE, pass_fds=(server.fileno(), answer_fd), env=env, text=True)
             finally:
                 os.close(answer_fd)
         self.answers = answers  # the read end of the hub's answer pipe (a file descriptor)
@@ -76,6 +76,23 @@ class MetricsHub:
         self.gone = False
         self._lock = threading.Lock()  # one call at a time: the flow's thread and the system sampler's
         self._next = 0
+
+    @staticmethod
+    def _spare(listen_fd: int, answer_fd: int, args: list[str], env: dict[str, str]):
+        """The folder's resident server's spare hub, MLflow imported already, as this hub
+        (flows/servers/spares.py), given what the hub would be started with; None if none is taken."""
+        from flows.servers.spares import Adopted, claim
+
+        stdin_read, stdin_write = os.pipe()
+        try:
+            pid = claim("hub", [listen_fd, answer_fd, stdin_read, 1, 2],  # its output where a started hub's goes
+                        {"args": args, "hub_env": env})
+        finally:
+            os.close(stdin_read)
+        if pid is None:
+            os.close(stdin_write)
+            return None
+        return Adopted(pid, stdin=os.fdopen(stdin_write, "w", encoding="utf-8"))
 
     def env(self) -> dict[str, str]:
         """What a trial's processes need in their environment to log here."""

@@ -30,6 +30,9 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # A launch of a test starts a temporary Prefect server of its own, not a resident one that
 # would outlive the test (tests/test_resident_server.py turns it on where it is the subject).
 os.environ["CAMPAIGN_SERVER"] = "off"
+# Nor does a resident server of a test import MLflow and torch ahead for launches that never come
+# (tests/test_spares.py turns them on).
+os.environ["CAMPAIGN_SPARES"] = "off"
 # Tests never touch the host-wide lease store of real campaigns.
 os.environ["CAMPAIGN_LEASE_DB"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-leases-{os.getpid()}.db")
 os.environ["CAMPAIGN_CHECKPOINT_KEY"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"campaign-test-key-{os.getpid()}")

@@ -121,6 +121,9 @@ class Resident:
             os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
         else:
             os.environ["PREFECT_API_URL"] = self.state["prefect_api"]
+            from flows.servers.spares import offered_by
+
+            offered_by(folder)  # its spare hub and zygote may be taken (flows/servers/spares.py)
         register_client(folder)
 
     @property
@@ -230,13 +233,19 @@ def serve(folder: Path, port: int) -> int:
     write_json_atomic(root / STATE, {"pid": os.getpid(), "uid": os.getuid(), "prefect_api": f"{url}/api", "prefect_url": url,
                                      "started": time.time(), "idle_s": idle_s(), "prefect_home": env["PREFECT_HOME"]})
     limit = idle_s()
+    from flows.servers.spares import Spares
+
+    spares = Spares(folder)  # the launches' hub and zygote, imported ahead (flows/servers/spares.py)
     try:
         while not stopping and child.poll() is None:
-            if not live_clients(folder) and _idle_for(folder) > limit:
+            clients = live_clients(folder)
+            if not clients and _idle_for(folder) > limit:
                 break
+            spares.tend(idle=not clients)
             time.sleep(CHECK_EVERY_S)
     finally:
         (root / STATE).unlink(missing_ok=True)  # before the server goes: no command is sent to a dying one
+        spares.stop()
         if child.poll() is None:
             child.terminate()
             try:

@@ -1,0 +1,469 @@
+"""Processes the folder's resident server keeps ready for its launches, their imports done.
+
+A launch's first step waits on two processes that each import for seconds on a small host:
+the campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zygote its
+warm workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the
+launch's own work that is more CPU than two cores have in two seconds. So the resident server
+(flows/servers/resident.py) keeps one of each ready, a *spare*: started while no launch of the
+folder runs, it imports what the process it will become imports, then waits on a Unix socket
+(in a private 0700 folder) named by `.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
+its imports are done: the project's files it imported, with their size and time before it did).
+
+A launch that reports to the resident server takes a spare (`claim`): it renames that record
+(one launch wins), checks that the spare runs its interpreter, the project's code as it is on
+disk now (the files it imported, by size and time, and the site folders'; the whole project's
+while it still imports) and its environment (`env_digest`, but for what differs between any two
+launches), and hands it the descriptors the process it replaces would have been started with,
+that process's environment and the launch's folder and cores.
+The spare then leaves the server's session (a server that stops does not take a campaign's
+hub with it) and becomes that process: `python -m tasks.tracking_hub` or `python -m
+training.zygote`, exactly, on those descriptors. A spare still importing is taken all the
+same (the launch's requests wait in its socket, as they would for a process just started); one
+whose code changed while it imported becomes the process by exec instead, importing afresh.
+
+The zygote's workers are found by the marks in their environment as the kernel shows it
+(/proc/<pid>/environ: the process's environment at its start, inherited by a fork), which a
+spare started before the launch cannot have: it is started with placeholders of the marks'
+length, written over with the launch's marks before its first fork (else it execs, as above).
+
+Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
+workers start on their own (ZygoteGone), as when their own processes die.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from training.files import read_json, write_json_atomic
+from training.zygote import Zygote
+
+FOLDER = Path(".campaign")
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("cluster", "flows", "tasks", "training")
+# What each spare imports: what its process imports before it serves.
+KINDS = {
+    "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
+            "mlflow.store.tracking.sqlalchemy_store"),
+    "zygote": ("training.worker",),
+}
+# The marks the launch's processes carry (flows/run/warden.py, tasks/trial.py): 16 hex digits each.
+MARKS = ("CAMPAIGN_WARDEN_MARK", "CAMPAIGN_TRIAL_MARK")
+PLACEHOLDER = "0" * 16
+# What differs between two launches of one folder and matters to no import: the server they
+# report to (and whether to use spares), the launch's marks, its hub's socket, the shell's
+# bookkeeping, what torch sets for itself once it has run (its compiler's cache: read when used).
+VOLATILE = {"PREFECT_API_URL", "CAMPAIGN_METRICS_SOCKET", "CAMPAIGN_SERVER", "CAMPAIGN_SPARES", "PYTORCH_NVML_BASED_CUDA_CHECK",
+            "TORCHINDUCTOR_CACHE_DIR", "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", *MARKS}
+SPARES_ENV = "CAMPAIGN_SPARES"  # "off": the resident server keeps none
+STATE, READY = "spare-{}.json", "spare-{}.ready"
+
+
+def enabled() -> bool:
+    return os.environ.get(SPARES_ENV, "on").lower() not in ("off", "0", "false", "no")
+
+
+def code_files() -> dict[str, list[int]]:
+    """Every module file of the project, and the interpreter's site folders (a package
+    installed or removed changes their time): path -> [size, time]."""
+    import site
+
+    found = {}
+    for path in [*site.getsitepackages(), *(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))]:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        found[str(path)] = [stat.st_size, stat.st_mtime_ns]
+    return found
+
+
+def unchanged(files: dict[str, list[int]]) -> bool:
+    """Whether each file is as `files` has it (size and time)."""
+    for path, seen in files.items():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return False
+        if [stat.st_size, stat.st_mtime_ns] != seen:
+            return False
+    return True
+
+
+def fingerprint(files: dict[str, list[int]] | None = None) -> str:
+    return hashlib.sha256(json.dumps([sys.executable, sorted((files if files is not None else code_files()).items())]).encode()).hexdigest()
+
+
+def env_digest(env: dict[str, str]) -> str:
+    """The environment but for VOLATILE and Prefect's settings (the CLI sets some; neither MLflow nor torch reads them)."""
+    kept = sorted((k, v) for k, v in env.items() if k not in VOLATILE and not k.startswith("PREFECT_"))
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+
+
+def state_path(folder: Path, kind: str) -> Path:
+    return folder / FOLDER / STATE.format(kind)
+
+
+def ready(folder: Path, kind: str) -> int | None:
+    """The pid of the folder's spare of `kind` if its imports are done (it may be taken already)."""
+    record = _ready_record(folder, kind)
+    return record["pid"] if record is not None else None
+
+
+def _ready_record(folder: Path, kind: str) -> dict | None:
+    """What a spare says once its imports are done: its pid, and the files it imported with
+    their size and time when it started (and the site folders'), to be checked before it is taken."""
+    try:
+        record = read_json(folder / FOLDER / READY.format(kind))
+    except Exception:  # noqa: BLE001
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) and isinstance(record.get("files"), dict) else None
+
+
+# --- the resident server's side -------------------------------------------------------------
+
+
+def start(folder: Path, kind: str) -> subprocess.Popen:
+    """A spare of `kind` for `folder`, in the server's session; it dies with the server until taken."""
+    env = dict(os.environ)
+    if kind == "zygote":  # the environment block its workers inherit: the marks' room
+        env.update({mark: PLACEHOLDER for mark in MARKS})
+    with open(folder / FOLDER / "server.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "flows.servers.spares", kind, str(folder.resolve())], env=env, cwd=folder,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
+class Spares:
+    """The resident server's spares: one of each kind, started again (while no launch runs)
+    once the last was taken and has ended, given up on after repeated failures to start."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.failures = dict.fromkeys(KINDS, 0)
+
+    def tend(self, idle: bool) -> None:
+        for kind in KINDS:
+            proc = self.procs.get(kind)
+            if proc is not None and proc.poll() is None:
+                continue
+            if proc is not None:
+                self.failures[kind] = 0 if proc.returncode == 0 else self.failures[kind] + 1
+                del self.procs[kind]
+                _remove_state(self.folder, kind, proc.pid)
+            if idle and self.failures[kind] < 3 and enabled():
+                self.procs[kind] = start(self.folder, kind)
+
+    def stop(self) -> None:
+        """The spares not taken end (those taken are their launches' now)."""
+        for kind, proc in self.procs.items():
+            state = read_json(state_path(self.folder, kind))
+            if proc.poll() is None and isinstance(state, dict) and state.get("pid") == proc.pid:
+                proc.kill()
+                proc.wait()
+            _remove_state(self.folder, kind, proc.pid)
+
+
+def _remove_state(folder: Path, kind: str, pid: int) -> None:
+    path = state_path(folder, kind)
+    try:
+        state = read_json(path)
+    except Exception:  # noqa: BLE001 (junk: removed all the same)
+        state = None
+    if state is None or not isinstance(state, dict) or state.get("pid") == pid:
+        path.unlink(missing_ok=True)
+    if ready(folder, kind) in (None, pid):
+        (folder / FOLDER / READY.format(kind)).unlink(missing_ok=True)
+
+
+# --- the launch's side -----------------------------------------------------------------------
+
+_folder: Path | None = None  # the folder whose resident server this launch reports to
+
+
+def offered_by(folder: Path | None) -> None:
+    """This process reports to `folder`'s resident server: it may take that server's spares."""
+    global _folder
+    _folder = folder
+
+
+def claim(kind: str, fds: list[int], request: dict) -> int | None:
+    """Hand `fds` and `request` to the folder's spare of `kind`: its pid, now the process the
+    request asks for; None (nothing done) where there is no spare this process may take."""
+    if _folder is None or not enabled():
+        return None
+    path = state_path(_folder, kind)
+    taken = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        os.rename(path, taken)  # one launch takes it
+    except OSError:
+        return None
+    try:
+        state = read_json(taken)
+    except Exception:  # noqa: BLE001
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("pid"), int) or state.get("uid") != os.getuid():
+        taken.unlink(missing_ok=True)
+        return None
+    from tasks import timings
+
+    if state.get("env") != env_digest(dict(os.environ)):  # another environment's: left for a launch in that one
+        os.replace(taken, path)
+        timings.mark(f"the resident server's spare {kind} not taken: it was made in another environment")
+        return None
+    taken.unlink(missing_ok=True)
+    done = _ready_record(_folder, kind)
+    if done is not None and done["pid"] != state["pid"]:
+        done = None
+    # Ready: the files it imported are as they were; still importing: the whole project is.
+    if state.get("python") != sys.executable or not (unchanged(done["files"]) if done else state.get("fingerprint") == fingerprint()):
+        _end(state["pid"])  # the server makes another once idle
+        timings.mark(f"the resident server's spare {kind} not taken: the project's code changed since it was made")
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(state["socket"])
+            socket.send_fds(s, [json.dumps({**request, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}).encode()],
+                            fds)
+    except (OSError, KeyError, TypeError) as e:
+        _end(state["pid"])
+        timings.mark(f"the resident server's spare {kind} not taken: {e.__class__.__name__}: {e}")
+        return None
+    timings.mark(f"the resident server's spare {kind} taken ({'its imports done' if done else 'still importing'})")
+    return state["pid"]
+
+
+def _end(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class Adopted:
+    """A spare this process took, seen as much like a `subprocess.Popen` as its users need
+    (pid, stdin, poll, wait, kill): it is the resident server's child, so its exit is seen
+    through a pidfd and its code is not known (0)."""
+
+    def __init__(self, pid: int, stdin=None):
+        self.pid, self.stdin, self.returncode = pid, stdin, None
+        try:
+            self._fd = os.pidfd_open(pid)  # kept open for the object's life: never a number reused by another file
+        except OSError:  # gone already
+            self._fd, self.returncode = -1, 0
+
+    def poll(self) -> int | None:
+        return self._wait(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._wait(timeout) is None:
+            raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+        return self.returncode
+
+    def _wait(self, timeout: float | None) -> int | None:
+        if self.returncode is None and select.select([self._fd], [], [], timeout)[0]:
+            self.returncode = 0
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+
+
+def adopt_zygote(cwd: Path, python: str = sys.executable) -> bool:
+    """The campaign's zygote of warm workers (tasks/trial.py) is the resident server's spare, if
+    one can be taken: True when it is."""
+    from tasks import trial
+
+    try:
+        zygotes, lock, env = trial._zygotes, trial._zygotes_lock, {**os.environ, **trial.launch_env(), trial.TRIAL_MARK: trial._trial_mark}
+    except AttributeError:  # not the trial module this was written for: its own zygote, as always
+        return False
+    if python != sys.executable:
+        return False
+    with lock:
+        key = (python, str(cwd))
+        if key in zygotes:
+            return False
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = claim("zygote", [theirs.fileno()], {"serves": str(cwd), "zygote_env": {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}})
+        finally:
+            theirs.close()
+        if pid is None:
+            mine.close()
+            return False
+        zygotes[key] = AdoptedZygote(mine, pid, str(cwd))
+    return True
+
+
+class AdoptedZygote(Zygote):
+    """training.zygote.Zygote on a spare that became the campaign's zygote: the same requests
+    and answers on `control`, its process watched through a pidfd."""
+
+    def __init__(self, control: socket.socket, pid: int, serves: str) -> None:  # noqa: super().__init__ starts a process
+        import queue
+        import threading
+
+        self.new_session, self.serves, self.socket = True, serves, control
+        self.proc = Adopted(pid)
+        self.exits: dict[int, int] = {}
+        self.children: set[int] = set()
+        self.changed = threading.Condition()
+        self.started: queue.Queue[int | str] = queue.Queue()
+        self.fork_lock = threading.Lock()
+        self.gone: str | None = None
+        threading.Thread(target=self._read, name="zygote", daemon=True).start()
+
+
+# --- the spare's side -----------------------------------------------------------------------
+
+
+def _write_marks(env: dict[str, str]) -> bool:
+    """The launch's marks written over the placeholders of this process's environment block,
+    as /proc/<pid>/environ shows it (and a forked child's): False where they cannot be."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            block = mem.read(end - start)
+            for mark in MARKS:
+                value = env.get(mark, PLACEHOLDER)
+                old = f"{mark}={PLACEHOLDER}\0".encode()
+                at = block.find(b"\0" + old) + 1 if not block.startswith(old) else 0
+                if at <= 0 and not block.startswith(old) or len(value) != len(PLACEHOLDER):
+                    return False
+                mem.seek(start + at + len(mark) + 1)
+                mem.write(value.encode())
+        shown = Path("/proc/self/environ").read_bytes().split(b"\0")
+        return all(f"{mark}={env.get(mark, PLACEHOLDER)}".encode() in shown for mark in MARKS)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _take_claim(listener: socket.socket) -> tuple[dict, list[int]]:
+    """The first request of a process of this user (another's connection is closed unread)."""
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                continue
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 8)
+            if message:
+                return json.loads(message), fds
+            for fd in fds:
+                os.close(fd)
+
+
+def _exec(argv: list[str], env: dict[str, str], fds: list[int]) -> None:
+    """Become `python argv` afresh (the spare's imports are stale, or its marks cannot be written)."""
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def _become_hub(request: dict, fds: list[int], fresh: bool) -> None:
+    listen, answer, stdin, out, err = fds
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.dup2(stdin, 0)
+    for fd in (out, err, stdin):
+        os.close(fd)
+    argv = ["--listen-fd", str(listen), "--answer-fd", str(answer), *request["args"]]
+    if not fresh:
+        _exec(["-m", "tasks.tracking_hub", *argv], request["hub_env"], [listen, answer])
+    os.environ.clear()
+    os.environ.update(request["hub_env"])
+    sys.stdin = open(0, "r", encoding="utf-8", closefd=False)
+    from tasks.tracking_hub import main
+
+    main(argv)
+
+
+def _become_zygote(request: dict, fds: list[int], fresh: bool) -> None:
+    (control,) = fds
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # as a zygote started by a launch: its output, and its workers', to /dev/null
+        os.dup2(null, fd)
+    os.close(null)
+    env = request["zygote_env"]
+    if not fresh or not _write_marks(env):
+        _exec(["-m", "training.zygote", "--fd", str(control), "--for", request["serves"], "--preload", "training.worker"], env,
+              [control])
+    os.environ.clear()
+    os.environ.update(env)
+    from training.zygote import serve
+
+    serve(socket.socket(fileno=control), KINDS["zygote"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from training.process import die_with_parent, imports_without_gc
+
+    kind, folder = (argv if argv is not None else sys.argv[1:])[:2]
+    folder = Path(folder)
+    die_with_parent(signal.SIGKILL)  # untaken, it goes with the server
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process it becomes ends as its own does (its input closing)
+    before = code_files()  # the code its imports read
+    private = tempfile.mkdtemp(prefix="campaign-spare-")  # 0700: only this user's processes reach the socket
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(os.path.join(private, "claim"))
+    listener.listen(8)
+    state = {"pid": os.getpid(), "uid": os.getuid(), "kind": kind, "python": sys.executable, "socket": listener.getsockname(),
+             "fingerprint": fingerprint(before), "env": env_digest(dict(os.environ))}
+    write_json_atomic(state_path(folder, kind), state, durable=False)
+    if kind == "zygote":  # as a launch's zygote imports (training/launch.py's launch_env, tasks/trial.py)
+        os.environ.update({"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
+    with imports_without_gc():
+        import importlib
+
+        for module in KINDS[kind]:
+            importlib.import_module(module)
+    loaded = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    files = {path: seen for path, seen in before.items() if path in loaded or not path.endswith(".py")}
+    fresh = unchanged(files)  # else a file changed while it was imported: it execs afresh once taken
+    write_json_atomic(folder / FOLDER / READY.format(kind), {"pid": os.getpid(), "files": files}, durable=False)
+    request, fds = _take_claim(listener)
+    listener.close()
+    shutil.rmtree(private, ignore_errors=True)
+    # The launch's now: out of the server's session (its stop must not end a campaign's hub or
+    # zygote), not dying with it, in the launch's folder, on the launch's cores.
+    os.setsid()
+    die_with_parent(0)
+    os.chdir(request["cwd"])
+    try:
+        os.sched_setaffinity(0, request["affinity"])
+    except (OSError, KeyError):
+        pass
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    if kind == "hub":
+        _become_hub(request, fds, fresh)
+    else:
+        _become_zygote(request, fds, fresh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The resident server's spares (flows/servers/spares.py): a launch that reports to the folder's
+resident server takes its MLflow hub and its warm workers' zygote with their imports done, and
+its campaign's runs, metrics and pictures are all there; the zygote's workers carry the launch's
+marks where the warden and the trials' stop look for them; a spare of another environment or of
+code that changed since it imported is not taken; the spares not taken end with the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from test_faults import wait_until
+from training.process import process_running
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spare_pids(folder: Path) -> dict[str, int] | None:
+    """The pid of each spare, once every one is ready and not taken."""
+    from flows.servers.spares import KINDS, ready, state_path
+
+    pids = {}
+    for kind in KINDS:
+        state = json.loads(state_path(folder, kind).read_text()) if state_path(folder, kind).exists() else None
+        if state is None or ready(folder, kind) != state["pid"]:
+            return None
+        pids[kind] = state["pid"]
+    return pids
+
+
+def spares_ready(folder: Path) -> dict[str, int]:
+    wait_until(lambda: spare_pids(folder) is not None, 120, "the resident server's spares were not ready")
+    return spare_pids(folder)
+
+
+@pytest.mark.slow
+def test_a_launch_takes_the_servers_spares_and_its_runs_metrics_and_pictures_are_all_there(tmp_path, digits_npz, prefect_database):
+    prefect_database(tmp_path / ".campaign" / "prefect")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "spared"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 6, "batch_size": 16, "lr": 0.05, "eval_every": 3, "checkpoint_every": 3, "log_every": 1},
+        "grid": {"training.lr": [0.05, 0.1]}, "resources": {"devices": 1}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": uri, "experiment": "spared", "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "s.json")},
+    }))
+    env = {**os.environ, "CAMPAIGN_SERVER": "on", "CAMPAIGN_SPARES": "on", "CAMPAIGN_LEASE_DB": str(tmp_path / "leases.db"),
+           "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    started = subprocess.run([sys.executable, "-c", "from pathlib import Path; from flows.servers.resident import Resident; "
+                              "Resident(Path('.')).ready()"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert started.returncode == 0, started.stderr
+    again: dict[str, int] = {}
+    try:
+        taken = spares_ready(tmp_path)  # made once the command that started the server has exited
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live", "--timings"], cwd=tmp_path,
+                              env={**env, "COLUMNS": "300"}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for kind in ("hub", "zygote"):
+            assert f"the resident server's spare {kind} taken (its imports done)" in done.stdout, done.stdout
+        assert "first training step" in done.stdout
+
+        client = MlflowClient(tracking_uri=uri)
+        runs = client.search_runs([client.get_experiment_by_name("spared").experiment_id])
+        parent = next(r for r in runs if r.data.tags.get("campaign.kind") == "campaign")
+        trials = [r for r in runs if r.data.tags.get("campaign.kind") == "trial"]
+        assert parent.info.status == "FINISHED" and parent.data.tags["summary.finished"] == "2"
+        assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"curves", "summary.json", "timeline"}
+        assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
+        for run in trials:  # the trainers' metrics, through the spare hub's socket
+            assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
+        # The spares it took ended with the campaign; the server makes new ones, and ends them when it stops.
+        wait_until(lambda: not any(process_running(pid) for pid in taken.values()), 60, "a spare the launch took outlived it")
+        again = spares_ready(tmp_path)
+        assert set(again.values()).isdisjoint(taken.values())
+    finally:
+        subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+    wait_until(lambda: not any(process_running(pid) for pid in again.values()), 60, "a spare outlived its server")
+    assert not list((tmp_path / ".campaign").glob("spare-*"))
+
+
+def test_a_spare_is_taken_only_in_its_environment_with_its_code_and_its_zygote_carries_the_launchs_marks(tmp_path, monkeypatch):
+    from flows.servers import spares
+    from tasks import trial
+
+    (tmp_path / ".campaign").mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv(spares.SPARES_ENV, "on")
+    made = [spares.start(tmp_path, "zygote")]
+    try:
+        wait_until(lambda: spares.ready(tmp_path, "zygote") == made[0].pid, 120, "the spare zygote was not ready")
+        spares.offered_by(tmp_path)
+        monkeypatch.setenv("CAMPAIGN_SPARE_TEST", "another environment")
+        assert not spares.adopt_zygote(tmp_path)
+        assert spares.state_path(tmp_path, "zygote").exists() and made[0].poll() is None  # left for a launch in its own
+        monkeypatch.delenv("CAMPAIGN_SPARE_TEST")
+        with monkeypatch.context() as m:
+            m.setattr(spares, "unchanged", lambda files: False)  # a file it imported changed since
+            assert not spares.adopt_zygote(tmp_path)
+        made[0].wait(timeout=30)  # a stale spare is ended (the server makes another)
+        assert not spares.state_path(tmp_path, "zygote").exists()
+
+        made.append(spares.start(tmp_path, "zygote"))
+        wait_until(lambda: spares.ready(tmp_path, "zygote") == made[1].pid, 120, "the spare zygote was not ready")
+        monkeypatch.setenv("CAMPAIGN_WARDEN_MARK", "0123456789abcdef")
+        assert spares.adopt_zygote(tmp_path)
+        zygote = trial._zygotes[(sys.executable, str(tmp_path))]
+        assert zygote.proc.pid == made[1].pid
+        stdin_read, stdin_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        worker = zygote.fork("training.worker", ["--reply-fd", "{fd1}"], dict(os.environ), tmp_path, fds=[stdin_read, reply_write],
+                             stdin=True, name="warm worker")
+        os.close(stdin_read)
+        os.close(reply_write)
+        shown = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
+        assert b"CAMPAIGN_WARDEN_MARK=0123456789abcdef" in shown
+        assert f"{trial.TRIAL_MARK}={trial._trial_mark}".encode() in shown
+        os.close(stdin_write)  # no trial: the worker exits
+        assert worker.wait(timeout=60) == 0
+        os.close(reply_read)
+    finally:
+        spares.offered_by(None)
+        trial.close_warm_workers()  # the zygote ends once its socket closes
+        for proc in made:
+            proc.kill()
+            proc.wait()
+    assert not process_running(made[1].pid)
