@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import select
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -47,6 +48,8 @@ from training.launch import launch_env
 from training.layout import of_node, trial_files
 
 LOG_TAIL_CHARS = 3000
+
+log = logging.getLogger(__name__)
 
 
 class TrialFailed(CampaignError):
@@ -105,6 +108,8 @@ _revoked: set[str] = set()  # trials whose leases were lost: not launched again 
 def accept_launches() -> None:
     """A campaign flow starts: launches are allowed (again) in this process."""
     _stopped.clear()
+    with _live_lock:
+        _ended.clear()
 
 
 def campaign_stopping(trial_id: str) -> bool:
@@ -353,6 +358,11 @@ class WarmWorker:
 
     def run(self, plan: LaunchPlan) -> int:
         """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""
+        return self.wait() if self.send(plan) else self.wait(sent=False)
+
+    def send(self, plan: LaunchPlan) -> bool:
+        """Give the worker its next trial (it starts at once: it serves one at a time); False
+        if the worker is gone."""
         # The trial sees the campaign's environment of now, as a new process would: a worker
         # started before the campaign's loop (prestart_warm_workers) learns its metrics hub here.
         now = {**os.environ, **self.plan_env}
@@ -362,8 +372,15 @@ class WarmWorker:
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            line = self._reply()
+            return True
         except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def wait(self, sent: bool = True) -> int:
+        """The exit code of the trial sent last (see run)."""
+        try:
+            line = self._reply() if sent else ""
+        except (OSError, ValueError):
             line = ""
         if line:
             return int(json.loads(line)["code"])
@@ -457,7 +474,13 @@ def _refuse_if_stopping(config: TrialConfig, refused: str = "not launched") -> N
 
 def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
     with _live_lock:
-        _refuse_if_stopping(config)
+        handed = _handed.pop(config.trial_id, None)
+        if handed is None:
+            _refuse_if_stopping(config)
+    if handed is not None:  # already running: the worker of the trial before it started it (hand_over)
+        handed.done.wait()
+        return handed.code
+    with _live_lock:
         idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
         worker = idle.pop() if idle else None
         _idle_workers[warm_key(plan)] = idle
@@ -470,18 +493,144 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
             worker.discard()
             raise
         _live_groups[worker.proc.pid] = config.trial_id  # its own session: the group id is its pid
-    code, keep = None, False
+    code = None
     try:
         code = worker.run(plan)
         return code
     finally:
+        _after_trial(worker, config, code)
+
+
+def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> None:
+    """The worker's trial ended (`code`; None: this thread was interrupted): the worker starts
+    the trial staged after it (hand_over), waits for the next one, or is discarded."""
+    with _live_lock:
+        _live_groups.pop(worker.proc.pid, None)
+        keep = code == 0 and worker.alive and not _stopped.is_set()
+        successor = _successors.pop(config.trial_id, None)
+    if not keep:
+        worker.discard()
+    elif not (successor is not None and _hand_over(worker, successor)):
         with _live_lock:
-            _live_groups.pop(worker.proc.pid, None)
-            keep = code == 0 and worker.alive and not _stopped.is_set()
-            if keep:
-                _idle_workers.setdefault(worker.key, []).append(worker)  # warm for the next trial
-        if not keep:
-            worker.discard()
+            _idle_workers.setdefault(worker.key, []).append(worker)  # warm for the next trial
+            _ended.add(config.trial_id)  # a successor staged from now on starts in an idle worker at once
+
+
+# --- a warm worker handed straight to the next trial -------------------------------------------
+
+@dataclass
+class Successor:
+    """A trial the campaign staged to run next in the warm worker of a running one, on its
+    device. When that one has ended, `take_over` (the campaign's: the device's lease moved
+    to the successor, its config written, its allocation logged) returns the successor's
+    config, or None when it cannot start now (it then starts the usual way); the worker
+    starts it at once: no round trip through the campaign's loop and its task runs between
+    one trial's end and the next one's first step."""
+    plan: LaunchPlan
+    take_over: Callable[[], TrialConfig | None]
+
+
+@dataclass
+class _Handed:
+    """A trial started by hand_over: a thread of its own follows it (`_follow`), so that its
+    end is seen, and the trial after it started, whether or not its task has come yet."""
+    at: float  # when it was started
+    log_offset: int  # its log's size then: what its task run forwards starts there
+    done: threading.Event = field(default_factory=threading.Event)
+    code: int = 1  # its exit code, once done
+
+
+_successors: dict[str, Successor] = {}  # a running trial -> the one staged after it
+_ended: set[str] = set()  # trials whose warm worker ended them well with nothing staged after: it went idle
+_handed: dict[str, _Handed] = {}  # a trial started by hand_over whose task has not yet taken it
+
+
+def stage_successor(trial_id: str, successor: Successor) -> None:
+    """Stage `successor` after the running trial `trial_id` (see Successor). If that one has
+    ended already and its worker waits idle, the successor starts in it now."""
+    with _live_lock:
+        if trial_id not in _ended:
+            _successors[trial_id] = successor
+            return
+        idle = [w for w in _idle_workers.get(warm_key(successor.plan), []) if w.alive]
+        worker = idle.pop() if idle else None
+        _idle_workers[warm_key(successor.plan)] = idle
+    if worker is not None and not _hand_over(worker, successor):
+        with _live_lock:
+            _idle_workers.setdefault(worker.key, []).append(worker)
+
+
+def unstage_successor(trial_id: str) -> bool:
+    """What was staged after `trial_id` is no longer; False if it was not staged (any more):
+    its take-over began, or it never was."""
+    with _live_lock:
+        return _successors.pop(trial_id, None) is not None
+
+
+def start_in_idle_worker(plan: LaunchPlan, config: TrialConfig) -> bool:
+    """Start the trial now in an idle warm worker for its plan, if there is one (its task,
+    submitted next, finds it running: see _Handed); False if none is idle. The trial's
+    lease is held and its config complete."""
+    with _live_lock:
+        idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
+        worker = idle.pop() if idle else None
+        _idle_workers[warm_key(plan)] = idle
+    if worker is None:
+        return False
+    if _start_handed(worker, plan, config):
+        return True
+    with _live_lock:
+        _idle_workers.setdefault(worker.key, []).append(worker)
+    return False
+
+
+def handed_over(trial_id: str) -> tuple[float, int] | None:
+    """(when, its log's offset then) if `trial_id` was started by hand_over and its task has not yet taken it."""
+    with _live_lock:
+        handed = _handed.get(trial_id)
+    return (handed.at, handed.log_offset) if handed is not None else None
+
+
+def _hand_over(worker: WarmWorker, successor: Successor) -> bool:
+    """Start the staged trial in `worker`, whose trial has just ended well; False if it did not start."""
+    if warm_key(successor.plan) != worker.key:
+        return False
+    try:
+        config = successor.take_over()
+    except Exception as e:  # its normal start says what is wrong, if anything still is
+        log.warning("the next trial did not start in the warm worker at once: %s: %s", e.__class__.__name__, e)
+        return False
+    return config is not None and _start_handed(worker, successor.plan, config)
+
+
+def _start_handed(worker: WarmWorker, plan: LaunchPlan, config: TrialConfig) -> bool:
+    """Send `worker` the trial (its lease held) ahead of its task, followed by a thread of its own."""
+    trial_dir = Path(config.trial_dir)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan.config_path, config.to_json().encode())
+    clear_failure(trial_dir)  # what its processes record from now on is this segment's (training.failure)
+    with _live_lock:
+        if campaign_stopping(config.trial_id):
+            return False
+        offset = plan.log_path.stat().st_size if plan.log_path.exists() else 0
+        if not worker.send(plan):
+            return False
+        _live_groups[worker.proc.pid] = config.trial_id
+        _handed[config.trial_id] = handed = _Handed(time.time(), offset)
+    threading.Thread(target=_follow, args=(worker, config, handed), name=f"warm {config.trial_id}", daemon=True).start()
+    return True
+
+
+def _follow(worker: WarmWorker, config: TrialConfig, handed: _Handed) -> None:
+    code = None
+    try:
+        code = worker.wait()
+    finally:
+        handed.code = 1 if code is None else code
+        try:
+            _after_trial(worker, config, code)
+        finally:
+            handed.done.set()
 
 
 def _refuse_lost_lease(config: TrialConfig) -> None:
@@ -495,6 +644,8 @@ def _refuse_lost_lease(config: TrialConfig) -> None:
 
 
 def apply_launch(plan: LaunchPlan, config: TrialConfig) -> int:
+    if plan.warm and handed_over(config.trial_id):  # started under its lease, which may be given on since it ended
+        return _run_warm(plan, config)
     _refuse_lost_lease(config)
     write_atomic(plan.config_path, config.to_json().encode())
     timings.mark_first("launched", f"the first trial's processes start ({'a warm worker' if plan.warm else 'a new process'})")
@@ -755,17 +906,20 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
 
     ids = all_devices or [d.id for d in devices]
     held = update(state="running", devices=ids, reason=None)
+    # Started already by the worker of the trial before it (hand_over), whose take-over cleared its failure.
+    started, log_offset = handed_over(config.trial_id) or (time.time(), None)
     # Who had which device when: one interval per attempt.
-    intervals = [*held.intervals, {"devices": ids, "start": time.time(), "end": None}]
+    intervals = [*held.intervals, {"devices": ids, "start": started, "end": None}]
     update(attempts=held.attempts + 1, intervals=intervals)
-    clear_failure(trial_dir)  # what its processes record from now on is this segment's (training.failure)
+    if log_offset is None:
+        clear_failure(trial_dir)  # what its processes record from now on is this segment's (training.failure)
 
     def processes() -> list[int]:  # what MemoryWatch samples: the segment's process groups and their descendants
         groups = trial_process_groups(config.trial_id)
         return trial_processes(groups) if groups else []
 
     try:
-        with LogForwarder(plan.log_path), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog, \
+        with LogForwarder(plan.log_path, log_offset), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog, \
                 MemoryWatch(processes) as memory:
             code = apply_launch(plan, config)
     finally:

@@ -24,9 +24,11 @@ if not any(isinstance(h, APILogHandler) for h in _to_api.handlers):
 class LogForwarder:
     """Sends what is appended to `path` from now on to the current task run's log."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start: int | None = None):
+        """`start`: the offset of this segment's first line (it started before this), else the file's end now."""
         self.path = path
-        self.position = path.stat().st_size if path.exists() else 0  # earlier attempts' lines were sent then
+        # Earlier attempts' lines were sent then.
+        self.position = start if start is not None else path.stat().st_size if path.exists() else 0
         try:
             self.logger = logging.LoggerAdapter(_to_api, get_run_logger().extra)
         except MissingContextError:  # called outside a task run (a test calling the function itself): nowhere to send

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +43,7 @@ from tasks.timeline import import_drawing_early, intervals, timeline_rows, write
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
+from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, seconds_left, stage_ahead_s
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -48,8 +51,9 @@ from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_rec
                                run_remote_trial, start_host)
 from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
-from tasks.trial import (TrialFailed, accept_launches, close_warm_workers, readmit, revoke, run_trial, stop_launched_trials,
-                         trial_process_groups)
+from tasks.trial import (Successor, TrialFailed, accept_launches, close_warm_workers, plan_launch, readmit, revoke, run_trial,
+                         stage_successor, start_in_idle_worker, stop_launched_trials, trial_process_groups,
+                         unstage_successor)
 from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
 from training.agent_commands import clear_commands
@@ -182,6 +186,8 @@ class CampaignRun:
         self.failed: dict[str, str] = {}
         self.pending: list[Trial] = []
         self.running: dict[PrefectFuture, Running] = {}
+        self.staged: dict[str, Staged] = {}  # a running trial -> the trial staged after it (flows/run/handover.py)
+        self.finished_s: list[float] = []  # the wall times of this run's trials that finished: how long one takes
         self.scheduler: LiveScheduler | None = None
         self.waiting_since: float | None = None  # when this campaign last told the lease store it waits
         self.search = search
@@ -243,27 +249,43 @@ class CampaignRun:
     def start(self, trial: Trial, placement: Placement, serving: str | None = None) -> bool:
         """Lease the placement's devices and launch the trial on them; False if they were taken.
         `serving`: the resize request this start carries out (`relaunch`), not a stale one."""
-        holder = f"{self.name}/{trial.id}@{os.getpid()}"
+        holder = self.holder(trial)
         if not self.store.acquire(holder, placement.claims(self.capacity), self.capacity, campaign=self.name):
             return False  # another campaign took a device a moment ago, or it is its turn: next round
         self.heartbeat.add(holder)
-        request = self.requests[trial.id]
-        devices = [self.inventory.device(d) for d in placement.device_ids]
+        run_id, config = self.prepare(trial)
+        if self.pool is None:  # its workers watch this lease (training.fence); a pool node's segment fences on its own lease file
+            config = dataclasses.replace(config, lease=self.store.fence(holder))
+        # What it holds of its first device: its estimate where it shares, the device's memory where whole.
+        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.claims(self.capacity)[placement.device_ids[0]])
+        self.launch(trial, placement, holder, run_id, config, serving)
+        return True
+
+    def holder(self, trial: Trial) -> str:
+        return f"{self.name}/{trial.id}@{os.getpid()}"
+
+    def prepare(self, trial: Trial) -> tuple[str, TrialConfig]:
+        """The trial's MLflow run (opened, or an earlier launch's found) and its config, without its lease."""
         run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
         self.run_ids[trial.id] = run_id
         self.feed_journal(trial.id, lambda: run_id)
+        drawn = self.drawn.get(trial.id)
+        return run_id, trial_config(self.spec, trial, self.root / trial.id, run_id, self.requests[trial.id],
+                                    self.search.pruning(drawn) if drawn is not None else None)
+
+    def launch(self, trial: Trial, placement: Placement, holder: str, run_id: str, config: TrialConfig,
+               serving: str | None = None, running: str | None = None) -> None:
+        """Submit the trial's task on the placement's devices, leased to `holder`, and count it
+        running. A one-device trial starts at once in an idle warm worker, if there is one (its
+        task catches up); `running`: the trial whose worker started it already (a take-over)."""
+        request = self.requests[trial.id]
+        devices = [self.inventory.device(d) for d in placement.device_ids]
         if self.sampler is not None and self.pool is None:  # it reads this host's devices
             self.sampler.watch(run_id, devices, trial.id)
-        drawn = self.drawn.get(trial.id)
-        config = trial_config(self.spec, trial, self.root / trial.id, run_id, request,
-                              self.search.pruning(drawn) if drawn is not None else None)
-        if self.pool is None:  # its workers watch this lease (training.fence); a pool node's segment fences on its own lease file
-            config = dataclasses.replace(config, lease=self.store.fence(holder))
         elastic = request.min_devices < request.max_devices
         update_record(self.root / trial.id, state="starting", devices=list(placement.device_ids))
-        # What it holds of its first device: its estimate where it shares, the device's memory where whole.
-        log_allocation(self.root, trial.id, placement.device_ids, "start", placement.claims(self.capacity)[placement.device_ids[0]])
-        self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}")
+        started = f" (in the warm worker of {running}, as it ended)" if running else ""
+        self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}{started}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
         if self.pool is not None:
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
@@ -274,10 +296,12 @@ class CampaignRun:
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices,
                 self.shared_storage, placement.shared_bytes)
         else:
+            if warm and not running:
+                start_in_idle_worker(plan_launch(config, devices, Path.cwd(), warm=True), config)
             timings.mark_first("submitted", f"the first trial submitted ({trial.id})")
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
-        job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic)
+        job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic, warm=warm)
         if self.pool is not None and agent_across_nodes(config, elastic, len(by_node(devices))):
             job.agent_node, job.config = devices[0].node, config  # its agent there grows it onto other nodes in memory
         if serving is not None:
@@ -289,11 +313,97 @@ class CampaignRun:
         self.pending.remove(trial)
         if self.scheduler is not None:
             self.scheduler.running(trial.id, per_node_counts(devices), len(devices), time.time())
-        return True
+
+    # --- a warm worker handed straight to the next trial (flows/run/handover.py) ----------
+    def stage_next(self) -> None:
+        """After each running warm trial about to end (or the trials already staged after
+        it: short trials end faster than this loop comes round), stage the next one-device
+        trial that waits, to start in its worker on its device the moment it ends."""
+        if self.pool is not None or self.scheduler is not None or not self.spec.cluster.warm_workers:
+            return
+        now, ahead = time.time(), stage_ahead_s()
+        typical = statistics.median(self.finished_s) if self.finished_s else None
+        chains = []  # per running warm trial: [time left until the last staged after it ends, last, its holder, depth, devices]
+        for job in self.running.values():
+            if not job.warm:
+                continue
+            left, last, holder, depth = self.seconds_left(job, now), job.trial, job.holder, 0
+            while (staged := self.staged.get(last.id)) is not None:
+                last, holder, depth = staged.trial, staged.holder, depth + 1
+                left = left + typical if left is not None and typical is not None else None
+            chains.append([left, last, holder, depth, job.devices])
+        # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
+        while chains := [c for c in chains if ends_soon(c[0], ahead) and c[3] < STAGE_DEPTH]:
+            chain = min(chains, key=lambda c: (c[3], c[0]))
+            waiting = self.unstaged_pending()
+            if not waiting or self.requests[waiting[0].id].max_devices != 1:
+                return  # first come, first served: the next in line is not a one-device trial
+            staged = self.stage(waiting[0], after=chain[1].id, holder=chain[2], devices=chain[4])
+            chain[0] = chain[0] + typical if chain[0] is not None and typical is not None else None
+            chain[1], chain[2], chain[3] = staged.trial, staged.holder, chain[3] + 1
+
+    def unstage_one(self) -> bool:
+        """A device is free and nothing waits but staged trials: the one staged last goes back
+        to the queue (to start there now), with what was staged after it; False if none could
+        (its take-over has begun)."""
+        for after, staged in reversed(list(self.staged.items())):
+            if staged.taken is None and unstage_successor(after):
+                del self.staged[after]
+                self.unstage_after(staged.trial.id)
+                return True
+        return False
+
+    def stage(self, trial: Trial, after: str, holder: str, devices: list[Device]) -> Staged:
+        """Stage `trial` after the trial `after` (leased to `holder`) in its warm worker on `devices`."""
+        placement = Placement(trial.id, (devices[0].id,), self.requests[trial.id].at(1).memory_bytes)
+        run_id, config = self.prepare(trial)
+        staged = Staged(trial, placement, self.holder(trial), run_id, config)
+        plan = plan_launch(config, devices, Path.cwd(), warm=True)
+        self.staged[after] = staged
+        stage_successor(after, Successor(plan, functools.partial(self.take_over, after, self.root / after, holder, staged)))
+        return staged
+
+    def seconds_left(self, job: Running, now: float) -> float | None:
+        progress = read_progress(job.trial_dir)
+        step_time = progress.metrics.get("step_time_s") if progress else None
+        return seconds_left(progress.step if progress else None, job.trial.spec.training.steps, step_time, now - job.started_at,
+                            self.finished_s)
+
+    def unstaged_pending(self) -> list[Trial]:
+        staged = {s.trial.id for s in self.staged.values()}
+        return [t for t in self.pending if t.id not in staged]
+
+    def unstage_after(self, trial_id: str) -> Staged | None:
+        """`trial_id` has ended: what was staged after it. When that did not start (its
+        take-over did not happen), neither did anything staged after it: back in the queue."""
+        unstage_successor(trial_id)
+        staged = self.staged.pop(trial_id, None)
+        if staged is not None and staged.taken is None:
+            self.unstage_after(staged.trial.id)
+        return staged
+
+    def take_over(self, ended: str, ended_dir: Path, ended_holder: str, staged: Staged) -> TrialConfig | None:
+        """In the ended trial's thread, right after its worker's trial `ended` ended: the
+        device's lease moves to the staged trial, which that worker then starts
+        (tasks.trial.Successor); None when the ended trial has no result or the device cannot
+        be the staged trial's now (another campaign's turn, a busy lease file): it starts
+        the usual way then."""
+        if completed_result(ended_dir) is None:
+            return None
+        self.heartbeat.release(ended_holder)
+        claims = staged.placement.claims(self.capacity)
+        if not self.store.acquire(staged.holder, claims, self.capacity, campaign=self.name):
+            return None
+        self.heartbeat.add(staged.holder)
+        staged.taken = dataclasses.replace(staged.config, lease=self.store.fence(staged.holder))
+        log_allocation(self.root, ended, [], "end")
+        log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start", claims[staged.placement.device_ids[0]])
+        return staged.taken
 
     def draw(self) -> None:
-        """A search draws its next trial when none waits: late draws learn from more results."""
-        while self.search is not None and not self.pending and self.search.remaining() > 0:
+        """A search draws its next trial when none waits (but one staged to start in a warm
+        worker: flows/run/handover.py): late draws learn from more results."""
+        while self.search is not None and not self.unstaged_pending() and self.search.remaining() > 0:
             drawn = self.search.ask()
             trial = drawn.trial
             active = {t.id for t in self.pending} | {job.trial.id for job in self.running.values()}
@@ -342,7 +452,9 @@ class CampaignRun:
     def start_first_come(self) -> None:
         """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
         packer = self.packer(multi_node=self.pool is not None)
-        for trial in list(self.pending):
+        if self.staged and not self.unstaged_pending() and any(packer.free_bytes(d.id) == d.memory_bytes for d in self.inventory.devices):
+            self.unstage_one()
+        for trial in self.unstaged_pending():
             request = self.requests[trial.id]
             queued_min = sum(self.requests[t.id].min_devices for t in self.pending if t is not trial)
             free = sum(packer.free_bytes(d.id) == d.memory_bytes for d in self.inventory.devices)
@@ -430,6 +542,9 @@ class CampaignRun:
 
     def collect(self, future: PrefectFuture) -> None:
         job = self.running.pop(future)
+        staged = self.unstage_after(job.trial.id)
+        if staged is not None and staged.taken is not None:  # its worker started the staged trial: the loop catches up
+            self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id)
         self.heartbeat.release(job.holder)
         if self.sampler is not None:
             self.sampler.forget(job.run_id)
@@ -441,7 +556,8 @@ class CampaignRun:
         try:
             result = future.result()
             reason = "node lost" if result.get("node_lost") else "preempted" if result.get("preempted") else "end"
-            log_allocation(self.root, job.trial.id, [], "moving" if reason == "preempted" and job.relaunch else reason)
+            if staged is None or staged.taken is None:  # else the take-over said it
+                log_allocation(self.root, job.trial.id, [], "moving" if reason == "preempted" and job.relaunch else reason)
         except Exception as e:
             self.relaunch_failed(job, f"it stopped on {', '.join(job.device_ids)} with an error")
             if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
@@ -484,6 +600,7 @@ class CampaignRun:
                     self.scheduler.unpin(job.trial.id)
             return
         self.results[job.trial.id] = result
+        self.finished_s.append(time.time() - job.started_at)
         if job.relaunch is not None:
             answer(job.trial_dir, job.relaunch[1], "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before it could move")
         if job.awaiting is not None:  # it reached its end before a resize (a preemption) landed: say so
@@ -621,6 +738,7 @@ class CampaignRun:
             self.schedule_elastic()
         else:
             self.start_first_come()
+            self.stage_next()
         self.queue_for_devices()
         if not self.running:
             if self.scheduler is not None and self.scheduler.unpin_parked():
@@ -672,7 +790,8 @@ class CampaignRun:
             update_record(job.trial_dir, state="stopped")
         update_campaign(self.spec.tracking.runs_dir, self.name, state="stopped", ended=time.time())
         try:
-            mark_killed(self.uri, [job.run_id for job in self.running.values()] + [self.parent_run_id])
+            staged = [s.run_id for s in self.staged.values()]  # opened ahead of a start that did not come
+            mark_killed(self.uri, [job.run_id for job in self.running.values()] + staged + [self.parent_run_id])
         except Exception as e:  # the tracking server may be what failed
             self.logger.error(f"could not mark the MLflow runs KILLED ({e.__class__.__name__}: {e})")
 

@@ -83,9 +83,11 @@ class LeaseHeartbeat:
                     self.store.renew(holder)
                     self.failures = 0
                 except LeaseLost as e:  # its devices may be another campaign's now: the trial must stop at once
-                    log.error("%s", e)
                     with self._lock:
+                        if holder not in self.holders:  # released since the list was taken: given back, not lost
+                            continue
                         self.holders.discard(holder)
+                    log.error("%s", e)
                     if self.on_lost is not None:
                         threading.Thread(target=self.on_lost, args=(holder,), name="lease-lost", daemon=True).start()
                 except Exception as e:  # a locked or full database: try again next period, never stop renewing
@@ -115,6 +117,8 @@ class Running:
     run_id: str
     trial_dir: Path
     elastic: bool
+    warm: bool = False  # in a warm worker (tasks.trial): the next trial may be staged after it
+    started_at: float = field(default_factory=time.time)
     next_seq: int = 1
     awaiting: tuple[int, list[Device], str] | None = None  # (agent seq, devices, request id) not yet applied
     handled: set[str] = field(default_factory=set)

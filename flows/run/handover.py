@@ -1,0 +1,71 @@
+"""A one-device trial staged after a running one, to start in its warm worker the moment it ends.
+
+Between two short trials on one device the campaign's own round trip (the loop sees the
+end, closes the run, leases the device again, opens the next MLflow run, submits the next
+Prefect task, which sends the worker its trial) is what keeps the device idle: a few tenths
+of a second, as long as a trivial trial itself. So when a running warm trial is about to
+end and a one-device trial waits, the campaign does that work ahead (its MLflow run, its
+config) and stages it after the running one (tasks.trial.Successor); the running trial's
+worker starts it as soon as its own trial has ended with a result, once the device's lease
+has moved to it (the take-over, in the ending trial's task thread), and the loop catches up
+afterwards (its record, allocation and task run). A device still goes to one trial at a
+time: the same worker runs them one after the other, under one lease after the other.
+
+`seconds_left` is the pure rule for "about to end".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from cluster.types import Placement
+from tasks.grid import Trial
+from training.config import TrialConfig
+
+# Stage the next trial when the running one should end within this many seconds (default 2):
+# its MLflow run is open (shown running) about this long before it starts. 0: never; inf:
+# always, even before anything says how long a trial takes.
+STAGE_AHEAD_ENV = "CAMPAIGN_STAGE_AHEAD_S"
+STAGE_AHEAD_S = 2.0
+# At most this many trials staged one after the other on a worker: trials shorter than the
+# loop's round (it opens their runs, submits their tasks) would otherwise find none staged.
+STAGE_DEPTH = 3
+
+
+@dataclass
+class Staged:
+    """A trial staged after a running one (the key of `CampaignRun.staged`)."""
+
+    trial: Trial
+    placement: Placement  # the running trial's device, at this trial's claim
+    holder: str  # its lease holder once the device is its own
+    run_id: str  # its MLflow run, opened when it was staged
+    config: TrialConfig  # without its lease: the take-over adds it
+    taken: TrialConfig | None = None  # set by the take-over: the device is its own, its worker was told to start it
+
+
+def seconds_left(step: int | None, steps: int, step_time_s: float | None, running_s: float,
+                 finished_s: list[float]) -> float | None:
+    """How long a running trial should still take, or None when nothing says: from its
+    progress (`step` of `steps`, its measured step time or its time so far per step), else
+    from the typical wall time of the campaign's trials that finished (`finished_s`)."""
+    if step is not None and step > 0 and steps > 0:
+        per_step = step_time_s if step_time_s else running_s / step
+        return max(0.0, (steps - step) * per_step)
+    if finished_s:
+        return max(0.0, statistics.median(finished_s) - running_s)
+    return None
+
+
+def stage_ahead_s() -> float:
+    return float(os.environ.get(STAGE_AHEAD_ENV) or STAGE_AHEAD_S)
+
+
+def ends_soon(left: float | None, ahead: float) -> bool:
+    """Whether a trial with `left` seconds to go (None: unknown) is staged after at `ahead` (stage_ahead_s)."""
+    if ahead <= 0:
+        return False
+    return math.isinf(ahead) if left is None else left <= ahead

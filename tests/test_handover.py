@@ -1,0 +1,83 @@
+"""A warm worker handed straight to the next trial (flows/run/handover.py, tasks.trial.Successor):
+the rule for "about to end", and real campaigns whose one-device trials start in the worker
+of the trial before them as it ends, each once, never two on a device."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import campaign_cli
+from flows.run.handover import ends_soon, seconds_left
+from tasks.records import read_allocations
+from test_function import trial_runs, write_params
+
+
+def test_time_left_comes_from_the_trials_progress_else_from_the_trials_that_finished():
+    assert seconds_left(10, 100, 0.5, 8.0, []) == pytest.approx(45.0)  # its measured step time
+    assert seconds_left(10, 100, None, 5.0, []) == pytest.approx(45.0)  # its time so far per step
+    assert seconds_left(100, 100, 0.5, 60.0, [1.0]) == 0.0
+    assert seconds_left(None, 100, None, 0.5, [1.0, 2.0, 9.0]) == pytest.approx(1.5)  # the typical trial's
+    assert seconds_left(0, 100, None, 3.0, [2.0]) == 0.0  # past the typical time: about to end
+    assert seconds_left(None, 100, None, 0.5, []) is None  # nothing says
+
+
+def test_a_trial_is_staged_after_one_that_ends_within_the_window_and_never_when_it_is_off():
+    assert ends_soon(1.5, 2.0) and not ends_soon(2.5, 2.0)
+    assert not ends_soon(None, 2.0)  # unknown: not staged, its MLflow run would show running for who knows how long
+    assert ends_soon(None, math.inf) and ends_soon(1e9, math.inf)
+    assert not ends_soon(0.0, 0.0)
+
+
+def _never_two_on_a_device(root: Path) -> dict[str, list[str]]:
+    """Replay the allocation log: no device starts a trial while another holds it. Returns
+    each device's trials in order."""
+    holding: dict[str, str] = {}
+    order: dict[str, list[str]] = {}
+    for event in read_allocations(root):
+        if event.reason == "start":
+            for device in event.devices:
+                assert device not in holding, f"{event.trial} started on {device} held by {holding.get(device)}"
+                holding[device] = event.trial
+                order.setdefault(device, []).append(event.trial)
+        else:
+            for device in [d for d, t in holding.items() if t == event.trial]:
+                del holding[device]
+    assert not holding
+    return order
+
+
+@pytest.mark.slow
+def test_staged_trials_start_in_the_worker_of_the_one_before_each_once_and_never_two_on_a_device(tmp_path, monkeypatch):
+    """Eight short function trials on two slots, staged whatever their length: the trials
+    after the first two start in the worker of the one before them as it ends (said among the
+    campaign's events); every trial runs once (one call in its log), finishes, and its
+    MLflow run holds each reported step once; the allocation log never shows a device held
+    by two trials; the runs and task runs all end as they should."""
+    monkeypatch.setenv("CAMPAIGN_STAGE_AHEAD_S", "inf")
+    write_params(tmp_path, "chain", {"kwargs": {"every": 5}, "steps": 20},
+                 grid={"training.lr": [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08]})
+    done = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    root = tmp_path / "runs" / "chain"
+    trials = sorted(p.parent.name for p in root.glob("*/result.json"))
+    assert len(trials) == 8
+    for trial in trials:
+        assert json.loads((root / trial / "result.json").read_text())["steps"] == 20
+        assert (root / trial / "train.log").read_text().count("calling mylab.loop:fit") == 1  # run once
+    order = _never_two_on_a_device(root)
+    assert sorted(t for ts in order.values() for t in ts) == trials
+    handed = [line for line in (done.stdout + done.stderr).splitlines() if "in the warm worker of" in line]
+    assert handed, done.stdout[-3000:]
+    for line in handed:  # each right after the one before it on the same device
+        trial, before = line.split("trial ", 1)[1].split()[0], line.split("in the warm worker of ", 1)[1].split(",")[0]
+        device_order = next(ts for ts in order.values() if trial in ts)
+        assert device_order.index(trial) == device_order.index(before) + 1, (line, order)
+    client, runs = trial_runs(tmp_path)
+    assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
+    for run in runs:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")]
+        assert sorted(steps) == [5, 10, 15, 20], (run.data.tags.get("campaign.trial"), steps)
