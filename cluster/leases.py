@@ -223,7 +223,7 @@ class LeaseStore:
 
     def acquire(
         self, holder: str, claims: Mapping[str, int], capacity: Mapping[str, int], pid: int | None = None,
-        *, campaign: str | None = None,
+        *, campaign: str | None = None, instead_of: str | None = None,
     ) -> bool:
         """Leases every claimed device to `holder`, or none; False if any does not fit.
 
@@ -236,6 +236,9 @@ class LeaseStore:
         turn: it is refused while another campaign waits (`wait_turn`) that holds fewer
         devices, or as many and has waited longer. Without it, a campaign whose trials end
         one after another would take every freed device before a waiting one polls again.
+
+        With `instead_of`, that holder's leases are released in the same transaction first,
+        whether or not this one's are granted (a trial's devices passed on to the next).
         """
         _check_claims(holder, claims, capacity)
         pid = os.getpid() if pid is None else pid
@@ -247,6 +250,8 @@ class LeaseStore:
 
         def take(conn: sqlite3.Connection) -> tuple[str, int] | None:
             now = self._clock()
+            if instead_of is not None:
+                conn.execute("DELETE FROM leases WHERE holder = ?", (instead_of,))
             live, _ = self._sweep(conn, now)
             # The holder's own rows past its renew deadline are an ended tenure (its workers
             # stopped themselves): what it takes now is a new grant, with a new epoch.
@@ -269,6 +274,9 @@ class LeaseStore:
             return _generation(conn), epoch
 
         taken = self._run(take)
+        if instead_of is not None:
+            with self._held_lock:
+                self._held.pop(instead_of, None)
         if taken is None:
             return False
         generation, epoch = taken

@@ -591,3 +591,19 @@ def test_a_closed_fence_leaves_no_timer_behind(tmp_path):
     assert child.returncode == 0, out
     armed, after = json.loads(out.splitlines()[1])
     assert 0 < armed <= 4.0 and after == 0.0
+
+
+def test_a_holder_passes_its_device_on_in_one_transaction_and_a_waiting_campaign_keeps_its_turn(tmp_path):
+    """`instead_of`: the ended trial's device goes to the next one with no moment between
+    them where a third could take it; its leases go even when the next is refused (another
+    campaign waits with fewer devices: its turn), and then the device is free for that one."""
+    store = LeaseStore(tmp_path / "leases.db")
+    whole = {"d0": 10}
+    assert store.acquire("c/a@1", whole, CAP, campaign="c")
+    assert store.acquire("c/b@1", whole, CAP, campaign="c", instead_of="c/a@1")
+    assert {lease.holder for lease in store.leases()} == {"c/b@1"}
+    assert store.fence("c/b@1")["holder"] == "c/b@1"
+    store.wait_turn("other")  # holds nothing: its turn comes first
+    assert not store.acquire("c/c@1", whole, CAP, campaign="c", instead_of="c/b@1")
+    assert store.leases() == []  # given back all the same
+    assert store.acquire("other/x@1", whole, CAP, campaign="other")

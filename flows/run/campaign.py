@@ -390,11 +390,9 @@ class CampaignRun:
         the usual way then."""
         if completed_result(ended_dir) is None:
             return None
-        self.heartbeat.release(ended_holder)
         claims = staged.placement.claims(self.capacity)
-        if not self.store.acquire(staged.holder, claims, self.capacity, campaign=self.name):
+        if not self.heartbeat.pass_on(ended_holder, staged.holder, claims, self.capacity, self.name):
             return None
-        self.heartbeat.add(staged.holder)
         staged.taken = dataclasses.replace(staged.config, lease=self.store.fence(staged.holder))
         log_allocation(self.root, ended, [], "end")
         log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start", claims[staged.placement.device_ids[0]])
@@ -545,7 +543,8 @@ class CampaignRun:
         staged = self.unstage_after(job.trial.id)
         if staged is not None and staged.taken is not None:  # its worker started the staged trial: the loop catches up
             self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id)
-        self.heartbeat.release(job.holder)
+        else:  # (else the take-over passed its devices on)
+            self.heartbeat.release(job.holder)
         if self.sampler is not None:
             self.sampler.forget(job.run_id)
         if self.scheduler is not None:

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from cluster.inventory import visible_devices_env
 from cluster.leases import LeaseLost, LeaseStore, LeaseStoreBusy
@@ -60,6 +60,21 @@ class LeaseHeartbeat:
             log.warning("releasing %s waits for the lease file: %s", holder, e)
             with self._lock:
                 self.unreleased.add(holder)
+
+    def pass_on(self, holder: str, to: str, claims: Mapping[str, int], capacity: Mapping[str, int], campaign: str) -> bool:
+        """`holder`'s devices given back and `to`'s claims taken in one transaction of the
+        lease file (LeaseStore.acquire's `instead_of`); False if they were not granted (or
+        the file is locked: `holder`'s are then given back later, as `release` does)."""
+        with self._lock:
+            self.holders.discard(holder)
+        try:
+            granted = self.store.acquire(to, claims, capacity, campaign=campaign, instead_of=holder)
+        except LeaseStoreBusy:
+            self.release(holder)
+            return False
+        if granted:
+            self.add(to)
+        return granted
 
     def release_pending(self) -> None:
         """Give back what `release` could not (raises LeaseStoreBusy while the file stays locked)."""
