@@ -72,6 +72,44 @@ def test_a_warm_worker_trains_one_trial_after_another_each_in_its_own_log(tmp_pa
         assert cfg.trial_id in (Path(cfg.trial_dir) / "train.log").read_text()
 
 
+def test_a_staged_trial_starts_in_the_worker_as_the_one_before_it_ends_and_only_when_its_take_over_says_so(tmp_path, digits_npz):
+    """tasks.trial.Successor: the take-over runs once the first trial's result is written;
+    the second trial then runs in the same worker before its own launch is applied (which
+    finds it running and waits for its end). A take-over that says no starts nothing: the
+    worker waits idle, and the third trial is launched the usual way."""
+    tiny = dict(model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2, warmup_steps=0)
+    first, second, third = (config(tmp_path / name, digits_npz, **tiny) for name in ("first", "second", "third"))
+    for cfg in (first, second, third):
+        Path(cfg.trial_dir).mkdir(parents=True)
+    seen = []
+
+    def take_over(cfg, answer):
+        def run():
+            seen.append((cfg.trial_id, Path(first.result_path).exists()))
+            return cfg if answer else None
+        return run
+
+    accept_launches()
+    try:
+        plan = lambda cfg: plan_launch(cfg, [_slot()], tmp_path, warm=True)  # noqa: E731
+        trial_module.stage_successor("first", trial_module.Successor(plan(second), take_over(second, True)))
+        assert warm(first, tmp_path) == 0
+        assert seen == [("second", True)]  # after the first's result
+        assert trial_module.handed_over("second") is not None  # running before its launch
+        (pgid,) = [g for g, t in trial_module._live_groups.items() if t == "second"]
+        assert warm(second, tmp_path) == 0 and trial_module.handed_over("second") is None
+        trial_module.stage_successor("second", trial_module.Successor(plan(third), take_over(third, False)))  # it ended: at once
+        assert seen[-1] == ("third", True) and trial_module.handed_over("third") is None
+        (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert worker.proc.pid == pgid  # the one worker served both, and waits
+        assert warm(third, tmp_path) == 0
+    finally:
+        close_warm_workers()
+    for cfg in (first, second, third):
+        assert json.loads(Path(cfg.result_path).read_text())["steps"] == 2
+        assert (Path(cfg.trial_dir) / "train.log").read_text().count("fresh start") == 1
+
+
 def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_then(tmp_path, digits_npz, monkeypatch):
     """`campaign launch` starts the zygote of the first trials' workers before its loop (it
     imports while the campaign starts); each worker is forked from it, and what the campaign
