@@ -63,14 +63,25 @@ def import_drawing_early() -> None:
     threading.Thread(target=_import_matplotlib, name="import-matplotlib", daemon=True).start()
 
 
-def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
+LEGEND_ROW_IN = 0.19  # one legend line at fontsize "small", in inches
+LEGEND_ROWS = 16  # a column of the legend holds this many trials before another starts
+
+
+def figure(bars: list[Bar], title: str):
+    """The chart, its legend beside it in as many columns as its trials need and the figure
+    as tall as the longest column: every trial's name inside the picture, however many."""
     plt = _import_matplotlib()
 
     devices = sorted({b.device for b in bars})
     trials = list(dict.fromkeys(b.trial for b in sorted(bars, key=lambda b: b.start)))
     colors = {t: plt.get_cmap("tab20")(i % 20) for i, t in enumerate(trials)}
     origin = min((b.start for b in bars), default=0.0)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * max(1, len(devices))))
+    columns = max(1, -(-len(trials) // LEGEND_ROWS))
+    rows = -(-len(trials) // columns) if trials else 0
+    height = max(1.2 + 0.5 * max(1, len(devices)), 1.0 + LEGEND_ROW_IN * rows)
+    longest = max((len(t) for t in trials), default=0)
+    legend_width = columns * (0.6 + 0.075 * longest)  # inches: a swatch and the name
+    fig, ax = plt.subplots(figsize=(8 + legend_width, height))
     for b in bars:
         row = devices.index(b.device)
         ax.broken_barh([(b.start - origin, max(b.end - b.start, 1e-3))], (row - 0.4, 0.8), facecolors=colors[b.trial], edgecolor="black", linewidth=0.3)
@@ -79,10 +90,16 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
     ax.set_yticks(range(len(devices)), devices)
     ax.set_xlabel("seconds since the first start")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[t]) for t in trials]
+    fig.tight_layout(rect=(0, 0, 8 / (8 + legend_width), 1))  # the legend's room kept on the right
     if trials:
-        ax.legend(handles, trials, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", title="trial")
-    fig.tight_layout()
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[t]) for t in trials]
+        fig.legend(handles, trials, loc="upper right", ncols=columns, fontsize="small", title="trial", frameon=False)
+    return fig
+
+
+def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
+    plt = _import_matplotlib()
+    fig = figure(bars, title)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     svg = io.StringIO()
