@@ -337,6 +337,27 @@ def test_known_lengths_weigh_jobs_by_rank_so_a_long_job_keeps_a_share_whatever_i
     assert ElasticPolicy().decide(cluster, mixed, 0.0) == ElasticPolicy(rank_q=0.0).decide(cluster, mixed, 0.0)
 
 
+def test_past_its_request_a_job_grows_only_while_its_speed_up_per_device_is_at_least_min_efficiency():
+    """Devices others want do not go to a short job's flat end (under half a lone device's
+    speed per device past its request); devices nobody else wants still do."""
+    cluster = Cluster.uniform(1, 8)
+    flat = AnalyticStepTime(fixed=0.4, compute=1.0, intra=0.0, inter=0.0, per_node=0.0)  # speed-up per device 0.54 at 4, 0.47 at 5
+    assert speedup(flat, 4, 1) / 4 >= 0.5 > speedup(flat, 5, 1) / 5
+    short = Job("short", 0.0, 1, 1, 8, flat, remaining_steps=10.0)
+    long = Job("long", 0.0, 1, 1, 8, POOR_SCALING, remaining_steps=1e6)
+
+    def sizes(policy: ElasticPolicy, jobs: list[Job]) -> dict[str, int]:
+        return {job_id: devices_of(placement) for job_id, placement in policy.decide(cluster, jobs, 0.0).items()}
+
+    assert sizes(ElasticPolicy(), [short, long]) == {"short": 4, "long": 4}
+    # Without the bound, the short job's weight takes it to 5 devices at 0.47 each.
+    assert sizes(ElasticPolicy(min_efficiency=0.0), [short, long]) == {"short": 5, "long": 3}
+    # Alone, it takes every device that speeds it up.
+    assert sizes(ElasticPolicy(), [short]) == {"short": 8}
+    # Up to its request the bound does not apply: asking for 5, it gets 5 beside the long job.
+    assert sizes(ElasticPolicy(), [replace(short, requested=5), long]) == {"short": 5, "long": 3}
+
+
 def test_a_critical_boost_weighs_more_the_job_that_finishes_last_whatever_is_done():
     """Opt-in (`critical_boost`): a job whose work left at its fastest size outlasts all the
     other jobs' work on the rest of the cluster weighs that many times its rank's weight; one
