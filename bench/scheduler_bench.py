@@ -82,6 +82,7 @@ SWEEP = {
     "arrival window 2 h, no repacking": {"arrival_window_s": 7200.0, "repack": False},
     "arrival window 2 h, grow after 4 h, no repacking": {"arrival_window_s": 7200.0, "grow_after_s": 14400.0, "repack": False},
     "critical boost 2": {"critical_boost": 2.0}, "critical boost 4": {"critical_boost": 4.0},
+    "no min efficiency": {"min_efficiency": 0.0}, "min efficiency 0.35": {"min_efficiency": 0.35}, "min efficiency 0.6": {"min_efficiency": 0.6},
 }
 POLLUX_BUDGET_S = 0.6  # at 4,096 GPUs its search stops in time for a decision within 1 s (replays run all its generations)
 
