@@ -30,7 +30,7 @@ from prefect import task
 from cluster.inventory import visible_devices_env
 from cluster.types import Device
 from tasks import timings
-from tasks.records import TrialRecord, completed_result, update_record
+from tasks.records import TrialRecord, completed_result, read_trial_record, update_record
 from tasks.trial_log import LogForwarder
 from tasks.watchdog import Watchdog, trial_processes
 from training.config import TrialConfig
@@ -905,12 +905,12 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
             return update_record(trial_dir, **fields)
 
     ids = all_devices or [d.id for d in devices]
-    held = update(state="running", devices=ids, reason=None)
+    held = read_trial_record(trial_dir) if record else TrialRecord()
     # Started already by the worker of the trial before it (hand_over), whose take-over cleared its failure.
     started, log_offset = handed_over(config.trial_id) or (time.time(), None)
     # Who had which device when: one interval per attempt.
     intervals = [*held.intervals, {"devices": ids, "start": started, "end": None}]
-    update(attempts=held.attempts + 1, intervals=intervals)
+    update(state="running", devices=ids, reason=None, attempts=held.attempts + 1, intervals=intervals)
     if log_offset is None:
         clear_failure(trial_dir)  # what its processes record from now on is this segment's (training.failure)
 
@@ -922,13 +922,16 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
         with LogForwarder(plan.log_path, log_offset), segment_watchdog(plan, config, across_nodes=all_devices is not None) as watchdog, \
                 MemoryWatch(processes) as memory:
             code = apply_launch(plan, config)
-    finally:
+    except BaseException:
         intervals[-1]["end"] = time.time()
         update(intervals=intervals)
+        raise
+    intervals[-1]["end"] = time.time()
     result = completed_result(trial_dir)
     if result is not None:  # finished, whatever happened after: a worker killed after the result changes nothing
-        update(state="finished", exit_code=code)
+        update(state="finished", exit_code=code, intervals=intervals)
         return result
+    update(intervals=intervals)
     if _stopped.is_set():
         update(state="stopped", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
