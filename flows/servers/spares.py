@@ -157,8 +157,8 @@ class Spares:
             proc = self.procs.get(kind)
             if proc is not None and proc.poll() is None:
                 continue
-            if proc is not None:
-                self.failures[kind] = 0 if proc.returncode == 0 else self.failures[kind] + 1
+            if proc is not None:  # ended: its campaign's, or killed by a launch as stale (not a failure), or failed
+                self.failures[kind] = 0 if proc.returncode in (0, -signal.SIGKILL) else self.failures[kind] + 1
                 del self.procs[kind]
                 _remove_state(self.folder, kind, proc.pid)
             if idle and self.failures[kind] < 3 and enabled():
@@ -167,21 +167,27 @@ class Spares:
     def stop(self) -> None:
         """The spares not taken end (those taken are their launches' now)."""
         for kind, proc in self.procs.items():
-            state = read_json(state_path(self.folder, kind))
-            if proc.poll() is None and isinstance(state, dict) and state.get("pid") == proc.pid:
+            if proc.poll() is None and (_state(self.folder, kind) or {}).get("pid") == proc.pid:
                 proc.kill()
                 proc.wait()
             _remove_state(self.folder, kind, proc.pid)
 
 
-def _remove_state(folder: Path, kind: str, pid: int) -> None:
-    path = state_path(folder, kind)
+def _state(folder: Path, kind: str) -> dict | None:
     try:
-        state = read_json(path)
-    except Exception:  # noqa: BLE001 (junk: removed all the same)
-        state = None
-    if state is None or not isinstance(state, dict) or state.get("pid") == pid:
-        path.unlink(missing_ok=True)
+        state = read_json(state_path(folder, kind))
+    except Exception:  # noqa: BLE001 (junk: none)
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("pid"), int) else None
+
+
+def _remove_state(folder: Path, kind: str, pid: int) -> None:
+    """An ended spare's records, and its socket's folder (a spare taken removed it itself)."""
+    state = _state(folder, kind)
+    if state is None or state["pid"] == pid:
+        if state is not None and isinstance(state.get("socket"), str):
+            shutil.rmtree(os.path.dirname(state["socket"]), ignore_errors=True)
+        state_path(folder, kind).unlink(missing_ok=True)
     if ready(folder, kind) in (None, pid):
         (folder / FOLDER / READY.format(kind)).unlink(missing_ok=True)
 
@@ -212,7 +218,8 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
         state = read_json(taken)
     except Exception:  # noqa: BLE001
         state = None
-    if not isinstance(state, dict) or not isinstance(state.get("pid"), int) or state.get("uid") != os.getuid():
+    if not isinstance(state, dict) or not isinstance(state.get("pid"), int) or state.get("uid") != os.getuid() \
+            or not isinstance(state.get("socket"), str):
         taken.unlink(missing_ok=True)
         return None
     from tasks import timings
@@ -227,7 +234,7 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
         done = None
     # Ready: the files it imported are as they were; still importing: the whole project is.
     if state.get("python") != sys.executable or not (unchanged(done["files"]) if done else state.get("fingerprint") == fingerprint()):
-        _end(state["pid"])  # the server makes another once idle
+        _end(state)  # the server makes another once idle
         timings.mark(f"the resident server's spare {kind} not taken: the project's code changed since it was made")
         return None
     try:
@@ -236,18 +243,20 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
             socket.send_fds(s, [json.dumps({**request, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}).encode()],
                             fds)
     except (OSError, KeyError, TypeError) as e:
-        _end(state["pid"])
+        _end(state)
         timings.mark(f"the resident server's spare {kind} not taken: {e.__class__.__name__}: {e}")
         return None
     timings.mark(f"the resident server's spare {kind} taken ({'its imports done' if done else 'still importing'})")
     return state["pid"]
 
 
-def _end(pid: int) -> None:
+def _end(state: dict) -> None:
+    """A spare not taken, ended, and its socket's folder removed."""
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(state["pid"], signal.SIGKILL)
     except OSError:
         pass
+    shutil.rmtree(os.path.dirname(state["socket"]), ignore_errors=True)
 
 
 class Adopted:
