@@ -255,9 +255,11 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
 
 
 def _end(state: dict) -> None:
-    """A spare not taken, ended, and its socket's folder removed."""
+    """A spare not taken, ended (if its pid is still a spare's: never another process that got
+    the number), and its socket's folder removed."""
     try:
-        os.kill(state["pid"], signal.SIGKILL)
+        if b"flows.servers.spares" in Path(f"/proc/{state['pid']}/cmdline").read_bytes():
+            os.kill(state["pid"], signal.SIGKILL)
     except OSError:
         pass
     shutil.rmtree(os.path.dirname(state["socket"]), ignore_errors=True)
