@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import campaign_cli
-from flows.run.handover import ends_soon, seconds_left
+from flows.run.handover import ends_soon, next_end, seconds_left
 from tasks.records import read_allocations
 from test_function import trial_runs, write_params
 
@@ -23,6 +23,12 @@ def test_time_left_comes_from_the_trials_progress_else_from_the_trials_that_fini
     assert seconds_left(None, 100, None, 0.5, [1.0, 2.0, 9.0]) == pytest.approx(1.5)  # the typical trial's
     assert seconds_left(0, 100, None, 3.0, [2.0]) == 0.0  # past the typical time: about to end
     assert seconds_left(None, 100, None, 0.5, []) is None  # nothing says
+
+
+def test_under_early_stopping_a_trial_may_end_at_its_pruners_next_point():
+    assert next_end(0, 300, None, 25, 3) == 300
+    assert [next_end(s, 300, "asha", 25, 3) for s in (0, 24, 25, 74, 75, 225)] == [25, 25, 75, 75, 225, 300]
+    assert [next_end(s, 300, "median", 40, 3) for s in (0, 39, 40, 299)] == [40, 40, 41, 300]
 
 
 def test_a_trial_is_staged_after_one_that_ends_within_the_window_and_never_when_it_is_off():

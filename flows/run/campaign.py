@@ -43,7 +43,7 @@ from tasks.timeline import import_drawing_early, intervals, timeline_rows, write
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
-from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, seconds_left, stage_ahead_s
+from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, next_end, seconds_left, stage_ahead_s
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -332,9 +332,15 @@ class CampaignRun:
                 last, holder, depth = staged.trial, staged.holder, depth + 1
                 left = left + typical if left is not None and typical is not None else None
             chains.append([left, last, holder, depth, job.devices])
+        # A search that learns from results (tpe) draws at most one trial ahead per worker; a
+        # grid, or a sampler that does not learn, loses nothing by drawing earlier.
+        search = self.spec.search
+        depth = 1 if search is not None and search.strategy == "tpe" else STAGE_DEPTH
         # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
-        while chains := [c for c in chains if ends_soon(c[0], ahead) and c[3] < STAGE_DEPTH]:
+        while chains := [c for c in chains if ends_soon(c[0], ahead) and c[3] < depth]:
             chain = min(chains, key=lambda c: (c[3], c[0]))
+            if not self.unstaged_pending():
+                self.draw()  # a search draws the trial to stage
             waiting = self.unstaged_pending()
             if not waiting or self.requests[waiting[0].id].max_devices != 1:
                 return  # first come, first served: the next in line is not a one-device trial
@@ -366,8 +372,10 @@ class CampaignRun:
     def seconds_left(self, job: Running, now: float) -> float | None:
         progress = read_progress(job.trial_dir)
         step_time = progress.metrics.get("step_time_s") if progress else None
-        return seconds_left(progress.step if progress else None, job.trial.spec.training.steps, step_time, now - job.started_at,
-                            self.finished_s)
+        steps, stop = job.trial.spec.training.steps, self.spec.early_stopping
+        if progress is not None and stop is not None:  # it may be stopped well before its last step
+            steps = next_end(progress.step, steps, stop.rule, stop.min_steps, stop.reduction_factor)
+        return seconds_left(progress.step if progress else None, steps, step_time, now - job.started_at, self.finished_s)
 
     def unstaged_pending(self) -> list[Trial]:
         staged = {s.trial.id for s in self.staged.values()}

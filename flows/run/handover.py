@@ -69,3 +69,17 @@ def ends_soon(left: float | None, ahead: float) -> bool:
     if ahead <= 0:
         return False
     return math.isinf(ahead) if left is None else left <= ahead
+
+
+def next_end(step: int, steps: int, rule: str | None, min_steps: int, factor: int) -> int:
+    """The next step at which a trial at `step` may end: its last, or under early stopping
+    (`rule`) the next point its pruner may stop it at: an asha rung (min_steps x factor^k),
+    any evaluation from min_steps on for the others."""
+    if rule is None:
+        return steps
+    if rule == "asha":
+        rung = min_steps
+        while rung <= step:
+            rung *= factor
+        return min(rung, steps)
+    return min(max(step + 1, min_steps), steps)
