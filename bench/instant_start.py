@@ -113,8 +113,9 @@ def main() -> None:
                 first = marks.get("first training step")
                 firsts[name].append(first if first is not None else float("nan"))
                 walls[name].append(wall)
+                taken = [kind for kind in ("hub", "zygote") if f"the resident server's spare {kind} taken" in marks]
                 print(f"round {round_ + 1} {name}: first training step {first:.2f} s, campaign {wall:.2f} s "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"(load {os.getloadavg()[0]:.1f}; spares taken: {', '.join(taken) or 'none'})", flush=True)
             settle(warm)
             _, wall = launch(warm, "on")  # every trial finished: nothing to do
             walls["no-op"].append(wall)
