@@ -6,7 +6,8 @@ warm workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s)
 launch's own work that is more CPU than two cores have in two seconds. So the resident server
 (flows/servers/resident.py) keeps one of each ready, a *spare*: started while no launch of the
 folder runs, it imports what the process it will become imports, then waits on a Unix socket
-(in a private 0700 folder) named by `.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
+(an abstract one, of a random name: nothing on disk to leave behind) named by
+`.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
 its imports are done: the project's files it imported, with their size and time before it did).
 
 A launch that reports to the resident server takes a spare (`claim`): it renames that record
@@ -39,14 +40,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import select
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from training.files import read_json, write_json_atomic
@@ -186,11 +186,9 @@ def _state(folder: Path, kind: str) -> dict | None:
 
 
 def _remove_state(folder: Path, kind: str, pid: int) -> None:
-    """An ended spare's records, and its socket's folder (a spare taken removed it itself)."""
+    """An ended spare's records."""
     state = _state(folder, kind)
     if state is None or state["pid"] == pid:
-        if state is not None and isinstance(state.get("socket"), str):
-            shutil.rmtree(os.path.dirname(state["socket"]), ignore_errors=True)
         state_path(folder, kind).unlink(missing_ok=True)
     if ready(folder, kind) in (None, pid):
         (folder / FOLDER / READY.format(kind)).unlink(missing_ok=True)
@@ -243,7 +241,9 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
         return None
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.connect(state["socket"])
+            s.connect("\0" + state["socket"])
+            if _peer(s) != (state["pid"], os.getuid()):  # the name is not the spare's (it died, another took the name)
+                raise OSError(f"the socket {state['socket']} is not the spare's")
             socket.send_fds(s, [json.dumps({**request, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}).encode()],
                             fds)
     except (OSError, KeyError, TypeError) as e:
@@ -254,15 +254,20 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
     return state["pid"]
 
 
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
 def _end(state: dict) -> None:
     """A spare not taken, ended (if its pid is still a spare's: never another process that got
-    the number), and its socket's folder removed."""
+    the number)."""
     try:
         if b"flows.servers.spares" in Path(f"/proc/{state['pid']}/cmdline").read_bytes():
             os.kill(state["pid"], signal.SIGKILL)
     except OSError:
         pass
-    shutil.rmtree(os.path.dirname(state["socket"]), ignore_errors=True)
 
 
 class Adopted:
@@ -379,8 +384,7 @@ def _take_claim(listener: socket.socket) -> tuple[dict, list[int]]:
     while True:
         conn, _ = listener.accept()
         with conn:
-            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid():
+            if _peer(conn)[1] != os.getuid():  # any user may connect to an abstract socket: only ours are heard
                 continue
             message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 8)
             if message:
@@ -442,11 +446,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process it becomes ends as its own does (its input closing)
     before = code_files()  # the code its imports read
-    private = tempfile.mkdtemp(prefix="campaign-spare-")  # 0700: only this user's processes reach the socket
+    name = f"campaign-spare-{secrets.token_hex(16)}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(os.path.join(private, "claim"))
+    listener.bind("\0" + name)
     listener.listen(8)
-    state = {"pid": os.getpid(), "uid": os.getuid(), "kind": kind, "python": sys.executable, "socket": listener.getsockname(),
+    state = {"pid": os.getpid(), "uid": os.getuid(), "kind": kind, "python": sys.executable, "socket": name,
              "fingerprint": fingerprint(before), "env": env_digest(dict(os.environ))}
     write_json_atomic(state_path(folder, kind), state, durable=False)
     if kind == "zygote":  # as a launch's zygote imports (training/launch.py's launch_env, tasks/trial.py)
@@ -462,7 +466,6 @@ def main(argv: list[str] | None = None) -> None:
     write_json_atomic(folder / FOLDER / READY.format(kind), {"pid": os.getpid(), "files": files}, durable=False)
     request, fds = _take_claim(listener)
     listener.close()
-    shutil.rmtree(private, ignore_errors=True)
     # The launch's now: out of the server's session (its stop must not end a campaign's hub or
     # zygote), not dying with it, in the launch's folder, on the launch's cores.
     os.setsid()
