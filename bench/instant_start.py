@@ -9,7 +9,7 @@ campaign (params.yaml, a fresh runs folder and MLflow store each round) launched
 - again with nothing left to train (every trial finished): the no-op relaunch.
 
 Rounds alternate the order of the cases. Before each launch the bench waits until the warm
-folder's resident server has its spares ready (flows/servers/spares.py: it makes them while no
+folder's resident server has its spares ready (tasks/spares.py: it makes them while no
 launch of the folder runs, ~3 s of CPU after each warm launch), so that no launch shares the
 host with their imports. The times are the launch's own `--timings` marks (seconds since
 the command's process started): "first training step" is the first step of any trial, seen in
@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # flows.servers.spares: where the resident server's spares say they are ready
+sys.path.insert(0, str(ROOT))  # tasks.spares: where the resident server's spares say they are ready
 MARK = re.compile(r"timings\s+([\d.]+) s\s+\(\+[\d.]+ s\)\s+(.*)")
 
 
@@ -69,7 +69,7 @@ def launch(folder: Path, server: str, spares: str = "on") -> tuple[dict[str, flo
 
 def settle(folder: Path, timeout_s: float = 90.0) -> bool:
     """Wait until the folder's resident server has a spare of each kind ready (False: not in time)."""
-    from flows.servers.spares import KINDS, ready, state_path
+    from tasks.spares import KINDS, ready, state_path
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

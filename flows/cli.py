@@ -131,9 +131,9 @@ def _prestart_warm_workers(spec, trials, inventory, requests) -> None:
     except (LeaseError, LeaseStoreError):  # the flow reports the lease file's problem itself
         return
     if first := warm_first_wave(spec, trials, inventory, requests, usage):
-        from flows.servers.spares import adopt_zygote
+        from tasks.spares import adopt_zygote
 
-        adopt_zygote(Path.cwd())  # the resident server's, torch imported already (flows/servers/spares.py), if it has one
+        adopt_zygote(Path.cwd())  # the resident server's, torch imported already (tasks/spares.py), if it has one
     prestart_warm_workers(first, Path.cwd())
 
 

@@ -80,8 +80,8 @@ class MetricsHub:
     @staticmethod
     def _spare(listen_fd: int, answer_fd: int, args: list[str], env: dict[str, str]):
         """The folder's resident server's spare hub, MLflow imported already, as this hub
-        (flows/servers/spares.py), given what the hub would be started with; None if none is taken."""
-        from flows.servers.spares import Adopted, claim
+        (tasks/spares.py), given what the hub would be started with; None if none is taken."""
+        from tasks.spares import Adopted, claim
 
         stdin_read, stdin_write = os.pipe()
         try:

@@ -316,6 +316,21 @@ def _zygote_for(python: str, cwd: Path) -> Zygote:
         return _zygotes[key]
 
 
+def adopt_zygote(python: str, cwd: Path, take: Callable[[dict[str, str]], Zygote | None]) -> bool:
+    """Make the campaign's zygote for this interpreter and folder one that `take` gives (the
+    resident server's spare: tasks/spares.py), given the environment this module would start
+    one with; False if the campaign has one already or `take` gives none."""
+    with _zygotes_lock:
+        key = (python, str(cwd))
+        if key in _zygotes:
+            return False
+        zygote = take({**os.environ, **launch_env(), TRIAL_MARK: _trial_mark})
+        if zygote is None:
+            return False
+        _zygotes[key] = zygote
+        return True
+
+
 class WarmWorker:
     """A `training.worker` process: trials are sent to it one at a time (see that module).
     Forked by the campaign's zygote; started on its own if the zygote cannot fork."""

@@ -1,4 +1,4 @@
-"""The resident server's spares (flows/servers/spares.py): a launch that reports to the folder's
+"""The resident server's spares (tasks/spares.py): a launch that reports to the folder's
 resident server takes its MLflow hub and its warm workers' zygote with their imports done, and
 its campaign's runs, metrics and pictures are all there; the zygote's workers carry the launch's
 marks where the warden and the trials' stop look for them; a spare of another environment or of
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def spare_pids(folder: Path) -> dict[str, int] | None:
     """The pid of each spare, once every one is ready and not taken."""
-    from flows.servers.spares import KINDS, ready, state_path
+    from tasks.spares import KINDS, ready, state_path
 
     pids = {}
     for kind in KINDS:
@@ -86,7 +86,7 @@ def test_a_launch_takes_the_servers_spares_and_its_runs_metrics_and_pictures_are
 
 
 def test_a_spare_is_taken_only_in_its_environment_with_its_code_and_its_zygote_carries_the_launchs_marks(tmp_path, monkeypatch):
-    from flows.servers import spares
+    from tasks import spares
     from tasks import trial
 
     (tmp_path / ".campaign").mkdir()

@@ -121,9 +121,9 @@ class Resident:
             os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
         else:
             os.environ["PREFECT_API_URL"] = self.state["prefect_api"]
-            from flows.servers.spares import offered_by
+            from tasks.spares import offered_by
 
-            offered_by(folder)  # its spare hub and zygote may be taken (flows/servers/spares.py)
+            offered_by(folder)  # its spare hub and zygote may be taken (tasks/spares.py)
         register_client(folder)
 
     @property
@@ -233,9 +233,9 @@ def serve(folder: Path, port: int) -> int:
     write_json_atomic(root / STATE, {"pid": os.getpid(), "uid": os.getuid(), "prefect_api": f"{url}/api", "prefect_url": url,
                                      "started": time.time(), "idle_s": idle_s(), "prefect_home": env["PREFECT_HOME"]})
     limit = idle_s()
-    from flows.servers.spares import Spares
+    from tasks.spares import Spares
 
-    spares = Spares(folder)  # the launches' hub and zygote, imported ahead (flows/servers/spares.py)
+    spares = Spares(folder)  # the launches' hub and zygote, imported ahead (tasks/spares.py)
     try:
         while not stopping and child.poll() is None:
             clients = live_clients(folder)

@@ -143,7 +143,7 @@ def start(folder: Path, kind: str) -> subprocess.Popen:
     if kind == "zygote":  # the environment block its workers inherit: the marks' room
         env.update({mark: PLACEHOLDER for mark in MARKS})
     with open(folder / FOLDER / "server.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "flows.servers.spares", kind, str(folder.resolve())], env=env, cwd=folder,
+        return subprocess.Popen([sys.executable, "-m", "tasks.spares", kind, str(folder.resolve())], env=env, cwd=folder,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -264,7 +264,7 @@ def _end(state: dict) -> None:
     """A spare not taken, ended (if its pid is still a spare's: never another process that got
     the number)."""
     try:
-        if b"flows.servers.spares" in Path(f"/proc/{state['pid']}/cmdline").read_bytes():
+        if b"tasks.spares" in Path(f"/proc/{state['pid']}/cmdline").read_bytes():
             os.kill(state["pid"], signal.SIGKILL)
     except OSError:
         pass
@@ -310,18 +310,9 @@ class Adopted:
 def adopt_zygote(cwd: Path, python: str = sys.executable) -> bool:
     """The campaign's zygote of warm workers (tasks/trial.py) is the resident server's spare, if
     one can be taken: True when it is."""
-    from tasks import trial
+    from tasks.trial import adopt_zygote as adopt
 
-    try:
-        zygotes, lock, env = trial._zygotes, trial._zygotes_lock, {**os.environ, **trial.launch_env(), trial.TRIAL_MARK: trial._trial_mark}
-    except AttributeError:  # not the trial module this was written for: its own zygote, as always
-        return False
-    if python != sys.executable:
-        return False
-    with lock:
-        key = (python, str(cwd))
-        if key in zygotes:
-            return False
+    def take(env: dict[str, str]) -> "AdoptedZygote | None":
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             pid = claim("zygote", [theirs.fileno()], {"serves": str(cwd), "zygote_env": {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}})
@@ -329,9 +320,10 @@ def adopt_zygote(cwd: Path, python: str = sys.executable) -> bool:
             theirs.close()
         if pid is None:
             mine.close()
-            return False
-        zygotes[key] = AdoptedZygote(mine, pid, str(cwd))
-    return True
+            return None
+        return AdoptedZygote(mine, pid, str(cwd))
+
+    return python == sys.executable and adopt(python, cwd, take)
 
 
 class AdoptedZygote(Zygote):
