@@ -331,18 +331,9 @@ class AdoptedZygote(Zygote):
     and answers on `control`, its process watched through a pidfd."""
 
     def __init__(self, control: socket.socket, pid: int, serves: str) -> None:  # noqa: super().__init__ starts a process
-        import queue
-        import threading
-
         self.new_session, self.serves, self.socket = True, serves, control
         self.proc = Adopted(pid)
-        self.exits: dict[int, int] = {}
-        self.children: set[int] = set()
-        self.changed = threading.Condition()
-        self.started: queue.Queue[int | str] = queue.Queue()
-        self.fork_lock = threading.Lock()
-        self.gone: str | None = None
-        threading.Thread(target=self._read, name="zygote", daemon=True).start()
+        self._follow()
 
 
 # --- the spare's side -----------------------------------------------------------------------

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from test_faults import wait_until
+from test_tracking_hub import two_trials_whole
 from training.process import process_running
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,15 +66,7 @@ def test_a_launch_takes_the_servers_spares_and_its_runs_metrics_and_pictures_are
             assert f"the resident server's spare {kind} taken (its imports done)" in done.stdout, done.stdout
         assert "first training step" in done.stdout
 
-        client = MlflowClient(tracking_uri=uri)
-        runs = client.search_runs([client.get_experiment_by_name("spared").experiment_id])
-        parent = next(r for r in runs if r.data.tags.get("campaign.kind") == "campaign")
-        trials = [r for r in runs if r.data.tags.get("campaign.kind") == "trial"]
-        assert parent.info.status == "FINISHED" and parent.data.tags["summary.finished"] == "2"
-        assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"curves", "summary.json", "timeline"}
-        assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
-        for run in trials:  # the trainers' metrics, through the spare hub's socket
-            assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
+        two_trials_whole(uri, "spared")  # the trainers' metrics through the spare hub's socket among them
         # The spares it took ended with the campaign; the server makes new ones, and ends them when it stops.
         wait_until(lambda: not any(process_running(pid) for pid in taken.values()), 60, "a spare the launch took outlived it")
         again = spares_ready(tmp_path)

@@ -137,16 +137,26 @@ def test_campaign_launch_imports_neither_mlflow_nor_matplotlib_and_its_runs_pict
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"mlflow": False, "matplotlib": False}
 
+    for run in two_trials_whole(uri, "hubbed"):  # the sampler's metrics and the closing tags
+        assert any(k.startswith("system/") for k in run.data.metrics) and run.data.tags["system.devices"]
+        assert run.data.tags["final.step"] == "6" and run.data.tags["world_size"] == "1"
+    assert (tmp_path / "runs" / "hubbed" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "hubbed" / "timeline.png").stat().st_size > 0
+
+
+def two_trials_whole(uri: str, experiment: str) -> list:
+    """The campaign's MLflow runs of a two-trial, 6-step campaign, all there: its parent
+    finished with its pictures and summary, each trial finished with every step's train_loss
+    (the trainers' metrics, through the hub's socket). Returns the trials' runs."""
+    from mlflow import MlflowClient
+
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("hubbed").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     parent = next(r for r in runs if r.data.tags.get("campaign.kind") == "campaign")
     trials = [r for r in runs if r.data.tags.get("campaign.kind") == "trial"]
     assert parent.info.status == "FINISHED" and parent.data.tags["summary.finished"] == "2"
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"curves", "summary.json", "timeline"}
     assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
-    for run in trials:  # the trainers' metrics (through the hub's socket), the sampler's and the closing tags
+    for run in trials:
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
-        assert any(k.startswith("system/") for k in run.data.metrics) and run.data.tags["system.devices"]
-        assert run.data.tags["final.step"] == "6" and run.data.tags["world_size"] == "1"
-    assert (tmp_path / "runs" / "hubbed" / "curves.png").stat().st_size > 0
-    assert (tmp_path / "runs" / "hubbed" / "timeline.png").stat().st_size > 0
+    return trials

@@ -220,6 +220,10 @@ class Zygote:
         self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                      pass_fds=(theirs.fileno(),), start_new_session=new_session)
         theirs.close()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Keep what the zygote says of its children, read on a thread of its own."""
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
         self.changed = threading.Condition()
