@@ -487,6 +487,14 @@ def _refuse_if_stopping(config: TrialConfig, refused: str = "not launched") -> N
         raise TrialStopped(f"trial {config.trial_id}: {refused}, its leases were lost")
 
 
+def _take_idle(key: str) -> WarmWorker | None:
+    """An idle live worker for `key`, taken off the idle list (called under _live_lock)."""
+    idle = [w for w in _idle_workers.get(key, []) if w.alive]
+    worker = idle.pop() if idle else None
+    _idle_workers[key] = idle
+    return worker
+
+
 def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
     with _live_lock:
         handed = _handed.pop(config.trial_id, None)
@@ -496,9 +504,7 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
         handed.done.wait()
         return handed.code
     with _live_lock:
-        idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
-        worker = idle.pop() if idle else None
-        _idle_workers[warm_key(plan)] = idle
+        worker = _take_idle(warm_key(plan))
     if worker is None:  # outside the lock: a fork waits for the zygote's imports (seconds, at a campaign's start)
         worker = WarmWorker(plan.command, plan.env, plan.cwd)
     with _live_lock:
@@ -567,9 +573,7 @@ def stage_successor(trial_id: str, successor: Successor) -> None:
         if trial_id not in _ended:
             _successors[trial_id] = successor
             return
-        idle = [w for w in _idle_workers.get(warm_key(successor.plan), []) if w.alive]
-        worker = idle.pop() if idle else None
-        _idle_workers[warm_key(successor.plan)] = idle
+        worker = _take_idle(warm_key(successor.plan))
     if worker is not None and not _hand_over(worker, successor):
         with _live_lock:
             _idle_workers.setdefault(worker.key, []).append(worker)
@@ -587,9 +591,7 @@ def start_in_idle_worker(plan: LaunchPlan, config: TrialConfig) -> bool:
     submitted next, finds it running: see _Handed); False if none is idle. The trial's
     lease is held and its config complete."""
     with _live_lock:
-        idle = [w for w in _idle_workers.get(warm_key(plan), []) if w.alive]
-        worker = idle.pop() if idle else None
-        _idle_workers[warm_key(plan)] = idle
+        worker = _take_idle(warm_key(plan))
     if worker is None:
         return False
     if _start_handed(worker, plan, config):
