@@ -292,6 +292,26 @@ class LeaseStore:
             )
         return True
 
+    def grant(self, holder: str) -> dict[str, object]:
+        """What this store object knows of `holder`'s grant, for another process's store to
+        `adopt` (a warm worker passes its device on in a lease transaction of its own:
+        tasks/warm_worker.py, and its campaign renews the lease from then on)."""
+        held = self._held[holder]
+        return {"claims": dict(held.claims), "capacity": dict(held.capacity), "pid": held.pid,
+                "generation": held.generation, "acquired_at": held.acquired_at, "epoch": held.epoch}
+
+    def adopt(self, holder: str, grant: Mapping[str, object]) -> None:
+        """Hold `holder`'s leases as another store object granted them (`grant`): renewed,
+        re-registered after a rebuild and fenced from this one from now on."""
+        with self._held_lock:
+            self._held[holder] = _Held(dict(grant["claims"]), dict(grant["capacity"]), int(grant["pid"]),
+                                       str(grant["generation"]), float(grant["acquired_at"]), int(grant["epoch"]))
+
+    def forget(self, holder: str) -> None:
+        """`holder`'s leases were given back by another store object (see `adopt`)."""
+        with self._held_lock:
+            self._held.pop(holder, None)
+
     def fence(self, holder: str) -> dict[str, object]:
         """What a holder's workers need to watch its lease themselves (training.fence): the
         file, the holder, its grant's epoch and the renew deadline's rule."""

@@ -59,7 +59,7 @@ PACKAGES = ("cluster", "flows", "tasks", "training")
 KINDS = {
     "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
             "mlflow.store.tracking.sqlalchemy_store"),
-    "zygote": ("training.worker",),
+    "zygote": ("tasks.warm_worker",),
 }
 # The marks the launch's processes carry (flows/run/warden.py, tasks/trial.py): 16 hex digits each.
 MARKS = ("CAMPAIGN_WARDEN_MARK", "CAMPAIGN_TRIAL_MARK")
@@ -411,7 +411,7 @@ def _become_zygote(request: dict, fds: list[int], fresh: bool) -> None:
     os.close(null)
     env = request["zygote_env"]
     if not fresh or not _write_marks(env):
-        _exec(["-m", "training.zygote", "--fd", str(control), "--for", request["serves"], "--preload", "training.worker"], env,
+        _exec(["-m", "training.zygote", "--fd", str(control), "--for", request["serves"], "--preload", KINDS["zygote"][0]], env,
               [control])
     os.environ.clear()
     os.environ.update(env)

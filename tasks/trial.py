@@ -10,6 +10,7 @@ infrastructure failure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,6 +124,7 @@ def stop_launched_trials(grace_s: float = STOP_GRACE_S) -> list[str]:
     Returns only when their process groups are gone (or were killed)."""
     with _live_lock:
         _stopped.set()
+        _drop_tickets()  # no worker starts a staged trial from now on
         groups = dict(_live_groups)
     stop_process_groups(list(groups), grace_s)
     end_processes(left_behind(), STRAY_GRACE_S)
@@ -145,6 +148,7 @@ def kill_every_trial_process() -> None:
     """SIGKILL, now, every process of this campaign's trials (a stop that ran out of time)."""
     with _live_lock:
         _stopped.set()
+        _drop_tickets()
         groups = list(_live_groups)
     for pgid in groups:
         signal_group(pgid, signal.SIGKILL)
@@ -290,9 +294,12 @@ def plan_node_launch(config: TrialConfig, devices: Sequence[Device], cwd: Path, 
     return LaunchPlan(command, env, cwd, config_path, log_path)
 
 
+WORKER_MODULE = "tasks.warm_worker"  # training.worker, passing its device on to the trial staged after its own
+
+
 def _warm_command(device: Device, python: str) -> tuple[list[str], dict[str, str]]:
     """A warm worker's command and the env that binds it to `device`."""
-    return [python, "-m", "training.worker"], {**visible_devices_env([device]), **launch_env()}
+    return [python, "-m", WORKER_MODULE], {**visible_devices_env([device]), **launch_env()}
 
 
 def _torchrun_dies_with_campaign() -> None:
@@ -311,7 +318,7 @@ def _zygote_for(python: str, cwd: Path) -> Zygote:
     with _zygotes_lock:
         key = (python, str(cwd))
         if key not in _zygotes:
-            _zygotes[key] = Zygote(["training.worker"], cwd, {**os.environ, **launch_env(), TRIAL_MARK: _trial_mark}, python,
+            _zygotes[key] = Zygote([WORKER_MODULE], cwd, {**os.environ, **launch_env(), TRIAL_MARK: _trial_mark}, python,
                                    new_session=True)
         return _zygotes[key]
 
@@ -332,11 +339,12 @@ def adopt_zygote(python: str, cwd: Path, take: Callable[[dict[str, str]], Zygote
 
 
 class WarmWorker:
-    """A `training.worker` process: trials are sent to it one at a time (see that module).
-    Forked by the campaign's zygote; started on its own if the zygote cannot fork."""
+    """A `training.worker` process (tasks/warm_worker.py): trials are sent to it one at a time
+    (see that module). Forked by the campaign's zygote; started on its own if the zygote cannot fork."""
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path):
         self.key = _key(command, env, cwd)
+        self.reply: dict = {}  # the worker's last answer (wait)
         self.plan_env = env
         self.env = {**os.environ, **env}  # what the process was started with
         try:
@@ -359,7 +367,7 @@ class WarmWorker:
         stdin_read, stdin_write = os.pipe()
         reply_read, reply_write = os.pipe()
         try:
-            self.proc = zygote.fork("training.worker", ["--reply-fd", "{fd1}"], self.env, cwd, fds=[stdin_read, reply_write], stdin=True,
+            self.proc = zygote.fork(WORKER_MODULE, ["--reply-fd", "{fd1}"], self.env, cwd, fds=[stdin_read, reply_write], stdin=True,
                                     name="warm worker")
         except BaseException:
             os.close(stdin_write)
@@ -371,18 +379,20 @@ class WarmWorker:
         self.proc.stdin = os.fdopen(stdin_write, "w")
         return os.fdopen(reply_read, "r")
 
-    def run(self, plan: LaunchPlan) -> int:
+    def run(self, plan: LaunchPlan, trial_id: str) -> int:
         """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""
-        return self.wait() if self.send(plan) else self.wait(sent=False)
+        return self.wait() if self.send(plan, trial_id) else self.wait(sent=False)
 
-    def send(self, plan: LaunchPlan) -> bool:
+    def send(self, plan: LaunchPlan, trial_id: str) -> bool:
         """Give the worker its next trial (it starts at once: it serves one at a time); False
-        if the worker is gone."""
+        if the worker is gone. The worker starts the trial staged after it, if any, from its
+        ticket (tasks/warm_worker.py)."""
         # The trial sees the campaign's environment of now, as a new process would: a worker
         # started before the campaign's loop (prestart_warm_workers) learns its metrics hub here.
         now = {**os.environ, **self.plan_env}
         changed = {k: v for k, v in now.items() if self.env.get(k) != v}
-        request = {"config": str(plan.config_path), "log": str(plan.log_path), "env": changed, "unset": sorted(set(self.env) - set(now))}
+        request = {"config": str(plan.config_path), "log": str(plan.log_path), "env": changed, "unset": sorted(set(self.env) - set(now)),
+                   "next": str(_ticket_path(trial_id))}
         self.env = now
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
@@ -398,7 +408,9 @@ class WarmWorker:
         except (OSError, ValueError):
             line = ""
         if line:
-            return int(json.loads(line)["code"])
+            self.reply = json.loads(line)
+            return int(self.reply["code"])
+        self.reply = {}
         self.close()
         return self.proc.returncode if self.proc.returncode is not None else 1
 
@@ -476,6 +488,11 @@ def close_warm_workers() -> None:
         _zygotes.clear()
     for zygote in zygotes:
         zygote.close()
+    global _tickets
+    with _live_lock:
+        tickets, _tickets = _tickets, None
+    if tickets is not None:
+        shutil.rmtree(tickets, ignore_errors=True)
 
 
 def _refuse_if_stopping(config: TrialConfig, refused: str = "not launched") -> None:
@@ -516,22 +533,31 @@ def _run_warm(plan: LaunchPlan, config: TrialConfig) -> int:
         _live_groups[worker.proc.pid] = config.trial_id  # its own session: the group id is its pid
     code = None
     try:
-        code = worker.run(plan)
+        code = worker.run(plan, config.trial_id)
         return code
     finally:
         _after_trial(worker, config, code)
 
 
 def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> None:
-    """The worker's trial ended (`code`; None: this thread was interrupted): the worker starts
-    the trial staged after it (hand_over), waits for the next one, or is discarded."""
+    """The worker's trial ended (`code`; None: this thread was interrupted): the worker has
+    started the trial staged after it (its ticket: tasks/warm_worker.py), starts it now (the
+    ticket was written after the worker looked), waits for the next one, or is discarded."""
     with _live_lock:
         _live_groups.pop(worker.proc.pid, None)
         keep = code == 0 and worker.alive and not _stopped.is_set()
         successor = _successors.pop(config.trial_id, None)
+    passed = worker.reply.get("next") if code == 0 else None  # what the worker did with the ticket it took
+    if passed is not None and passed.get("started"):
+        if keep and successor is not None and _adopt(worker, successor, passed):
+            return
+        worker.discard()  # the trial it started is stopped with it (the campaign stops) ...
+        if successor is not None:
+            successor.abandon()  # ... before its lease is given back
+        return
     if not keep:
         worker.discard()
-    elif not (successor is not None and _hand_over(worker, successor)):
+    elif not (passed is None and successor is not None and _claim_ticket(config.trial_id) and _hand_over(worker, successor)):
         with _live_lock:
             _idle_workers.setdefault(worker.key, []).append(worker)  # warm for the next trial
             _ended.add(config.trial_id)  # a successor staged from now on starts in an idle worker at once
@@ -542,13 +568,22 @@ def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> N
 @dataclass
 class Successor:
     """A trial the campaign staged to run next in the warm worker of a running one, on its
-    device. When that one has ended, `take_over` (the campaign's: the device's lease moved
-    to the successor, its config written, its allocation logged) returns the successor's
-    config, or None when it cannot start now (it then starts the usual way); the worker
-    starts it at once: no round trip through the campaign's loop and its task runs between
-    one trial's end and the next one's first step."""
+    device: no round trip through the campaign's loop and its task runs between one trial's
+    end and the next one's first step. The worker itself moves the device's lease to it and
+    starts it, from the ticket the campaign writes at once (`config`, `lease`: see
+    tasks/warm_worker.py), and the campaign `adopt`s what it did (the grant: its lease renewed
+    from then on; returns the successor's config with its lease). If the worker could not
+    look for the ticket in time (written after its trial ended), `take_over` does it in the
+    campaign (the lease moved, its config returned; None when it cannot start now: it then
+    starts the usual way). `abandon`: the successor was started and stopped again at once
+    (the campaign stops): its lease is given back."""
     plan: LaunchPlan
+    config: TrialConfig  # without its lease
+    lease: dict  # the worker's lease transaction (tasks/warm_worker.py's ticket)
     take_over: Callable[[], TrialConfig | None]
+    adopt: Callable[[dict], TrialConfig]
+    abandon: Callable[[], None]
+    env: dict[str, str] = field(default_factory=dict)  # the environment its ticket gives the worker
 
 
 @dataclass
@@ -564,6 +599,44 @@ class _Handed:
 _successors: dict[str, Successor] = {}  # a running trial -> the one staged after it
 _ended: set[str] = set()  # trials whose warm worker ended them well with nothing staged after: it went idle
 _handed: dict[str, _Handed] = {}  # a trial started by hand_over whose task has not yet taken it
+_tickets: Path | None = None  # this campaign's folder of tickets (private: they carry its environment)
+
+
+def _ticket_path(trial_id: str) -> Path:
+    """Where the ticket of the trial staged after `trial_id` is (see tasks/warm_worker.py)."""
+    global _tickets
+    if _tickets is None:
+        _tickets = Path(tempfile.mkdtemp(prefix="campaign-handover-"))
+    return _tickets / f"after-{trial_id}.json"
+
+
+def _write_ticket(trial_id: str, successor: Successor) -> None:
+    plan, config = successor.plan, successor.config
+    successor.env = {**os.environ, **plan.env}
+    request = {"config": str(plan.config_path), "log": str(plan.log_path), "env": successor.env, "unset": [],
+               "next": str(_ticket_path(config.trial_id))}
+    ticket = {"trial": config.trial_id, "request": request, "config": dataclasses.asdict(config), "lease": successor.lease}
+    write_atomic(_ticket_path(trial_id), json.dumps(ticket).encode(), durable=False)  # whole or not at all: renamed into place
+
+
+def _claim_ticket(trial_id: str) -> bool:
+    """Take back the ticket after `trial_id` before its worker does; False if it took it (or there is none)."""
+    try:
+        _ticket_path(trial_id).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def ticket_taken(trial_id: str) -> bool:
+    """Whether the worker of `trial_id` took the ticket after it: its lease is passed on, not lost."""
+    return _tickets is not None and (_tickets / f"after-{trial_id}.json.taken").exists()
+
+
+def _drop_tickets() -> None:
+    """No trial starts from a ticket any more (the campaign stops or ends)."""
+    for trial_id in list(_successors):
+        _claim_ticket(trial_id)
 
 
 def stage_successor(trial_id: str, successor: Successor) -> None:
@@ -572,6 +645,7 @@ def stage_successor(trial_id: str, successor: Successor) -> None:
     with _live_lock:
         if trial_id not in _ended:
             _successors[trial_id] = successor
+            _write_ticket(trial_id, successor)
             return
         worker = _take_idle(warm_key(successor.plan))
     if worker is not None and not _hand_over(worker, successor):
@@ -583,7 +657,10 @@ def unstage_successor(trial_id: str) -> bool:
     """What was staged after `trial_id` is no longer; False if it was not staged (any more):
     its take-over began, or it never was."""
     with _live_lock:
-        return _successors.pop(trial_id, None) is not None
+        if trial_id not in _successors or not _claim_ticket(trial_id):
+            return False
+        del _successors[trial_id]
+        return True
 
 
 def start_in_idle_worker(plan: LaunchPlan, config: TrialConfig) -> bool:
@@ -620,6 +697,24 @@ def _hand_over(worker: WarmWorker, successor: Successor) -> bool:
     return config is not None and _start_handed(worker, successor.plan, config)
 
 
+def _adopt(worker: WarmWorker, successor: Successor, passed: dict) -> bool:
+    """The worker started the staged trial itself (`passed`: its reply): the campaign takes
+    over its lease and follows it. False if it cannot (the campaign stops): it is stopped."""
+    try:
+        config = successor.adopt(passed["grant"])
+    except Exception as e:
+        log.warning("the trial the warm worker started next is stopped: %s: %s", e.__class__.__name__, e)
+        return False
+    worker.env = {**worker.env, **successor.env}  # what the worker's environment is now (see WarmWorker.send)
+    with _live_lock:
+        if campaign_stopping(config.trial_id):
+            return False
+        _live_groups[worker.proc.pid] = config.trial_id
+        _handed[config.trial_id] = handed = _Handed(float(passed["at"]), int(passed["offset"]))
+    _follow_in_thread(worker, config, handed)
+    return True
+
+
 def _start_handed(worker: WarmWorker, plan: LaunchPlan, config: TrialConfig) -> bool:
     """Send `worker` the trial (its lease held) ahead of its task, followed by a thread of its own."""
     trial_dir = Path(config.trial_dir)
@@ -630,12 +725,16 @@ def _start_handed(worker: WarmWorker, plan: LaunchPlan, config: TrialConfig) -> 
         if campaign_stopping(config.trial_id):
             return False
         offset = plan.log_path.stat().st_size if plan.log_path.exists() else 0
-        if not worker.send(plan):
+        if not worker.send(plan, config.trial_id):
             return False
         _live_groups[worker.proc.pid] = config.trial_id
         _handed[config.trial_id] = handed = _Handed(time.time(), offset)
-    threading.Thread(target=_follow, args=(worker, config, handed), name=f"warm {config.trial_id}", daemon=True).start()
+    _follow_in_thread(worker, config, handed)
     return True
+
+
+def _follow_in_thread(worker: WarmWorker, config: TrialConfig, handed: _Handed) -> None:
+    threading.Thread(target=_follow, args=(worker, config, handed), name=f"warm {config.trial_id}", daemon=True).start()
 
 
 def _follow(worker: WarmWorker, config: TrialConfig, handed: _Handed) -> None:

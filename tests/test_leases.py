@@ -607,3 +607,28 @@ def test_a_holder_passes_its_device_on_in_one_transaction_and_a_waiting_campaign
     assert not store.acquire("c/c@1", whole, CAP, campaign="c", instead_of="c/b@1")
     assert store.leases() == []  # given back all the same
     assert store.acquire("other/x@1", whole, CAP, campaign="other")
+
+
+def test_a_lease_another_process_passed_on_is_adopted_renewed_and_never_called_lost(tmp_path):
+    """A warm worker moves the device from the ended trial to the next in its own store object
+    (tasks/warm_worker.py): the campaign's store adopts the grant (renewed and fenced from then
+    on), and its heartbeat, renewing the ended holder before it heard, counts it passed on, not lost."""
+    import threading
+
+    from flows.run.live import LeaseHeartbeat
+
+    campaign, worker = LeaseStore(tmp_path / "leases.db"), LeaseStore(tmp_path / "leases.db")
+    whole = {"d0": 10}
+    assert campaign.acquire("c/a@1", whole, CAP, campaign="c")
+    asked, lost = threading.Event(), []
+    beat = LeaseHeartbeat(campaign, period_s=0.02, on_lost=lost.append, passed_on=lambda holder: asked.set() or holder == "c/a@1")
+    beat.add("c/a@1")
+    assert worker.acquire("c/b@1", whole, CAP, pid=os.getpid(), campaign="c", instead_of="c/a@1")
+    assert asked.wait(10)
+    campaign.adopt("c/b@1", worker.grant("c/b@1"))
+    campaign.forget("c/a@1")
+    beat.passed("c/a@1", "c/b@1")
+    assert campaign.fence("c/b@1") == worker.fence("c/b@1")
+    campaign.renew("c/b@1")  # its own now: renewed as if it had acquired it
+    beat.close()
+    assert lost == [] and campaign.leases() == []  # and given back with the campaign's others at its end

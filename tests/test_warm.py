@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from conftest import wait_for
 from training.process import group_alive
 import torch
 
+from cluster.leases import LeaseStore
 from tasks import trial as trial_module
 from tasks.trial import accept_launches, apply_launch, close_warm_workers, plan_launch, stop_launched_trials
 from training.checkpoint import load_model_weights
@@ -49,7 +51,7 @@ def torchrun(cfg: TrialConfig) -> dict[str, torch.Tensor]:
 def warm(cfg: TrialConfig, tmp_path: Path) -> int:
     Path(cfg.trial_dir).mkdir(parents=True, exist_ok=True)
     plan = plan_launch(cfg, [_slot()], tmp_path, warm=True)
-    assert plan.warm and plan.command[-1] == "training.worker"
+    assert plan.warm and plan.command[-1] == trial_module.WORKER_MODULE
     return apply_launch(plan, cfg)
 
 
@@ -72,34 +74,56 @@ def test_a_warm_worker_trains_one_trial_after_another_each_in_its_own_log(tmp_pa
         assert cfg.trial_id in (Path(cfg.trial_dir) / "train.log").read_text()
 
 
-def test_a_staged_trial_starts_in_the_worker_as_the_one_before_it_ends_and_only_when_its_take_over_says_so(tmp_path, digits_npz):
-    """tasks.trial.Successor: the take-over runs once the first trial's result is written;
-    the second trial then runs in the same worker before its own launch is applied (which
-    finds it running and waits for its end). A take-over that says no starts nothing: the
-    worker waits idle, and the third trial is launched the usual way."""
+CAPACITY = {"cpu0": 2}
+
+
+def successor(cfg: TrialConfig, tmp_path: Path, store: LeaseStore, after: str, *, claims: dict | None = None, take_over=None,
+              seen: list | None = None) -> trial_module.Successor:
+    """A trial staged after `after` (its lease holder: `after`'s name), as CampaignRun.stage makes one: its
+    worker moves the device's lease to `c/<trial>` itself; the campaign adopts what it granted."""
+    holder = f"c/{cfg.trial_id}"
+    lease = {"db": str(store.path), "timeout_s": store.heartbeat_timeout_s, "holder": holder, "instead_of": f"c/{after}",
+             "claims": claims or CAPACITY, "capacity": CAPACITY, "pid": os.getpid(), "campaign": "c"}
+
+    def adopt(grant):
+        store.adopt(holder, grant)
+        seen.append((cfg.trial_id, [l.holder for l in store.leases()]))
+        return dataclasses.replace(cfg, lease=store.fence(holder))
+
+    return trial_module.Successor(plan_launch(cfg, [_slot()], tmp_path, warm=True), cfg, lease, take_over or (lambda: None), adopt,
+                                  lambda: store.release(holder))
+
+
+def test_a_staged_trial_starts_in_the_worker_as_the_one_before_it_ends_under_the_lease_it_passes_on(tmp_path, digits_npz):
+    """tasks/warm_worker.py: once the first trial's result is written, its worker itself moves
+    the device's lease to the staged trial (one transaction of the lease file) and starts it,
+    before the trial's launch is applied (which finds it running and waits for its end); the
+    campaign adopts the grant. A trial staged after its predecessor ended goes through the
+    campaign's take-over, which may say no: the worker then waits idle, and the third trial is
+    launched the usual way."""
     tiny = dict(model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2, warmup_steps=0)
     first, second, third = (config(tmp_path / name, digits_npz, **tiny) for name in ("first", "second", "third"))
-    for cfg in (first, second, third):
-        Path(cfg.trial_dir).mkdir(parents=True)
-    seen = []
-
-    def take_over(cfg, answer):
-        def run():
-            seen.append((cfg.trial_id, Path(first.result_path).exists()))
-            return cfg if answer else None
-        return run
-
+    store = LeaseStore(tmp_path / "leases.db")
+    assert store.acquire("c/first", CAPACITY, CAPACITY)
+    first = dataclasses.replace(first, lease=store.fence("c/first"))
+    seen, asked = [], []
     accept_launches()
     try:
-        plan = lambda cfg: plan_launch(cfg, [_slot()], tmp_path, warm=True)  # noqa: E731
-        trial_module.stage_successor("first", trial_module.Successor(plan(second), take_over(second, True)))
+        trial_module.stage_successor("first", successor(second, tmp_path, store, "first", seen=seen))
         assert warm(first, tmp_path) == 0
-        assert seen == [("second", True)]  # after the first's result
+        assert seen == [("second", ["c/second"])]  # the device passed on: the first's lease gone, in the same transaction
         assert trial_module.handed_over("second") is not None  # running before its launch
+        written = TrialConfig.from_file(trial_files(second.trial_dir).config)
+        assert written.lease == store.fence("c/second") and written.lease["epoch"] > first.lease["epoch"]  # fenced on its own grant
+        assert trial_module.ticket_taken("first") and not trial_module.ticket_taken("second")
         (pgid,) = [g for g, t in trial_module._live_groups.items() if t == "second"]
         assert warm(second, tmp_path) == 0 and trial_module.handed_over("second") is None
-        trial_module.stage_successor("second", trial_module.Successor(plan(third), take_over(third, False)))  # it ended: at once
-        assert seen[-1] == ("third", True) and trial_module.handed_over("third") is None
+
+        def no():
+            asked.append(Path(second.result_path).exists())
+            return None
+        trial_module.stage_successor("second", successor(third, tmp_path, store, "second", take_over=no, seen=seen))  # it ended: at once
+        assert asked == [True] and trial_module.handed_over("third") is None
         (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
         assert worker.proc.pid == pgid  # the one worker served both, and waits
         assert warm(third, tmp_path) == 0
@@ -108,6 +132,52 @@ def test_a_staged_trial_starts_in_the_worker_as_the_one_before_it_ends_and_only_
     for cfg in (first, second, third):
         assert json.loads(Path(cfg.result_path).read_text())["steps"] == 2
         assert (Path(cfg.trial_dir) / "train.log").read_text().count("fresh start") == 1
+
+
+def test_a_worker_that_cannot_have_the_device_passed_on_starts_nothing_and_gives_the_ended_trial_s_back(tmp_path, digits_npz):
+    """Another holder shares the device, and the staged trial wants it whole: the worker's lease
+    transaction gives the first trial's share back and grants nothing; the worker says so,
+    starts nothing and waits idle; the second trial is launched the usual way."""
+    tiny = dict(model={"name": "mlp", "width": 4}, steps=2, checkpoint_every=2, eval_every=2, warmup_steps=0)
+    first, second = (config(tmp_path / name, digits_npz, **tiny) for name in ("first", "second"))
+    store = LeaseStore(tmp_path / "leases.db")
+    assert store.acquire("c/first", {"cpu0": 1}, CAPACITY) and store.acquire("other/x", {"cpu0": 1}, CAPACITY)
+    first = dataclasses.replace(first, lease=store.fence("c/first"))
+    seen = []
+    accept_launches()
+    try:
+        trial_module.stage_successor("first", successor(second, tmp_path, store, "first", seen=seen))
+        assert warm(first, tmp_path) == 0
+        assert seen == [] and trial_module.handed_over("second") is None
+        assert [l.holder for l in store.leases()] == ["other/x"]
+        (worker,) = [w for ws in trial_module._idle_workers.values() for w in ws]
+        assert worker.reply == {"code": 0, "next": {"trial": "second", "started": False}}
+        assert warm(second, tmp_path) == 0
+    finally:
+        close_warm_workers()
+    assert json.loads(Path(second.result_path).read_text())["steps"] == 2
+
+
+def test_a_staged_trial_s_ticket_is_its_worker_s_or_its_campaign_s_never_both(tmp_path, digits_npz):
+    """Unstaging removes the ticket unless the worker took it first (a rename): then it says
+    no, and the heartbeat counts the ended trial's lease as passed on, not lost."""
+    from tasks.warm_worker import take_ticket
+
+    store = LeaseStore(tmp_path / "leases.db")
+    staged = successor(config(tmp_path / "second", digits_npz), tmp_path, store, "first", seen=[])
+    try:
+        trial_module.stage_successor("first", staged)
+        ticket = trial_module._ticket_path("first")
+        assert json.loads(ticket.read_text())["lease"]["holder"] == "c/second"
+        assert trial_module.unstage_successor("first") and not ticket.exists()
+        assert take_ticket(str(ticket)) is None  # the worker finds none
+        trial_module.stage_successor("first", staged)
+        assert take_ticket(str(ticket))["trial"] == "second"
+        assert not trial_module.unstage_successor("first") and trial_module.ticket_taken("first")
+    finally:
+        trial_module._successors.clear()
+        close_warm_workers()
+    assert not ticket.parent.exists()  # the campaign's tickets go with it
 
 
 def test_a_worker_started_ahead_serves_the_first_trial_in_the_environment_of_then(tmp_path, digits_npz, monkeypatch):

@@ -10,7 +10,8 @@ with the trial's output in the trial's own train.log.
 Protocol (tasks/trial.py drives it): one JSON line per trial on stdin, `{"config": path,
 "log": path, "env": {name: value}, "unset": [name]}` (the campaign's environment changes
 since the worker started, applied before the trial runs); one JSON line back on the file
-descriptor given by `--reply-fd`, `{"code": 0}` or `{"code": 1}`. A trial that raises is
+descriptor given by `--reply-fd`, `{"code": 0}` or `{"code": 1}` (with what a `next_trial`
+hook adds: the trial it started next without waiting for stdin). A trial that raises is
 reported with code 1 and the worker exits (its state after an exception is not to be
 trusted); end of stdin ends it.
 
@@ -29,6 +30,7 @@ import json
 import os
 import sys
 import traceback
+from typing import IO, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -88,7 +90,28 @@ def run_one(request: dict) -> int:
             torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> None:
+# After a trial ended with `code`: what the reply adds, and the request to run next without
+# waiting for one on stdin (None: the next line of stdin). tasks/warm_worker.py gives one that
+# passes the device on to the trial staged after it.
+NextTrial = Callable[[dict, int], "tuple[dict, dict | None]"]
+
+
+def serve(requests: Iterator[dict], reply: IO[str], next_trial: NextTrial | None = None) -> None:
+    """Run each request's trial and answer it; the first that raises ends the loop."""
+    request = next(requests, None)
+    while request is not None:
+        os.environ.update(request.get("env", {}))
+        for name in request.get("unset", []):
+            os.environ.pop(name, None)
+        code = run_one(request)
+        extra, following = next_trial(request, code) if next_trial is not None and code == 0 else ({}, None)
+        reply.write(json.dumps({"code": code, **extra}) + "\n")
+        if code != 0:
+            break
+        request = following if following is not None else next(requests, None)
+
+
+def main(argv: list[str] | None = None, next_trial: NextTrial | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train one-device trials sent on stdin, one after another.")
     parser.add_argument("--reply-fd", type=int, required=True)
     args = parser.parse_args(argv)
@@ -97,15 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     dump_stacks_on_request()  # a stalled trial's stacks, to its log while it runs (stderr is that log then)
     share_sink()  # one MLflow sink for all the trials of this worker
     with os.fdopen(args.reply_fd, "w", buffering=1) as reply:
-        for line in sys.stdin:
-            request = json.loads(line)
-            os.environ.update(request.get("env", {}))
-            for name in request.get("unset", []):
-                os.environ.pop(name, None)
-            code = run_one(request)
-            reply.write(json.dumps({"code": code}) + "\n")
-            if code != 0:
-                break
+        serve((json.loads(line) for line in sys.stdin), reply, next_trial)
     close_shared_sink()  # every trial's metrics in MLflow before this worker is seen to end
     if _device is not None:
         dist.destroy_process_group()

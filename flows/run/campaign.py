@@ -52,7 +52,7 @@ from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_rec
 from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
 from tasks.tracking_hub import close_metrics_hub, drain_metrics_hub, end_metrics_hub, open_metrics_hub
 from tasks.trial import (Successor, TrialFailed, accept_launches, close_warm_workers, plan_launch, readmit, revoke, run_trial,
-                         stage_successor, start_in_idle_worker, stop_launched_trials, trial_process_groups,
+                         stage_successor, start_in_idle_worker, stop_launched_trials, ticket_taken, trial_process_groups,
                          unstage_successor)
 from tasks.device_settings import check_device_settings
 from training.config import TrialConfig
@@ -71,6 +71,11 @@ BUSY_BACKOFF_S = (0.5, 10.0)  # a locked lease file: first and longest wait befo
 POOL_LOOK_S = 5.0  # how often a pool campaign looks for nodes that joined or left (a worker beats every 5 s)
 # Tests: every trial waits before this step while `<trial_dir>/hold` exists (a step to kill at).
 HOLD_ENV = "CAMPAIGN_HOLD_AT_STEP"
+
+
+def trial_of(holder: str) -> str:
+    """The trial id of a lease holder (CampaignRun.holder: campaign/trial@pid)."""
+    return holder.split("/", 1)[1].rsplit("@", 1)[0]
 
 
 def per_node_counts(devices: list[Device]) -> dict[str, int]:
@@ -181,7 +186,8 @@ class CampaignRun:
         self.parent_run_id = parent_run_id
         self.capacity = {d.id: d.memory_bytes for d in inventory.devices}
         self.store = LeaseStore(lease_db)
-        self.heartbeat = LeaseHeartbeat(self.store, period_s=max(1.0, self.store.heartbeat_timeout_s / 4), on_lost=self.lease_lost)
+        self.heartbeat = LeaseHeartbeat(self.store, period_s=max(1.0, self.store.heartbeat_timeout_s / 4), on_lost=self.lease_lost,
+                                        passed_on=lambda holder: ticket_taken(trial_of(holder)))
         self.results: dict[str, dict[str, Any]] = {}
         self.failed: dict[str, str] = {}
         self.pending: list[Trial] = []
@@ -262,7 +268,7 @@ class CampaignRun:
         return True
 
     def holder(self, trial: Trial) -> str:
-        return f"{self.name}/{trial.id}@{os.getpid()}"
+        return f"{self.name}/{trial.id}@{os.getpid()}"  # trial_of reads it back
 
     def prepare(self, trial: Trial) -> tuple[str, TrialConfig]:
         """The trial's MLflow run (opened, or an earlier launch's found) and its config, without its lease."""
@@ -366,7 +372,11 @@ class CampaignRun:
         staged = Staged(trial, placement, self.holder(trial), run_id, config)
         plan = plan_launch(config, devices, Path.cwd(), warm=True)
         self.staged[after] = staged
-        stage_successor(after, Successor(plan, functools.partial(self.take_over, after, self.root / after, holder, staged)))
+        lease = {"db": str(self.store.path), "timeout_s": self.store.heartbeat_timeout_s, "holder": staged.holder, "instead_of": holder,
+                 "claims": placement.claims(self.capacity), "capacity": dict(self.capacity), "pid": os.getpid(), "campaign": self.name}
+        stage_successor(after, Successor(plan, config, lease, functools.partial(self.take_over, after, self.root / after, holder, staged),
+                                         functools.partial(self.adopt, after, holder, staged),
+                                         functools.partial(self.heartbeat.release, staged.holder)))
         return staged
 
     def seconds_left(self, job: Running, now: float) -> float | None:
@@ -398,12 +408,24 @@ class CampaignRun:
         the usual way then."""
         if completed_result(ended_dir) is None:
             return None
-        claims = staged.placement.claims(self.capacity)
-        if not self.heartbeat.pass_on(ended_holder, staged.holder, claims, self.capacity, self.name):
+        if not self.heartbeat.pass_on(ended_holder, staged.holder, staged.placement.claims(self.capacity), self.capacity, self.name):
             return None
+        return self.taken(ended, staged)
+
+    def adopt(self, ended: str, ended_holder: str, staged: Staged, grant: dict) -> TrialConfig:
+        """In the ended trial's thread: its worker moved the device's lease to the staged trial
+        itself and started it (tasks/warm_worker.py, `grant`); the campaign holds it from now on."""
+        self.store.adopt(staged.holder, grant)
+        self.store.forget(ended_holder)
+        self.heartbeat.passed(ended_holder, staged.holder)
+        return self.taken(ended, staged)
+
+    def taken(self, ended: str, staged: Staged) -> TrialConfig:
+        """The device is the staged trial's now: its config with its lease, its allocation logged."""
         staged.taken = dataclasses.replace(staged.config, lease=self.store.fence(staged.holder))
         log_allocation(self.root, ended, [], "end")
-        log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start", claims[staged.placement.device_ids[0]])
+        log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start",
+                       staged.placement.claims(self.capacity)[staged.placement.device_ids[0]])
         return staged.taken
 
     def draw(self) -> None:
@@ -544,7 +566,7 @@ class CampaignRun:
     def lease_lost(self, holder: str) -> None:
         """The heartbeat found a trial's leases reclaimed: its processes stop now (the devices
         may be another campaign's); `collect` queues it again."""
-        trial_id = holder.split("/", 1)[1].rsplit("@", 1)[0]
+        trial_id = trial_of(holder)
         self.logger.error(f"trial {trial_id}: its leases were reclaimed; stopping it, it resumes from its checkpoint on devices leased again")
         revoke(trial_id)
 

@@ -33,9 +33,13 @@ log = logging.getLogger(__name__)
 class LeaseHeartbeat:
     """Renews this campaign's leases while trials run, so other campaigns see us alive."""
 
-    def __init__(self, store: LeaseStore, period_s: float, on_lost: Callable[[str], None] | None = None):
-        """on_lost(holder): the holder's leases were reclaimed; called once, in a thread of its own."""
+    def __init__(self, store: LeaseStore, period_s: float, on_lost: Callable[[str], None] | None = None,
+                 passed_on: Callable[[str], bool] | None = None):
+        """on_lost(holder): the holder's leases were reclaimed; called once, in a thread of its own.
+        passed_on(holder): whether a warm worker passed the holder's device on to the next trial
+        itself (tasks/warm_worker.py), before the campaign heard of it: gone, not lost."""
         self.store, self.period_s, self.on_lost = store, period_s, on_lost
+        self.passed_on = passed_on or (lambda holder: False)
         self.holders: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -76,6 +80,12 @@ class LeaseHeartbeat:
             self.add(to)
         return granted
 
+    def passed(self, holder: str, to: str) -> None:
+        """A warm worker gave `holder`'s devices to `to` itself (tasks/warm_worker.py): renew `to` from now on."""
+        with self._lock:
+            self.holders.discard(holder)
+            self.holders.add(to)
+
     def release_pending(self) -> None:
         """Give back what `release` could not (raises LeaseStoreBusy while the file stays locked)."""
         for holder in list(self.unreleased):
@@ -99,7 +109,8 @@ class LeaseHeartbeat:
                     self.failures = 0
                 except LeaseLost as e:  # its devices may be another campaign's now: the trial must stop at once
                     with self._lock:
-                        if holder not in self.holders:  # released since the list was taken: given back, not lost
+                        if holder not in self.holders or self.passed_on(holder):  # given back (or on), not lost
+                            self.holders.discard(holder)
                             continue
                         self.holders.discard(holder)
                     log.error("%s", e)
