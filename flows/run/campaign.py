@@ -333,8 +333,11 @@ class CampaignRun:
         for job in self.running.values():
             if not job.warm:
                 continue
-            left, last, holder, depth = self.seconds_left(job, now), job.trial, job.holder, 0
+            left, last, holder, depth = self.seconds_left(job.trial, job.started_at, now), job.trial, job.holder, 0
             while (staged := self.staged.get(last.id)) is not None:
+                if staged.taken_at is not None:  # its worker runs it already (the loop has yet to catch up): the chain's head
+                    left, last, holder, depth = self.seconds_left(staged.trial, staged.taken_at, now), staged.trial, staged.holder, 0
+                    continue
                 last, holder, depth = staged.trial, staged.holder, depth + 1
                 left = left + typical if left is not None and typical is not None else None
             chains.append([left, last, holder, depth, job.devices])
@@ -379,13 +382,13 @@ class CampaignRun:
                                          functools.partial(self.heartbeat.release, staged.holder)))
         return staged
 
-    def seconds_left(self, job: Running, now: float) -> float | None:
-        progress = read_progress(job.trial_dir)
+    def seconds_left(self, trial: Trial, started_at: float, now: float) -> float | None:
+        progress = read_progress(self.root / trial.id)
         step_time = progress.metrics.get("step_time_s") if progress else None
-        steps, stop = job.trial.spec.training.steps, self.spec.early_stopping
+        steps, stop = trial.spec.training.steps, self.spec.early_stopping
         if progress is not None and stop is not None:  # it may be stopped well before its last step
             steps = next_end(progress.step, steps, stop.rule, stop.min_steps, stop.reduction_factor)
-        return seconds_left(progress.step if progress else None, steps, step_time, now - job.started_at, self.finished_s)
+        return seconds_left(progress.step if progress else None, steps, step_time, now - started_at, self.finished_s)
 
     def unstaged_pending(self) -> list[Trial]:
         staged = {s.trial.id for s in self.staged.values()}
@@ -423,6 +426,7 @@ class CampaignRun:
     def taken(self, ended: str, staged: Staged) -> TrialConfig:
         """The device is the staged trial's now: its config with its lease, its allocation logged."""
         staged.taken = dataclasses.replace(staged.config, lease=self.store.fence(staged.holder))
+        staged.taken_at = time.time()
         log_allocation(self.root, ended, [], "end")
         log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start",
                        staged.placement.claims(self.capacity)[staged.placement.device_ids[0]])

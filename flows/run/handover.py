@@ -45,6 +45,7 @@ class Staged:
     run_id: str  # its MLflow run, opened when it was staged
     config: TrialConfig  # without its lease: the take-over adds it
     taken: TrialConfig | None = None  # set by the take-over: the device is its own, its worker was told to start it
+    taken_at: float | None = None  # when (set after `taken`: a chain whose head it is reads both)
 
 
 def seconds_left(step: int | None, steps: int, step_time_s: float | None, running_s: float,
