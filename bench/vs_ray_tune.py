@@ -33,7 +33,9 @@ writes itself (its first step in each process, each report, before the tool sees
 `wall` the command's start to its exit (resume: the launch until the kill, plus the resume);
 `first` the command's start to the first trial's first step (resume: the resume's start to
 its first step); `gap` the median handover: a trial's last report to the next trial's first
-step, the i-th end paired with the (i+2)-th start (2 slots); `best` (asha) the lowest final
+step, the i-th end paired with the (i+2)-th start (2 slots: a device left idle with nothing
+to start counts in it); `gap in one process` the same from each trial's end to the next
+first step in its own process (warm workers, reused actors: the handover alone); `best` (asha) the lowest final
 val_loss of the trials that ran all their steps; `lost` (resume) steps reported before the
 kill and trained again after it.
 
@@ -348,6 +350,24 @@ def handover_gaps(trials: dict[str, list[dict]], slots: int = SLOTS) -> list[flo
     return [starts[i + slots] - ends[i] for i in range(min(len(ends), len(starts) - slots))]
 
 
+def process_gaps(trials: dict[str, list[dict]]) -> list[float]:
+    """Each trial's end (its last report) to the first step of the next trial in the same
+    process: the handover itself, apart from a device left idle with nothing staged for it
+    (which `handover_gaps` counts too). Only where a tool runs trials one after another in one
+    process (the campaign's warm workers, Ray's reused actors)."""
+    by_process: dict[int, list[tuple[float, str, str]]] = {}
+    for trial, events in trials.items():
+        starts = [e for e in events if e["event"] == "first"]
+        reports = [e for e in events if e["event"] == "report"]
+        for e in starts[:1] + reports[-1:]:
+            by_process.setdefault(e["pid"], []).append((e["t"], e["event"], trial))
+    gaps = []
+    for events in by_process.values():
+        events.sort()
+        gaps += [b[0] - a[0] for a, b in zip(events, events[1:]) if a[1] == "report" and b[1] == "first" and a[2] != b[2]]
+    return gaps
+
+
 def best_final(trials: dict[str, list[dict]], steps: int) -> tuple[float | None, int]:
     """(lowest val_loss at the last step, trials that reached it)."""
     finals = [e["val_loss"] for ev in trials.values() for e in ev if e["event"] == "report" and e["step"] == steps]
@@ -371,8 +391,9 @@ def figures(case: Case, marks: Path, starts: list[float], ends: list[float], kil
     firsts = [e["t"] for ev in trials.values() for e in ev if e["event"] == "first" and e["t"] >= starts[-1]]
     out = {"wall": sum(e - s for s, e in zip(starts, ends)), "first": min(firsts) - starts[-1] if firsts else None}
     if killed_at is None:
-        gaps = handover_gaps(trials)
+        gaps, in_process = handover_gaps(trials), process_gaps(trials)
         out["gap"] = statistics.median(gaps) if gaps else None
+        out["gap_process"] = statistics.median(in_process) if in_process else None
     else:
         out["lost"] = lost_steps(trials, killed_at, starts[-1])
     if case.asha:
@@ -546,6 +567,7 @@ def load() -> str:
 def say(mode: str, r: int, side: str, case: Case, got: dict) -> None:
     parts = [f"wall {got['wall']:.2f} s", f"first step {got['first']:.2f} s"]
     parts += [f"gap {got['gap']:.3f} s"] if got.get("gap") is not None else []
+    parts += [f"in one process {got['gap_process']:.3f} s"] if got.get("gap_process") is not None else []
     parts += [f"lost {got['lost']} steps"] if "lost" in got else []
     parts += [f"best val_loss {got['best']:.4f} ({got['finished']} ran all steps)"] if case.asha and got.get("best") else []
     tail = f"; left processes {got['settle']:.1f} s" + (f", {got['killed_left']} killed" if got["killed_left"] else "")
@@ -590,7 +612,7 @@ def table(results: dict, cases: list[Case], modes: list[str]) -> list[str]:
     """Markdown: per mode and case, each side's medians, then campaign / Ray beside the goals."""
     sides = ["campaign", "ray", "ray-reuse"]
     rays = sides[1:]
-    head = ["mode", "case", "side", "rounds", "wall s", "first step s", "gap s (median)", "best val_loss / lost steps"]
+    head = ["mode", "case", "side", "rounds", "wall s", "first step s", "gap s (median)", "gap in one process s", "best val_loss / lost steps"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in modes:
         for case in cases:
@@ -600,7 +622,8 @@ def table(results: dict, cases: list[Case], modes: list[str]) -> list[str]:
                     continue
                 extra = fmt(median([g.get("best") for g in got]), 4) if case.asha else (fmt(median([g.get("lost") for g in got]), 0) if case.kill_at else "")
                 rows.append(f"| {mode} | {case.name} | {side} | {len(got)} | {fmt(median([g['wall'] for g in got]))} | "
-                            f"{fmt(median([g['first'] for g in got]))} | {fmt(median([g.get('gap') for g in got]), 3)} | {extra} |")
+                            f"{fmt(median([g['first'] for g in got]))} | {fmt(median([g.get('gap') for g in got]), 3)} | "
+                            f"{fmt(median([g.get('gap_process') for g in got]), 3)} | {extra} |")
             rows += ratio_rows(results, mode, case, rays)
     return rows
 
@@ -622,9 +645,10 @@ def ratio_rows(results: dict, mode: str, case: Case, rays: list[str]) -> list[st
         goal = {("cold", "ray"): 0.5, ("warm", "ray-reuse"): 0.8}.get((mode, ray))
         wall = median([g["wall"] for g in ours]) / median([g["wall"] for g in theirs])
         first = median([g["first"] for g in ours]) / median([g["first"] for g in theirs])
-        gap = median([g.get("gap") for g in ours])
+        gap, in_process = median([g.get("gap") for g in ours]), median([g.get("gap_process") for g in ours])
         rows.append(f"| {mode} | {case.name} | campaign / {ray} | | {_verdict(wall, goal)} | {_verdict(first, 1)} | "
-                    f"{_verdict(gap, 0.05, ' s', 3) if gap is not None else ''} | |")
+                    f"{_verdict(gap, 0.05, ' s', 3) if gap is not None else ''} | "
+                    f"{_verdict(in_process, 0.05, ' s', 3) if in_process is not None else ''} | |")
     return rows
 
 

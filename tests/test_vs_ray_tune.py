@@ -54,7 +54,20 @@ def test_a_handover_pairs_each_end_with_the_start_that_took_its_slot(tmp_path):
         "c": [("first", 2.25, 0), ("report", 4.0, 2)], "d": [("first", 3.5, 0), ("report", 5.0, 2)],
     })
     assert vs.handover_gaps(vs.read_marks(marks)) == [0.25, 0.5]
+    assert vs.process_gaps(vs.read_marks(marks)) == [0.25, 0.5]  # marked by one process: each end to the start after it
     assert vs.best_final(vs.read_marks(marks), 2) == (1 / 3, 4)
+
+
+def test_a_handover_in_one_process_pairs_a_trial_s_end_with_the_next_start_there(tmp_path):
+    vs = bench()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    events = {"a": [("first", 0.0, 1), ("report", 1.0, 1), ("report", 2.0, 1)], "b": [("first", 0.1, 2), ("report", 3.0, 2)],
+              "c": [("first", 3.75, 2), ("report", 4.0, 2)], "d": [("first", 5.0, 1), ("report", 6.0, 1)]}
+    for trial, evs in events.items():  # a and d in process 1, b and c in process 2
+        (folder / f"{trial}.jsonl").write_text("".join(json.dumps({"event": e, "t": t, "step": 1, "pid": p}) + "\n" for e, t, p in evs))
+    assert sorted(vs.process_gaps(vs.read_marks(folder))) == [0.75, 3.0]  # a's last report (not its first) to d; b to c
+    assert vs.handover_gaps(vs.read_marks(folder)) == [1.75, 2.0]  # first freed, first taken: a's end with c's start, b's with d's
 
 
 def test_steps_lost_to_a_kill_are_those_reported_before_it_and_trained_again(tmp_path):
