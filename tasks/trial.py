@@ -338,6 +338,11 @@ def adopt_zygote(python: str, cwd: Path, take: Callable[[dict[str, str]], Zygote
         return True
 
 
+def _reply_reader(fd: int):
+    """The campaign's end of a worker's reply pipe: unbuffered (see WarmWorker._reply)."""
+    return os.fdopen(fd, "rb", buffering=0)
+
+
 class WarmWorker:
     """A `training.worker` process (tasks/warm_worker.py): trials are sent to it one at a time
     (see that module). Forked by the campaign's zygote; started on its own if the zygote cannot fork."""
@@ -345,6 +350,7 @@ class WarmWorker:
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path):
         self.key = _key(command, env, cwd)
         self.reply: dict = {}  # the worker's last answer (wait)
+        self._unread = b""  # what was read of its replies past the last whole line
         self.plan_env = env
         self.env = {**os.environ, **env}  # what the process was started with
         try:
@@ -359,7 +365,7 @@ class WarmWorker:
             start_new_session=True, preexec_fn=_torchrun_dies_with_campaign, text=True,
         )
         os.close(reply_write)
-        self.replies = os.fdopen(reply_read, "r")
+        self.replies = _reply_reader(reply_read)
 
     def _fork(self, zygote: Zygote, cwd: Path):
         """This worker forked by the zygote: its stdin and reply pipes passed to it; the
@@ -377,7 +383,7 @@ class WarmWorker:
             os.close(stdin_read)
             os.close(reply_write)
         self.proc.stdin = os.fdopen(stdin_write, "w")
-        return os.fdopen(reply_read, "r")
+        return _reply_reader(reply_read)
 
     def run(self, plan: LaunchPlan, trial_id: str) -> int:
         """The trial's exit code: 0, 1 (it raised), or the worker's own if it died (killed: negative)."""
@@ -415,14 +421,23 @@ class WarmWorker:
         return self.proc.returncode if self.proc.returncode is not None else 1
 
     def _reply(self, every_s: float = 0.2) -> str:
-        """The worker's answer line, or "" once the worker has exited without one. Never a wait
-        on the pipe alone: a process its trial left behind (a daemon: fork + setsid) inherits
-        the pipe's writing end and may hold it for good, so that the end of the file never comes."""
-        while True:
+        """The worker's next answer line, or "" once the worker has exited without one. Never a
+        wait on the pipe alone: a process its trial left behind (a daemon: fork + setsid)
+        inherits the pipe's writing end and may hold it for good, so that the end of the file
+        never comes. Read unbuffered, by hand: a worker that started the next trial itself
+        (tasks/warm_worker.py) may have answered for both by the time the first answer is read,
+        and the second must be found here, not in a file object's buffer that select cannot see."""
+        while b"\n" not in self._unread:
             if select.select([self.replies], [], [], every_s)[0]:
-                return self.replies.readline()
-            if self.proc.poll() is not None:  # what it wrote before it exited is readable now, or never
-                return self.replies.readline() if select.select([self.replies], [], [], 0)[0] else ""
+                chunk = self.replies.read(65536)
+                if not chunk:  # the end of the file: it exited
+                    break
+                self._unread += chunk
+            elif self.proc.poll() is not None and not select.select([self.replies], [], [], 0)[0]:
+                break  # it exited, and what it wrote before is all read
+        line, newline, rest = self._unread.partition(b"\n")
+        self._unread = rest if newline else b""
+        return line.decode() if newline else ""
 
     @property
     def alive(self) -> bool:

@@ -342,3 +342,30 @@ def test_a_stopping_campaign_ends_a_busy_warm_worker(tmp_path, digits_npz):
     assert codes and codes[0] != 0 and not trial_module._idle_workers.get(trial_module.warm_key(plan_launch(held, [_slot()], tmp_path, warm=True)))
     accept_launches()
     close_warm_workers()
+
+
+def test_two_answers_that_come_together_are_both_read_the_second_after_the_first():
+    """A worker that started the next trial itself answers for both, one line after the other,
+    and the second may be in the pipe before the first is read: each `wait` returns its own
+    answer, the second without waiting on a pipe that has nothing more to say."""
+
+    class Alive:
+        returncode = None
+
+        def poll(self):
+            return None
+
+    reply_read, reply_write = os.pipe()
+    worker = object.__new__(trial_module.WarmWorker)
+    worker.proc, worker.reply, worker._unread = Alive(), {}, b""
+    worker.replies = trial_module._reply_reader(reply_read)
+    os.write(reply_write, b'{"code": 0, "next": {"trial": "b", "started": true}}\n{"code": 0}\n')
+    codes = []
+    reader = threading.Thread(target=lambda: codes.extend([worker.wait(), worker.reply, worker.wait(), worker.reply]), daemon=True)
+    reader.start()
+    reader.join(30)
+    try:
+        assert codes == [0, {"code": 0, "next": {"trial": "b", "started": True}}, 0, {"code": 0}]
+    finally:
+        os.close(reply_write)
+        worker.replies.close()
