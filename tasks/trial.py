@@ -562,6 +562,9 @@ def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> N
         _live_groups.pop(worker.proc.pid, None)
         keep = code == 0 and worker.alive and not _stopped.is_set()
         successor = _successors.pop(config.trial_id, None)
+        # A ticket its worker did not take is nobody's from now on (a retry of this trial, in
+        # another worker, must not find it: what was staged goes back to the queue).
+        claimed = successor is not None and _claim_ticket(config.trial_id)
     passed = worker.reply.get("next") if code == 0 else None  # what the worker did with the ticket it took
     if passed is not None and passed.get("started"):
         if keep and successor is not None and _adopt(worker, successor, passed):
@@ -572,7 +575,7 @@ def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> N
         return
     if not keep:
         worker.discard()
-    elif not (passed is None and successor is not None and _claim_ticket(config.trial_id) and _hand_over(worker, successor)):
+    elif not (claimed and _hand_over(worker, successor)):
         with _live_lock:
             _idle_workers.setdefault(worker.key, []).append(worker)  # warm for the next trial
             _ended.add(config.trial_id)  # a successor staged from now on starts in an idle worker at once

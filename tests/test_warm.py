@@ -174,6 +174,18 @@ def test_a_staged_trial_s_ticket_is_its_worker_s_or_its_campaign_s_never_both(tm
         trial_module.stage_successor("first", staged)
         assert take_ticket(str(ticket))["trial"] == "second"
         assert not trial_module.unstage_successor("first") and trial_module.ticket_taken("first")
+        trial_module._successors.clear()
+
+        class Failed:  # the first trial's worker, after the trial raised: it is discarded
+            proc, reply, alive, discarded = type("P", (), {"pid": -1})(), {}, False, False
+
+            def discard(self):
+                self.discarded = True
+
+        trial_module.stage_successor("again", staged)
+        worker = Failed()
+        trial_module._after_trial(worker, dataclasses.replace(staged.config, trial_id="again"), 1)
+        assert worker.discarded and not trial_module._ticket_path("again").exists()  # a retry's worker finds no ticket
     finally:
         trial_module._successors.clear()
         close_warm_workers()
