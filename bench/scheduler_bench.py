@@ -17,8 +17,13 @@ An elastic job may run on 1 to `--growth` times its request (4 by default).
 - tiresias (the Pollux artifact's), las (5 queues), fifo: fixed batch, requested size.
 
 A goodput job's gradient noise scale grows through training from the start to the end
-values the trainer measured on the workload that stands for its size class
-(cluster/noise_scales.json, written by bench/noise_scale.py). Every policy replays the same
+values of the workload that stands for its size class, by `--noise` model: "published"
+(the default), the gradient statistics the Pollux artifact measured training the real models
+it maps the trace's size classes to (cluster/noise_scales_published.json, each row naming its
+source); "measured", what the trainer measured on the project's tiny example workloads
+(cluster/noise_scales.json, written by bench/noise_scale.py), whose noise scale barely grows
+past their batch, so a fixed batch costs little. `--noise measured,published` replays both
+and prints, per workload, the price of a fixed batch under each. Every policy replays the same
 workloads in the discrete-event simulator (simulated clock; only the policy's own decision
 time is wall-clock). Then the decision time alone is measured at 4,096 GPUs (1,024 nodes x
 4) with 2,000 active jobs.
@@ -26,6 +31,7 @@ time is wall-clock). Then the decision time alone is measured at 4,096 GPUs (1,0
     .venv/bin/python bench/scheduler_bench.py                       # the eight workloads (long: Pollux's search)
     .venv/bin/python bench/scheduler_bench.py --jobs 160 --seeds 1 --heavy 0   # one workload, a few minutes
     .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux   # Pollux replayed once, reused after
+    .venv/bin/python bench/scheduler_bench.py --heavy 0 --noise measured,published   # both efficiency models side by side
 
 Each workload's floor is the average JCT if every goodput job had the cluster to itself from
 its arrival (its true curves, best size and batch); the goal table states ours against it:
@@ -58,7 +64,7 @@ from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, Policy, Tiresia
 from cluster.pollux import PolluxPolicy  # noqa: E402
 from cluster.simulator import SimConfig, SimResult, simulate  # noqa: E402
 from cluster.throughput import OnlineStepTime, prior_from_size  # noqa: E402
-from cluster.workloads import read_philly, sample_philly, synthetic  # noqa: E402
+from cluster.workloads import NOISE_SCALES, WorkloadJob, read_philly, sample_philly, synthetic  # noqa: E402
 
 TRACE = REPO / "data" / "traces" / "philly_jobs.csv.gz"  # the Philly trace, shipped with the repository
 
@@ -67,6 +73,7 @@ OURS = "ours, reproducible"
 GOODPUT = "ours, goodput"
 UNKNOWN = "ours, goodput, lengths unknown"  # least attained service: what a cluster scheduler knows
 POLLUX = "pollux"
+FIXED = (OURS, "tiresias (Pollux artifact's)", "las (5 queues)", "fifo")  # fixed batch: the same under every noise model
 # `--sweep`: our policy's knobs, each moved alone, in goodput mode against the same Pollux runs.
 SWEEP = {
     "las power 0": {"las_power": 0.0}, "las power 0.5": {"las_power": 0.5}, "las power 2": {"las_power": 2.0},
@@ -97,45 +104,58 @@ def main() -> None:
     config = SimConfig(pause_s=args.pause, tick_s=args.tick)
     loads = [(jobs, seed) for jobs in args.jobs for seed in args.seeds]
     loads += [(2 * max(args.jobs), seed) for seed in args.seeds[: args.heavy]]
-    goals = []
+    goals: dict[str, list] = {model: [] for model in args.noise}
+    prices = []
     for jobs, seed in loads:
         workload = sample_philly(trace, cluster, jobs, seed=seed, growth=args.growth)
-        adaptive = [replace(j, goodput=True) for j in workload]
         gpu_hours = sum(j.duration * j.requested for j in workload) / 3600
-        runs: list[tuple[str, Policy, list]] = [
-            (OURS, ElasticPolicy(pause_s=args.pause), workload),
-            (GOODPUT, ElasticPolicy(pause_s=args.pause), adaptive),
-            (UNKNOWN, ElasticPolicy(pause_s=args.pause, know_remaining=False), adaptive),
-            (POLLUX, PolluxPolicy(generations=args.pollux_generations, seed=seed), adaptive),
-            ("tiresias (Pollux artifact's)", TiresiasPolicy(), workload),
-            ("las (5 queues)", LasPolicy(), workload),
-            ("fifo", FifoPolicy(), workload),
-        ]
-        if args.sweep:
-            runs += [(f"ours, goodput, {name}", ElasticPolicy(pause_s=args.pause, **knobs), adaptive) for name, knobs in SWEEP.items()]
-        results = {}
-        for name, policy, jobs_of in runs:
-            started = time.perf_counter()
-            cached = _pollux_cache(args, jobs, seed) if name == POLLUX and args.pollux_cache else None
-            if cached is not None and cached.exists():
-                results[name] = pickle.loads(cached.read_bytes())
-                continue
-            # Jobs tell every policy their steps left; only ours reads them (UNKNOWN is told not to).
-            results[name] = (simulate(cluster, jobs_of, policy, config, seed=seed), time.perf_counter() - started)
-            if cached is not None:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                cached.write_bytes(pickle.dumps(results[name]))
-        bound = alone_bound(cluster, adaptive, config, seed)
-        title = (f"Philly sample: {jobs} jobs in 8 h (seed {seed}), {gpu_hours:,.0f} GPU-hours of work, "
-                 f"{cluster.total} GPUs ({args.nodes} x {args.per_node}), growth {args.growth}x; "
-                 f"each goodput job alone on the cluster: avg JCT {bound / 3600:.2f} h")
-        pollux = results[POLLUX][0].summary()
-        console.print(_workload_table(title, results, pollux))
-        if args.by_length:
-            console.print(_length_table(results[GOODPUT][0], results[POLLUX][0]))
-        ours, goodput, unknown = results[OURS][0].summary(), results[GOODPUT][0].summary(), results[UNKNOWN][0].summary()
-        goals.append((f"{jobs} jobs, seed {seed}", goodput, ours, pollux, bound, unknown))
-    console.print(_goal_table(goals))
+        fixed: dict[str, tuple[SimResult, float]] = {}  # fixed-batch runs read no noise scale: replayed once for every model
+        price = [f"{jobs} jobs, seed {seed}"]
+        for model in args.noise:
+            adaptive = [replace(j, goodput=True, noise_model=model) for j in workload]
+            runs: list[tuple[str, Policy, list]] = [
+                (OURS, ElasticPolicy(pause_s=args.pause), workload),
+                (GOODPUT, ElasticPolicy(pause_s=args.pause), adaptive),
+                (UNKNOWN, ElasticPolicy(pause_s=args.pause, know_remaining=False), adaptive),
+                (POLLUX, PolluxPolicy(generations=args.pollux_generations, seed=seed), adaptive),
+                ("tiresias (Pollux artifact's)", TiresiasPolicy(), workload),
+                ("las (5 queues)", LasPolicy(), workload),
+                ("fifo", FifoPolicy(), workload),
+            ]
+            if args.sweep:
+                runs += [(f"ours, goodput, {name}", ElasticPolicy(pause_s=args.pause, **knobs), adaptive) for name, knobs in SWEEP.items()]
+            results = {}
+            for name, policy, jobs_of in runs:
+                if name in fixed:
+                    results[name] = fixed[name]
+                    continue
+                started = time.perf_counter()
+                cached = _pollux_cache(args, jobs, seed, adaptive) if name == POLLUX and args.pollux_cache else None
+                if cached is not None and cached.exists():
+                    results[name] = pickle.loads(cached.read_bytes())
+                    continue
+                # Jobs tell every policy their steps left; only ours reads them (UNKNOWN is told not to).
+                results[name] = (simulate(cluster, jobs_of, policy, config, seed=seed), time.perf_counter() - started)
+                if name in FIXED:
+                    fixed[name] = results[name]
+                if cached is not None:
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    cached.write_bytes(pickle.dumps(results[name]))
+            bound = alone_bound(cluster, adaptive, config, seed)
+            title = (f"Philly sample: {jobs} jobs in 8 h (seed {seed}), {gpu_hours:,.0f} GPU-hours of work, "
+                     f"{cluster.total} GPUs ({args.nodes} x {args.per_node}), growth {args.growth}x, noise scales {model}; "
+                     f"each goodput job alone on the cluster: avg JCT {bound / 3600:.2f} h")
+            pollux = results[POLLUX][0].summary()
+            console.print(_workload_table(title, results, pollux))
+            if args.by_length:
+                console.print(_length_table(results[GOODPUT][0], results[POLLUX][0]))
+            ours, goodput, unknown = results[OURS][0].summary(), results[GOODPUT][0].summary(), results[UNKNOWN][0].summary()
+            goals[model].append((f"{jobs} jobs, seed {seed}", goodput, ours, pollux, bound, unknown))
+            price += [f"{ours['avg_jct_s'] / goodput['avg_jct_s']:.3f}", f"{ours['avg_jct_s'] / pollux['avg_jct_s']:.3f}"]
+        prices.append(price)
+    for model in args.noise:
+        console.print(_goal_table(goals[model], model))
+    console.print(_price_table(args.noise, prices))
     console.print(_scale_table(args))
 
 
@@ -149,17 +169,22 @@ def alone_bound(cluster: Cluster, jobs: list, config: SimConfig, seed: int) -> f
         for job in jobs)
 
 
-# What a Pollux replay depends on besides the bench's settings: a change to any of these
-# makes `--pollux-cache` replay Pollux again (our policy's code is not among them).
+# What a Pollux replay depends on besides the bench's settings and its jobs: a change to any
+# of these makes `--pollux-cache` replay Pollux again (our policy's code is not among them).
+# What cluster/workloads.py and the noise scale files give a replay is in the jobs themselves
+# (their sizes, true curves and noise scales), which the digest takes instead of the files:
+# an edit there that leaves the jobs as they were keeps the replays.
 POLLUX_SOURCES = ("cluster/pollux.py", "cluster/jobs.py", "cluster/simulator.py", "cluster/goodput.py", "cluster/throughput.py",
-                  "cluster/types.py", "cluster/workloads.py", "cluster/noise_scales.json")
+                  "cluster/types.py")
 
 
-def _pollux_cache(args: argparse.Namespace, jobs: int, seed: int) -> Path:
+def _pollux_cache(args: argparse.Namespace, jobs: int, seed: int, workload: list[WorkloadJob]) -> Path:
     """Where `--pollux-cache` keeps this workload's Pollux replay: named by the workload and
-    a digest of every setting and source file the replay depends on (and the trace)."""
+    a digest of every setting, job and source file the replay depends on (and the trace)."""
     digest = hashlib.sha256(repr((jobs, seed, args.growth, args.nodes, args.per_node, args.pause, args.tick,
                                   args.pollux_generations, platform.python_version())).encode())
+    digest.update(repr([(j.id, j.arrival, j.duration, j.requested, j.min_devices, j.max_devices, j.true_model, j.noise)
+                        for j in workload]).encode())
     for path in (*(REPO / name for name in POLLUX_SOURCES), args.trace):
         digest.update(path.read_bytes())
     return args.pollux_cache / f"pollux-{jobs}s{seed}-{digest.hexdigest()[:16]}.pkl"
@@ -171,10 +196,10 @@ def gap_closed(ours: float, pollux: float, floor: float) -> float:
     return (pollux - ours) / (pollux - floor) if pollux > floor else 0.0
 
 
-def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]]) -> Table:
+def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]], model: str) -> Table:
     """Issue 62's goals, per workload: ours against Pollux and the floor (every job alone on
     the cluster at its best size and batch), with the average gap closed over the workloads."""
-    table = Table(title="Ours against Pollux and the floor. Goals: goodput gap to the floor closed >= 35 % on average "
+    table = Table(title=f"Ours against Pollux and the floor, noise scales {model}. Goals: goodput gap to the floor closed >= 35 % on average "
                         "and >= 10 % on each; p99 <= Pollux's; restarts/job <= Pollux's; reproducible avg JCT <= 1.05x Pollux's")
     for column in ("workload", "avg JCT h goodput / pollux / floor", "gap closed", "goodput p99 h / pollux", "makespan h / pollux",
                    "restarts/job goodput / pollux", "reproducible avg", "repro gap closed", "lengths unknown avg",
@@ -198,6 +223,20 @@ def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]]) -> Table
     if closed:
         mean = statistics.mean(closed)
         table.add_row("mean", "", f"{mean:+.1%}", "", "", "", "", "", "", "", "gap" if mean >= 0.35 else "none")
+    return table
+
+
+def _price_table(models: list[str], prices: list[list[str]]) -> Table:
+    """The price of a fixed batch under each noise model: our reproducible mode's average JCT
+    over our goodput mode's, and over Pollux's (whose jobs choose their batch)."""
+    table = Table(title="The price of a fixed batch: average JCT of ours, reproducible (every batch fixed) over ours, "
+                        "goodput, and over Pollux, by noise model")
+    table.add_column("workload", justify="left")
+    for model in models:
+        table.add_column(f"{model}: repro / goodput", justify="right")
+        table.add_column(f"{model}: repro / pollux", justify="right")
+    for row in prices:
+        table.add_row(*row)
     return table
 
 
@@ -301,6 +340,14 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _models(text: str) -> list[str]:
+    models = [v for v in text.split(",") if v]
+    unknown = [m for m in models if m not in NOISE_SCALES]
+    if unknown or not models:
+        raise argparse.ArgumentTypeError(f"noise models are {', '.join(NOISE_SCALES)}; got {text!r}")
+    return models
+
+
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=TRACE, help="Philly jobs CSV")
@@ -318,6 +365,10 @@ def _parse() -> argparse.Namespace:
                         help="keep each workload's Pollux replay in DIR and reuse it while Pollux, the simulator, the trace "
                              "and these settings are unchanged (our policy's changes replay in minutes)")
     parser.add_argument("--by-length", action="store_true", help="also, per workload, ours (goodput) against Pollux by tenths of job length")
+    parser.add_argument("--noise", type=_models, default=["published"], metavar="MODELS",
+                        help="whose gradient noise scales the goodput jobs take, comma-separated: published (the Pollux "
+                             "artifact's measured training runs of real models) and/or measured (the trainer's, on the "
+                             "project's tiny example workloads)")
     parser.add_argument("--growth", type=int, default=4, help="an elastic job may take up to this many times its request")
     parser.add_argument("--big-nodes", type=int, default=1024)
     parser.add_argument("--big-jobs", type=int, default=2000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import replace
@@ -16,7 +17,8 @@ from cluster.jobs import Cluster, Job, devices_of, validate_allocation
 from cluster.pollux import MAX_JOB_NODES, PolluxPolicy, _Problem
 from cluster.simulator import SimConfig, simulate
 from cluster.throughput import AnalyticStepTime, OnlineStepTime
-from cluster.workloads import WorkloadJob, noise_growth
+from cluster.policy import ElasticPolicy
+from cluster.workloads import NOISE_SCALES, NOISE_WORKLOAD, SCALING, WorkloadError, WorkloadJob, noise_growth
 from tests.test_policy import scenarios
 
 MODEL = AnalyticStepTime(fixed=0.02, compute=0.5, intra=0.01, inter=0.05, per_node=0.002)
@@ -52,8 +54,40 @@ def test_a_goodput_view_never_predicts_less_progress_than_the_fixed_batch():
 def test_noise_grows_geometrically_through_training_and_the_measured_values_are_read():
     growth = NoiseGrowth(0.5, 8.0)
     assert growth.at(0.0) == 0.5 and growth.at(1.0) == pytest.approx(8.0) and growth.at(0.5) == pytest.approx(2.0)
-    measured = noise_growth("small")  # cluster/noise_scales.json, written by bench/noise_scale.py
+    measured = noise_growth("small", "measured")  # cluster/noise_scales.json, written by bench/noise_scale.py
     assert 0 < measured.start and 0 < measured.end
+
+
+def test_the_published_noise_scales_load_with_their_source_for_every_size_class():
+    rows = json.loads(NOISE_SCALES["published"].read_text())
+    for scaling in SCALING:
+        name = NOISE_WORKLOAD["published"][scaling]
+        assert "petuum/adaptdl" in rows[name]["source"]  # a figure without its source is not one to bench on
+        published, measured = noise_growth(scaling, "published"), noise_growth(scaling, "measured")
+        # Real models' noise scale grows far past their batch through training; the tiny CPU
+        # workloads' barely does, which is what made a fixed batch look cheap.
+        assert published.end / published.start > 10 and published.end > 30
+        assert published.end > measured.end
+    with pytest.raises(WorkloadError, match="unknown noise model"):
+        noise_growth("small", "guessed")
+
+
+def test_a_fixed_batch_costs_more_under_the_published_noise_scales_than_the_measured_ones():
+    """A lone job of each size class, its batch fixed against chosen for goodput: the price
+    of the fixed batch, its JCT over the goodput one's, is what the bench's reproducible mode
+    pays; under the trainer's tiny workloads it is nil, under real models' it is not."""
+    cluster = Cluster.uniform(2, 4)
+    prices = {}
+    for scaling in SCALING:
+        job = WorkloadJob("j", 0.0, 2 * 3600.0, 4, 1, 8, scaling)
+        fixed = simulate(cluster, [job], ElasticPolicy(), SimConfig(), seed=1).jobs[0].completion_time
+        for model in NOISE_SCALES:
+            adaptive = replace(job, goodput=True, noise_model=model)
+            prices[scaling, model] = fixed / simulate(cluster, [adaptive], ElasticPolicy(), SimConfig(), seed=1).jobs[0].completion_time
+    for scaling in SCALING:
+        assert prices[scaling, "measured"] < 1.02
+        assert prices[scaling, "published"] > prices[scaling, "measured"] + 0.05
+    assert sum(prices[s, "published"] for s in SCALING) / len(SCALING) > 1.15
 
 
 def test_a_goodput_job_in_the_simulator_takes_larger_batches_as_its_noise_scale_grows():
