@@ -24,7 +24,8 @@ Sides (`--sides`): `campaign`; `ray` (Tune's defaults: `reuse_actors=False`) and
 running: the campaign's launch starts its folder's resident Prefect server (stopped after each
 run, not counted), Tune starts Ray's cluster itself; `warm`, the servers already up: the
 folder's resident Prefect server (started by a launch that is not counted; the launch's own
-process, workers and MLflow hub still start with it) and Ray's cluster (`ray start --head`,
+process, workers and MLflow hub still start with it, from the server's spares, which each
+counted launch waits for the server to have made again after the launch before it) and Ray's cluster (`ray start --head`,
 each driver connects to it). Each tool's warm server runs only during its own runs. Each
 mode's campaigns share one project folder (its Prefect and MLflow databases), as a user's do.
 
@@ -421,6 +422,7 @@ class Bench:
     data: Path
     token: str
     keep: set[int] = field(default_factory=set)  # the warm server's process
+    spares_wait_s: list[float] = field(default_factory=list)  # warm: waited before each launch for the server's spares
     ray_address: str | None = None  # warm Ray: the running cluster
     ray_temp: Path | None = None  # its temporary folder
     runs: int = 0
@@ -444,6 +446,8 @@ class Bench:
         params.write_text(yaml.safe_dump(campaign_spec(case, name, cwd, self.data, marks)))
         env = base_env(self.token, self.work)
         kill = progress_reached(marks, case.kill_at, case.trials * case.steps) if case.kill_at else None
+        if warm and (cwd / ".campaign" / "server.json").exists():  # (the first launch starts it: start_resident)
+            self.spares_wait_s.append(spares_ready(cwd))
         try:
             s0, e0, killed = run_command([*CLI, "launch", params.name, "--no-live"], cwd, env, folder / "launch.log", kill)
             if not killed:
@@ -504,6 +508,26 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 15) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def spares_ready(folder: Path, timeout_s: float = 60.0) -> float:
+    """Warm: wait until the folder's resident server has made its spares again after the last
+    launch took them (imported, not taken: tasks/spares.py), as a launch a minute later finds
+    them (the server makes them once no launch runs: seconds of CPU); the seconds waited."""
+    from tasks.spares import KINDS, ready, state_path
+    from training.files import read_json
+
+    def made(kind: str) -> bool:
+        try:
+            state = read_json(state_path(folder, kind))
+        except Exception:  # noqa: BLE001 (being written, or none)
+            return False
+        return isinstance(state, dict) and state.get("pid") is not None and ready(folder, kind) == state["pid"]
+
+    started = time.time()
+    while not all(made(kind) for kind in KINDS) and time.time() - started < timeout_s:
+        time.sleep(0.1)
+    return time.time() - started
 
 
 def campaign_folder(work: Path, warm: bool) -> Path:
@@ -720,6 +744,9 @@ def main() -> None:
         settle(bench.token, set(), wait_s=5)
         print(f"work folder kept: {work}") if args.keep else shutil.rmtree(work, ignore_errors=True)
     print(f"\nmedians of {args.rounds} rounds; load at the end {load()}")
+    if bench.spares_wait_s:
+        print(f"warm launches waited {min(bench.spares_wait_s):.1f}–{max(bench.spares_wait_s):.1f} s before their start for the "
+              f"resident server's spares (not counted)")
     print("\n".join(table(results, cases, modes)))
 
 
