@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import campaign_cli
-from flows.run.handover import ends_soon, next_end, seconds_left
+from flows.run.handover import ends_soon, next_end, seconds_left, staging_order
 from tasks.records import read_allocations
 from test_function import trial_runs, write_params
 
@@ -23,6 +23,11 @@ def test_time_left_comes_from_the_trials_progress_else_from_the_trials_that_fini
     assert seconds_left(None, 100, None, 0.5, [1.0, 2.0, 9.0]) == pytest.approx(1.5)  # the typical trial's
     assert seconds_left(0, 100, None, 3.0, [2.0]) == 0.0  # past the typical time: about to end
     assert seconds_left(None, 100, None, 0.5, []) is None  # nothing says
+
+
+def test_the_next_trial_is_staged_on_the_shallowest_chain_then_the_one_ending_soonest_unknown_last():
+    chains = [(None, 0), (3.0, 0), (0.5, 1), (1.0, 0)]
+    assert sorted(chains, key=lambda c: staging_order(*c)) == [(1.0, 0), (3.0, 0), (None, 0), (0.5, 1)]
 
 
 def test_under_early_stopping_a_trial_may_end_at_its_pruners_next_point():

@@ -43,7 +43,7 @@ from tasks.timeline import import_drawing_early, intervals, timeline_rows, write
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
-from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, next_end, seconds_left, stage_ahead_s
+from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, next_end, seconds_left, stage_ahead_s, staging_order
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -347,7 +347,7 @@ class CampaignRun:
         depth = 1 if search is not None and search.strategy == "tpe" else STAGE_DEPTH
         # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
         while chains := [c for c in chains if ends_soon(c[0], ahead) and c[3] < depth]:
-            chain = min(chains, key=lambda c: (c[3], c[0]))
+            chain = min(chains, key=lambda c: staging_order(c[0], c[3]))
             if not self.unstaged_pending():
                 self.draw()  # a search draws the trial to stage
             waiting = self.unstaged_pending()

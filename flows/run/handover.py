@@ -61,6 +61,12 @@ def seconds_left(step: int | None, steps: int, step_time_s: float | None, runnin
     return None
 
 
+def staging_order(left: float | None, depth: int) -> tuple[int, float]:
+    """Which worker's chain gets the next staged trial first: the shallowest, then the one
+    that should end soonest (`left` None: nothing says yet, after those that say)."""
+    return depth, math.inf if left is None else left
+
+
 def stage_ahead_s() -> float:
     return float(os.environ.get(STAGE_AHEAD_ENV) or STAGE_AHEAD_S)
 
