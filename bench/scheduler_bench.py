@@ -35,7 +35,12 @@ time is wall-clock). Then the decision time alone is measured at 4,096 GPUs (1,0
 
 Each workload's floor is the average JCT if every goodput job had the cluster to itself from
 its arrival (its true curves, best size and batch); the goal table states ours against it:
-the gap closed, (Pollux - ours) / (Pollux - floor), beside p99, makespan and restarts.
+the gap closed, (Pollux - ours) / (Pollux - floor), beside p99, makespan and restarts. Its
+fixed-batch floor is the same with every job's batch fixed, as in reproducible mode (each
+job alone at its best size): the reproducible table states it against Pollux's average, so
+a workload whose fixed-batch floor is above 1.05x Pollux's is one where no scheduler meets
+the reproducible goal. `--by-length` breaks both modes down against Pollux, each tenth
+beside its jobs' floor.
 
 Prints tables; never passes or fails on the figures.
 """
@@ -52,6 +57,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -111,6 +117,8 @@ def main() -> None:
         gpu_hours = sum(j.duration * j.requested for j in workload) / 3600
         fixed: dict[str, tuple[SimResult, float]] = {}  # fixed-batch runs read no noise scale: replayed once for every model
         price = [f"{jobs} jobs, seed {seed}"]
+        fixed_alone = alone_times(cluster, workload, config, seed)  # reproducible mode's floor, per job
+        fixed_bound = statistics.mean(fixed_alone.values())
         for model in args.noise:
             adaptive = [replace(j, goodput=True, noise_model=model) for j in workload]
             runs: list[tuple[str, Policy, list]] = [
@@ -141,32 +149,41 @@ def main() -> None:
                 if cached is not None:
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     cached.write_bytes(pickle.dumps(results[name]))
-            bound = alone_bound(cluster, adaptive, config, seed)
+            goodput_alone = alone_times(cluster, adaptive, config, seed)
+            bound = statistics.mean(goodput_alone.values())
             title = (f"Philly sample: {jobs} jobs in 8 h (seed {seed}), {gpu_hours:,.0f} GPU-hours of work, "
                      f"{cluster.total} GPUs ({args.nodes} x {args.per_node}), growth {args.growth}x, noise scales {model}; "
-                     f"each goodput job alone on the cluster: avg JCT {bound / 3600:.2f} h")
+                     f"each job alone on the cluster: avg JCT {bound / 3600:.2f} h (goodput), {fixed_bound / 3600:.2f} h (batch fixed)")
             pollux = results[POLLUX][0].summary()
             console.print(_workload_table(title, results, pollux))
             if args.by_length:
-                console.print(_length_table(results[GOODPUT][0], results[POLLUX][0]))
+                console.print(_length_table(results[GOODPUT][0], results[POLLUX][0], goodput_alone, GOODPUT))
+                console.print(_length_table(results[OURS][0], results[POLLUX][0], fixed_alone, OURS))
             ours, goodput, unknown = results[OURS][0].summary(), results[GOODPUT][0].summary(), results[UNKNOWN][0].summary()
-            goals[model].append((f"{jobs} jobs, seed {seed}", goodput, ours, pollux, bound, unknown))
+            goals[model].append((f"{jobs} jobs, seed {seed}", goodput, ours, pollux, bound, unknown, fixed_bound))
             price += [f"{ours['avg_jct_s'] / goodput['avg_jct_s']:.3f}", f"{ours['avg_jct_s'] / pollux['avg_jct_s']:.3f}"]
         prices.append(price)
     for model in args.noise:
         console.print(_goal_table(goals[model], model))
+        console.print(_reproducible_table(goals[model], model))
     console.print(_price_table(args.noise, prices))
     console.print(_scale_table(args))
 
 
-def alone_bound(cluster: Cluster, jobs: list, config: SimConfig, seed: int) -> float:
+def alone_bound(cluster: Cluster, jobs: Sequence[WorkloadJob], config: SimConfig, seed: int) -> float:
     """The average JCT if every job had the cluster to itself from its arrival (the true
-    step-time curves known, at its best size within its max and its best batch): no
-    scheduler sharing the cluster does better, so a goal below it cannot be reached."""
+    step-time curves known, at its best size within its max and, a goodput job, its best
+    batch; a job whose batch is fixed keeps it): no scheduler sharing the cluster does
+    better, so a goal below it cannot be reached."""
+    return statistics.mean(alone_times(cluster, jobs, config, seed).values())
+
+
+def alone_times(cluster: Cluster, jobs: Sequence[WorkloadJob], config: SimConfig, seed: int) -> dict[str, float]:
+    """Each job's JCT with the cluster to itself from its arrival (see `alone_bound`)."""
     oracle = replace(config, oracle=True)
-    return statistics.mean(
-        simulate(cluster, [replace(job, arrival=0.0)], ElasticPolicy(pause_s=config.pause_s), oracle, seed=seed).jobs[0].completion_time
-        for job in jobs)
+    return {job.id: simulate(cluster, [replace(job, arrival=0.0)], ElasticPolicy(pause_s=config.pause_s), oracle,
+                             seed=seed).jobs[0].completion_time
+            for job in jobs}
 
 
 # What a Pollux replay depends on besides the bench's settings and its jobs: a change to any
@@ -196,7 +213,7 @@ def gap_closed(ours: float, pollux: float, floor: float) -> float:
     return (pollux - ours) / (pollux - floor) if pollux > floor else 0.0
 
 
-def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]], model: str) -> Table:
+def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict, float]], model: str) -> Table:
     """Issue 62's goals, per workload: ours against Pollux and the floor (every job alone on
     the cluster at its best size and batch), with the average gap closed over the workloads."""
     table = Table(title=f"Ours against Pollux and the floor, noise scales {model}. Goals: goodput gap to the floor closed >= 35 % on average "
@@ -206,7 +223,7 @@ def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]], model: s
                    "idle share goodput / repro / pollux", "goals met"):
         table.add_column(column, justify="left" if column == "workload" else "right")
     closed = []
-    for name, goodput, ours, pollux, bound, unknown in goals:
+    for name, goodput, ours, pollux, bound, unknown, _ in goals:
         gap = gap_closed(goodput["avg_jct_s"], pollux["avg_jct_s"], bound)
         closed.append(gap)
         repro = ours["avg_jct_s"] / pollux["avg_jct_s"]
@@ -223,6 +240,27 @@ def _goal_table(goals: list[tuple[str, dict, dict, dict, float, dict]], model: s
     if closed:
         mean = statistics.mean(closed)
         table.add_row("mean", "", f"{mean:+.1%}", "", "", "", "", "", "", "", "gap" if mean >= 0.35 else "none")
+    return table
+
+
+REPRODUCIBLE_GOAL = 1.05  # issue 62: reproducible mode's average JCT at most this many times Pollux's
+
+
+def _reproducible_table(goals: list[tuple[str, dict, dict, dict, float, dict, float]], model: str) -> Table:
+    """Reproducible mode against its own floor: every job alone at its best size with its
+    batch fixed. Where that floor is above the goal's multiple of Pollux's average, no
+    scheduler meets the goal: Pollux's jobs choose their batch, these cannot."""
+    table = Table(title=f"Reproducible mode (every batch fixed) against its floor (each job alone at its best size, its batch fixed), "
+                        f"noise scales {model}: average JCT over Pollux's; the goal, <= {REPRODUCIBLE_GOAL}, is out of any "
+                        "scheduler's reach where the floor is above it")
+    for column in ("workload", "reproducible avg JCT h / fixed-batch floor", "reproducible / pollux", "fixed-batch floor / pollux",
+                   "goodput floor / pollux", "reproducible / fixed-batch floor", "goal reachable"):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for name, _, ours, pollux, bound, _, fixed_bound in goals:
+        floor = fixed_bound / pollux["avg_jct_s"]
+        table.add_row(name, f"{ours['avg_jct_s'] / 3600:.3f} / {fixed_bound / 3600:.3f}", f"{ours['avg_jct_s'] / pollux['avg_jct_s']:.3f}",
+                      f"{floor:.3f}", f"{bound / pollux['avg_jct_s']:.3f}", f"{ours['avg_jct_s'] / fixed_bound:.3f}",
+                      "yes" if floor <= REPRODUCIBLE_GOAL else "no")
     return table
 
 
@@ -264,16 +302,17 @@ def _workload_table(title: str, results: dict[str, tuple[SimResult, float]], pol
     return table
 
 
-def _length_table(ours: SimResult, pollux: SimResult) -> Table:
-    """Where ours (goodput) gains and loses against Pollux: the jobs in tenths by their JCT
-    under Pollux, each tenth's summed JCT, wait to start, device-hours and restarts, and its
-    share of the difference in the workload's total JCT."""
+def _length_table(ours: SimResult, pollux: SimResult, alone: Mapping[str, float], name: str = GOODPUT) -> Table:
+    """Where ours (`name`: goodput or reproducible) gains and loses against Pollux: the jobs
+    in tenths by their JCT under Pollux, each tenth's summed JCT, the same jobs' floor (each
+    alone at its best size, `alone`: in ours' mode, goodput or batch fixed), wait to start,
+    device-hours and restarts, and its share of the difference in the workload's total JCT."""
     mine = {j.id: j for j in ours.jobs}
     theirs = sorted(pollux.jobs, key=lambda j: j.completion_time)
     total = sum(j.completion_time for j in theirs)
-    table = Table(title="By length: the jobs in tenths by their JCT under Pollux, ours (goodput) / Pollux; "
-                        "share: the tenth's part of the difference in total JCT (negative: ours shorter)")
-    for column in ("tenth", "JCT h", "share", "waiting h", "device-h", "avg devices", "restarts"):
+    table = Table(title=f"By length: the jobs in tenths by their JCT under Pollux, {name} / Pollux; floor: the same jobs each alone "
+                        "at its best size in that mode; share: the tenth's part of the difference in total JCT (negative: ours shorter)")
+    for column in ("tenth", "JCT h", "floor h", "share", "waiting h", "device-h", "avg devices", "restarts"):
         table.add_column(column, justify="right")
     n = len(theirs)
     for tenth in range(10):
@@ -285,7 +324,8 @@ def _length_table(ours: SimResult, pollux: SimResult) -> Table:
 
         jct, wait = both(lambda j: j.completion_time), both(lambda j: j.start - j.arrival)
         device_s, run_s, restarts = both(lambda j: j.device_seconds), both(lambda j: j.finish - j.start), both(lambda j: j.restarts)
-        table.add_row(f"{tenth + 1}", f"{jct[0] / 3600:.1f} / {jct[1] / 3600:.1f}", f"{(jct[0] - jct[1]) / total:+.3f}",
+        table.add_row(f"{tenth + 1}", f"{jct[0] / 3600:.1f} / {jct[1] / 3600:.1f}", f"{sum(alone[j.id] for j in part) / 3600:.1f}",
+                      f"{(jct[0] - jct[1]) / total:+.3f}",
                       f"{wait[0] / 3600:.1f} / {wait[1] / 3600:.1f}", f"{device_s[0] / 3600:.0f} / {device_s[1] / 3600:.0f}",
                       f"{device_s[0] / max(run_s[0], 1):.1f} / {device_s[1] / max(run_s[1], 1):.1f}",
                       f"{restarts[0]:.0f} / {restarts[1]:.0f}")
@@ -364,7 +404,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--pollux-cache", type=Path, default=None, metavar="DIR",
                         help="keep each workload's Pollux replay in DIR and reuse it while Pollux, the simulator, the trace "
                              "and these settings are unchanged (our policy's changes replay in minutes)")
-    parser.add_argument("--by-length", action="store_true", help="also, per workload, ours (goodput) against Pollux by tenths of job length")
+    parser.add_argument("--by-length", action="store_true", help="also, per workload, ours (goodput, then reproducible) against "
+                        "Pollux by tenths of job length, beside each tenth's floor")
     parser.add_argument("--noise", type=_models, default=["published"], metavar="MODELS",
                         help="whose gradient noise scales the goodput jobs take, comma-separated: published (the Pollux "
                              "artifact's measured training runs of real models) and/or measured (the trainer's, on the "

@@ -254,3 +254,43 @@ def test_simulator_rejects_a_job_larger_than_the_cluster():
     with pytest.raises(WorkloadError, match="job big asks for 4 devices; the cluster has 2"):
         simulate(Cluster.uniform(1, 2), [job], FifoPolicy())
     assert len(simulate(Cluster.uniform(1, 2), [replace(job, requested=2, max_devices=2)], FifoPolicy()).jobs) == 1
+
+
+# ---------------------------------------------------------------- the bench's floors
+
+
+def _scheduler_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scheduler_bench", Path(__file__).resolve().parent.parent / "bench" / "scheduler_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_fixed_batch_floor_is_each_job_alone_at_its_best_size_with_its_batch_fixed():
+    """Reproducible mode's floor (bench/scheduler_bench.py): every job alone from its arrival
+    at its best size, its batch fixed; a goodput job alone is faster (its batch grows)."""
+    bench = _scheduler_bench()
+    cluster = Cluster.uniform(4, 4)
+    fixed = [WorkloadJob("a", 0.0, 3600.0, 2, 1, 8, "xlarge"), WorkloadJob("b", 600.0, 1800.0, 1, 1, 4, "small")]
+    times = bench.alone_times(cluster, fixed, FAST, seed=1)
+
+    def best_packed(job: WorkloadJob) -> float:  # one pause, then its fastest size on the fewest nodes, batch fixed
+        truth = job.true_model
+        steps = job.duration / truth.step_time(job.requested, cluster.min_nodes(job.requested))
+        return FAST.pause_s + steps * min(truth.step_time(n, cluster.min_nodes(n)) for n in range(job.min_devices, job.max_devices + 1))
+
+    assert times == pytest.approx({j.id: best_packed(j) for j in fixed}, rel=1e-9)
+    assert bench.alone_bound(cluster, fixed, FAST, seed=1) == pytest.approx(sum(times.values()) / 2)
+    adaptive = bench.alone_times(cluster, [replace(j, goodput=True) for j in fixed], FAST, seed=1)
+    assert all(adaptive[j.id] < times[j.id] for j in fixed)
+
+
+def test_the_reproducible_table_says_the_goal_is_out_of_reach_where_the_fixed_batch_floor_is_above_it():
+    bench = _scheduler_bench()
+    pollux = {"avg_jct_s": 3600.0}
+    goals = [(name, {}, {"avg_jct_s": 1.2 * 3600}, pollux, 0.9 * 3600, {}, floor * 3600) for name, floor in (("low", 1.0), ("high", 1.1))]
+    table = bench._reproducible_table(goals, "published")
+    assert list(table.columns[-1].cells) == ["yes", "no"]
+    assert list(table.columns[3].cells) == ["1.000", "1.100"]
