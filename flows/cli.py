@@ -369,6 +369,14 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
     with imports_without_gc():  # the spec, the checks' torch, Prefect's engine: kept for the launch's life
         spec, warm, trials = _started(params, pool, rerun, command, phases, spec)
         from flows.run.campaign import campaign_flow
+    from tasks.spares import in_spare
+
+    if in_spare():  # Prefect read its settings and set its logging up before this command's environment and terminal were its own: again
+        from prefect.context import refresh_global_settings_context
+        from prefect.logging.configuration import setup_logging
+
+        refresh_global_settings_context()
+        setup_logging(incremental=False)
     if phases is not None:
         phases.mark("the flow's code imported")
 
@@ -1077,7 +1085,25 @@ def pool_server(pool: str = typer.Option(..., help="the pool's name"),
 
 
 def main() -> None:
+    if (code := _run_in_spare(sys.argv[1:])) is not None:
+        raise SystemExit(code)
     app()
+
+
+def _run_in_spare(argv: list[str]) -> int | None:
+    """`launch` and `resume` run in the folder's resident server's spare launch, Prefect and
+    the flow imported already (tasks/spares.py), where it has one this command may take: their
+    exit code. None: this process runs the command."""
+    from tasks.spares import LAUNCH_COMMANDS, enabled, run_command, state_path
+
+    words = [a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] != "--prefect-db")]
+    if not words or words[0] not in LAUNCH_COMMANDS or "--help" in argv or os.environ.get("PREFECT_API_URL") or not enabled():
+        return None  # a user's own Prefect server: not the resident one, whose spare it is
+    from flows.servers import resident
+
+    if not resident.enabled() or not state_path(Path.cwd(), "launch").exists():
+        return None
+    return run_command(Path.cwd(), argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
 """Processes the folder's resident server keeps ready for its launches, their imports done.
 
-A launch's first step waits on two processes that each import for seconds on a small host:
-the campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zygote its
-warm workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the
-launch's own work that is more CPU than two cores have in two seconds. So the resident server
+A launch's first step waits on three processes that each import for a second or more on a
+small host: the launch itself (Prefect and the flow: ~0.9 s before its checks can end), the
+campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zygote its warm
+workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the launch's
+own work that is more CPU than two cores have in two seconds. So the resident server
 (flows/servers/resident.py) keeps one of each ready, a *spare*: started while no launch of the
 folder runs, it imports what the process it will become imports, then waits on a Unix socket
 (an abstract one, of a random name: nothing on disk to leave behind) named by
 `.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
 its imports are done: the project's files it imported, with their size and time before it did).
+
+The spare launch is taken by the `campaign launch` (or `resume`) command as it starts
+(`run_command`): the command's process hands it its terminal (stdin, stdout, stderr), its
+arguments, environment and start time, and stays as the command's face, passing Ctrl-C and
+SIGTERM on and exiting with the code the spare says last; if it is killed, the spare kills
+itself (their socket closes), so the campaign ends as a killed launch does. The spare runs the
+command as `flows.cli` would, Prefect's settings and logging made again from the command's
+environment and terminal (`in_spare`).
 
 A launch that reports to the resident server takes a spare (`claim`): it renames that record
 (one launch wins), checks that the spare runs its interpreter, the project's code as it is on
@@ -27,8 +36,8 @@ The zygote's workers are found by the marks in their environment as the kernel s
 spare started before the launch cannot have: it is started with placeholders of the marks'
 length, written over with the launch's marks before its first fork (else it execs, as above).
 
-While they wait the two hold ~0.5 GB of memory (resident: ~220 MB the hub, ~310 MB the zygote),
-and each warm launch costs ~4 s of CPU to make them again, once it has ended
+While they wait the three hold ~0.65 GB of memory (resident: ~110 MB the launch, ~220 MB the
+hub, ~310 MB the zygote), and each warm launch costs ~5 s of CPU to make them again, once it has ended
 (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
 
 Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
@@ -38,6 +47,7 @@ workers start on their own (ZygoteGone), as when their own processes die.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import secrets
@@ -47,6 +57,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from training.files import read_json, write_json_atomic
@@ -60,7 +71,12 @@ KINDS = {
     "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
             "mlflow.store.tracking.sqlalchemy_store"),
     "zygote": ("tasks.warm_worker",),
+    # `campaign launch` itself (Prefect, the flow, the checks, the live view): not flows.cli,
+    # whose consoles look at the terminal as they are made, imported once the launch's are its own.
+    "launch": ("typer", "rich.console", "rich.table", "rich.live", "flows.run.campaign", "flows.run.live_view",
+               "flows.servers.resident", "flows.servers.warmup", "flows.servers.ui"),
 }
+LAUNCH_COMMANDS = ("launch", "resume")  # what a spare launch runs: the commands that run a campaign's flow
 # The marks the launch's processes carry (flows/run/warden.py, tasks/trial.py): 16 hex digits each.
 MARKS = ("CAMPAIGN_WARDEN_MARK", "CAMPAIGN_TRIAL_MARK")
 PLACEHOLDER = "0" * 16
@@ -197,6 +213,13 @@ def _remove_state(folder: Path, kind: str, pid: int) -> None:
 # --- the launch's side -----------------------------------------------------------------------
 
 _folder: Path | None = None  # the folder whose resident server this launch reports to
+_in_spare = False  # this process is a spare launch running a command (it hands it to no other)
+
+
+def in_spare() -> bool:
+    """Whether this process is a spare launch running the command: it imported before the
+    command's environment was its own (Prefect's settings are read again from it)."""
+    return _in_spare
 
 
 def offered_by(folder: Path | None) -> None:
@@ -252,6 +275,57 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
         return None
     timings.mark(f"the resident server's spare {kind} taken ({'its imports done' if done else 'still importing'})")
     return state["pid"]
+
+
+def run_command(folder: Path, argv: list[str]) -> int | None:
+    """Run the command `argv` (`campaign launch ...`) in the folder's spare launch, on this
+    process's terminal: its exit code, once it has exited; None (nothing done) where no spare
+    may take it, or where the spare's imports were stale (this process runs it then).
+
+    This process stays as the command's face: Ctrl-C and SIGTERM are passed on to the spare,
+    which stops its campaign as the command would; if this process is killed, the spare kills
+    itself (the warden then ends what it left, as for a killed launch)."""
+    from tasks.timings import process_started_at
+
+    if _in_spare:
+        return None
+    started_at, at = process_started_at(), time.time()
+    global _folder
+    _folder = folder
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = claim("launch", [0, 1, 2, theirs.fileno()], {"argv": argv, "launch_env": dict(os.environ), "started_at": started_at,
+                                                          "taken_at": at})
+    finally:
+        theirs.close()
+        _folder = None
+    if pid is None:
+        mine.close()
+        return None
+    try:
+        spare = os.pidfd_open(pid)
+    except OSError:  # gone already: it said its code, or died
+        spare = -1
+
+    def pass_on(signum, frame) -> None:
+        if spare >= 0:
+            try:
+                signal.pidfd_send_signal(spare, signum)
+            except OSError:
+                pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, pass_on)
+    with mine:
+        try:
+            said = mine.recv(1 << 12)  # its exit code, as its last act; nothing if it died without one
+        except OSError:
+            said = b""
+        if spare >= 0:
+            select.select([spare], [], [])  # the command is over when its process is
+            os.close(spare)
+    answer = json.loads(said) if said else {"code": 1}
+    return None if answer.get("fallback") else int(answer["code"])
 
 
 def _peer(conn: socket.socket) -> tuple[int, int]:
@@ -420,6 +494,64 @@ def _become_zygote(request: dict, fds: list[int], fresh: bool) -> None:
     serve(socket.socket(fileno=control), KINDS["zygote"])
 
 
+def _become_launch(request: dict, fds: list[int], fresh: bool) -> None:
+    """Run the launch's command in this process, on its terminal, in its environment; its exit
+    code goes to the launch's process (run_command) once everything else has ended."""
+    import atexit
+    import threading
+
+    import tasks.spares as named  # this module under its name, as the command imports it (this one runs as __main__)
+
+    named._in_spare = True
+    stdin, out, err, channel = fds
+    launch = socket.socket(fileno=channel)
+    if not fresh:  # its imports are stale: the launch runs the command itself
+        launch.send(json.dumps({"fallback": True}).encode())
+        os._exit(0)
+    for fd, to in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, to)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["launch_env"])
+    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from tasks import timings
+
+    timings.handed_over(request["started_at"], [("the resident server's spare launch taken (its imports done)", request["taken_at"])])
+    exiting = threading.Event()
+    code = [1]  # an exception that escapes the command: Python's own exit code
+
+    def launch_gone() -> None:  # its process was killed: so is this one, as the launch would have been
+        try:
+            while launch.recv(16):
+                pass
+        except OSError:
+            pass
+        if not exiting.is_set():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def say_code() -> None:  # registered first, so run last: after every other exit hook
+        exiting.set()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        try:
+            launch.send(json.dumps({"code": code[0]}).encode())
+        except OSError:
+            pass
+
+    atexit.register(say_code)
+    threading.Thread(target=launch_gone, name="launch-watch", daemon=True).start()
+    sys.argv = ["campaign", *request["argv"]]
+    try:
+        importlib.import_module("flows.cli").main()  # by name: the layer above this one
+        code[0] = 0
+    except SystemExit as e:
+        code[0] = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
     from training.process import die_with_parent, imports_without_gc
 
@@ -439,8 +571,6 @@ def main(argv: list[str] | None = None) -> None:
     if kind == "zygote":  # as a launch's zygote imports (training/launch.py's launch_env, tasks/trial.py)
         os.environ.update({"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     with imports_without_gc():
-        import importlib
-
         for module in KINDS[kind]:
             importlib.import_module(module)
     loaded = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
@@ -462,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, signal.SIG_DFL)
     if kind == "hub":
         _become_hub(request, fds, fresh)
+    elif kind == "launch":
+        _become_launch(request, fds, fresh)
     else:
         _become_zygote(request, fds, fresh)
 

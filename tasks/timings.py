@@ -24,15 +24,31 @@ def process_started_at() -> float:
         return time.time()
 
 
+# Where the command runs in a process started before it (the resident server's spare launch,
+# tasks/spares.py): when the command itself was started, and what it did before this process
+# took it over, as (phase, time).
+_handed_over: tuple[float, list[tuple[str, float]]] | None = None
+
+
+def handed_over(command_started_at: float, marks: list[tuple[str, float]]) -> None:
+    """This process runs a command started at `command_started_at`: its phases count from then."""
+    global _handed_over
+    _handed_over = (command_started_at, list(marks))
+
+
 class Phases:
     """Marks of a launch's phases, each said as it is reached (`say`), so that no phase is silent."""
 
     def __init__(self, say: Callable[[str], None], started_at: float | None = None):
         self.say = say
-        self.started_at = process_started_at() if started_at is None else started_at
+        if started_at is None:
+            started_at = _handed_over[0] if _handed_over is not None else process_started_at()
+        self.started_at = started_at
         self.marks: list[tuple[str, float]] = []
         self.kinds_seen: set[str] = set()  # mark_first's
         self._lock = threading.Lock()
+        for phase, at in _handed_over[1] if _handed_over is not None else ():
+            self.mark(phase, at)
 
     def mark(self, phase: str, at: float | None = None) -> None:
         at = time.time() if at is None else at

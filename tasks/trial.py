@@ -639,8 +639,10 @@ def _write_ticket(trial_id: str, successor: Successor) -> None:
 
 def _claim_ticket(trial_id: str) -> bool:
     """Take back the ticket after `trial_id` before its worker does; False if it took it (or there is none)."""
+    if _tickets is None:  # no ticket was written (or the campaign has closed): nothing to make a folder for
+        return False
     try:
-        _ticket_path(trial_id).unlink()
+        (_tickets / f"after-{trial_id}.json").unlink()
         return True
     except FileNotFoundError:
         return False

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,9 +64,10 @@ def test_a_launch_takes_the_servers_spares_and_its_runs_metrics_and_pictures_are
         done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live", "--timings"], cwd=tmp_path,
                               env={**env, "COLUMNS": "300"}, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        for kind in ("hub", "zygote"):
+        for kind in ("launch", "hub", "zygote"):
             assert f"the resident server's spare {kind} taken (its imports done)" in done.stdout, done.stdout
         assert "first training step" in done.stdout
+        assert "finished 2/2 trials" in done.stdout  # the spare launch wrote to the command's own output
 
         two_trials_whole(uri, "spared")  # the trainers' metrics through the spare hub's socket among them
         # The spares it took ended with the campaign; the server makes new ones, and ends them when it stops.
@@ -123,3 +126,63 @@ def test_a_spare_is_taken_only_in_its_environment_with_its_code_and_its_zygote_c
             proc.kill()
             proc.wait()
     assert not process_running(made[1].pid)
+
+
+def trained_since(runs: Path, since: float) -> bool:
+    """Whether a trial of the campaigns in `runs` took a step after `since` (a time)."""
+    from training.progress import read_progress
+
+    return any((p := read_progress(d)) is not None and p.step > 0 and p.updated >= since for d in runs.glob("*/*") if d.is_dir())
+
+
+@pytest.mark.slow
+def test_the_spare_launch_is_the_command_its_exit_code_its_stop_and_its_death(tmp_path, digits_npz, prefect_database):
+    """`campaign launch` runs in the spare launch (tasks/spares.py run_command): the command's
+    exit code and error are the spare's; SIGTERM to the command stops the campaign as it would
+    stop the command itself (exit 143); the command killed outright, the spare dies too."""
+    prefect_database(tmp_path / ".campaign" / "prefect")
+    spec = {
+        "campaign": {"name": "long"}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 100000, "batch_size": 16, "lr": 0.05, "eval_every": 100000, "checkpoint_every": 200},
+        "resources": {"devices": 1}, "cluster": {"cpu_slots": 1},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "runs_dir": str(tmp_path / "runs"),
+                     "summary": str(tmp_path / "s.json")},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(spec))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**spec, "training": {**spec["training"], "stepz": 3}}))
+    env = {**os.environ, "CAMPAIGN_SERVER": "on", "CAMPAIGN_SPARES": "on", "CAMPAIGN_LEASE_DB": str(tmp_path / "leases.db"),
+           "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    launch = [sys.executable, "-m", "flows.cli", "launch", "--no-live"]
+    started = subprocess.run([sys.executable, "-c", "from pathlib import Path; from flows.servers.resident import Resident; "
+                              "Resident(Path('.')).ready()"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert started.returncode == 0, started.stderr
+    spare = 0
+    try:
+        spare = spares_ready(tmp_path)["launch"]
+        refused = subprocess.run([*launch, "bad.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "stepz" in refused.stderr, refused.stdout + refused.stderr
+        assert not process_running(spare)  # it ran the command (and ended with it)
+
+        spare = spares_ready(tmp_path)["launch"]
+        since = time.time()
+        proc = subprocess.Popen([*launch, "params.yaml"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: trained_since(tmp_path / "runs", since) or proc.poll() is not None, 240, "the trial's first step")
+        assert process_running(spare) and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 143 and "stopped by SIGTERM" in output, output[-3000:]
+        assert not process_running(spare)  # the command ended when its process did
+
+        spare = spares_ready(tmp_path)["launch"]
+        since = time.time()
+        proc = subprocess.Popen([*launch, "params.yaml"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: trained_since(tmp_path / "runs", since) or proc.poll() is not None, 240, "the trial's first step")
+        assert process_running(spare)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not process_running(spare), 60, "the spare launch outlived its command's process")
+    finally:
+        if spare and process_running(spare):
+            os.kill(spare, signal.SIGKILL)
+        subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
