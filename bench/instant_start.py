@@ -4,8 +4,9 @@ campaign (params.yaml, a fresh runs folder and MLflow store each round) launched
 - cold: a temporary Prefect server of its own (CAMPAIGN_SERVER=off), as every launch did before
   the folder's resident server;
 - warm: the folder's resident server already running (started by an uncounted first launch);
-- warm without its spares (CAMPAIGN_SPARES=off): the MLflow hub and the warm workers' zygote
-  started by the launch, which imports MLflow and torch for them, as before the spares;
+- warm without its spares (CAMPAIGN_SPARES=off): the launch runs where it was typed, and
+  starts the MLflow hub and the warm workers' zygote, which import MLflow and torch for them,
+  as before the spares;
 - again with nothing left to train (every trial finished): the no-op relaunch.
 
 Rounds alternate the order of the cases. Before each launch the bench waits until the warm
@@ -113,7 +114,7 @@ def main() -> None:
                 first = marks.get("first training step")
                 firsts[name].append(first if first is not None else float("nan"))
                 walls[name].append(wall)
-                taken = [kind for kind in ("hub", "zygote") if f"the resident server's spare {kind} taken" in marks]
+                taken = [kind for kind in ("launch", "hub", "zygote") if f"the resident server's spare {kind} taken" in marks]
                 print(f"round {round_ + 1} {name}: first training step {first:.2f} s, campaign {wall:.2f} s "
                       f"(load {os.getloadavg()[0]:.1f}; spares taken: {', '.join(taken) or 'none'})", flush=True)
             settle(warm)

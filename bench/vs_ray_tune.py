@@ -23,9 +23,9 @@ Sides (`--sides`): `campaign`; `ray` (Tune's defaults: `reuse_actors=False`) and
 (`reuse_actors=True`). Modes (`--modes`): `cold`, every command a fresh process, no server
 running: the campaign's launch starts its folder's resident Prefect server (stopped after each
 run, not counted), Tune starts Ray's cluster itself; `warm`, the servers already up: the
-folder's resident Prefect server (started by a launch that is not counted; the launch's own
-process, workers and MLflow hub still start with it, from the server's spares, which each
-counted launch waits for the server to have made again after the launch before it) and Ray's cluster (`ray start --head`,
+folder's resident Prefect server (started by a launch that is not counted; each counted
+command is run by the server's spare launch and takes its spare MLflow hub and workers' zygote,
+which each counted launch waits for the server to have made again after the launch before it) and Ray's cluster (`ray start --head`,
 each driver connects to it). Each tool's warm server runs only during its own runs. Each
 mode's campaigns share one project folder (its Prefect and MLflow databases), as a user's do.
 
