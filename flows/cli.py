@@ -389,6 +389,9 @@ def _launch(params: Path, live: bool | None = None, pool: str | None = None, rer
         if live if live is not None else console.is_terminal:
             summary = _launch_live(spec, params, pool, warm, phases)
         else:
+            from flows.run.live_view import plain_console_logs
+
+            plain_console_logs()
             warm.ready()
             _settle_dead_flow_run(spec.campaign.name, spec.tracking.runs_dir, lambda: [os.environ.get("PREFECT_API_URL")], owned=True)
             if phases is not None:

@@ -68,8 +68,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cluster", "flows", "tasks", "training")
 # What each spare imports: what its process imports before it serves.
 KINDS = {
+    # (`module:function`: imported, then called: matplotlib's pyplot on its Agg backend, which
+    # the pictures drawn as a campaign ends need; imported during the campaign, it competed
+    # with the hub's first calls for its CPU.)
     "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
-            "mlflow.store.tracking.sqlalchemy_store"),
+            "mlflow.store.tracking.sqlalchemy_store", "tasks.timeline:import_matplotlib"),
     "zygote": ("tasks.warm_worker",),
     # `campaign launch` itself (Prefect, the flow, the checks, the live view): not flows.cli,
     # whose consoles look at the terminal as they are made, imported once the launch's are its own.
@@ -571,8 +574,11 @@ def main(argv: list[str] | None = None) -> None:
     if kind == "zygote":  # as a launch's zygote imports (training/launch.py's launch_env, tasks/trial.py)
         os.environ.update({"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     with imports_without_gc():
-        for module in KINDS[kind]:
-            importlib.import_module(module)
+        for name in KINDS[kind]:
+            module, _, call = name.partition(":")
+            imported = importlib.import_module(module)
+            if call:
+                getattr(imported, call)()
     loaded = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
     files = {path: seen for path, seen in before.items() if path in loaded or not path.endswith(".py")}
     fresh = unchanged(files)  # else a file changed while it was imported: it execs afresh once taken

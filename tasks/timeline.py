@@ -46,7 +46,7 @@ def intervals(events: Iterable[Allocation], now: float | None = None) -> list[Ba
     return bars
 
 
-def _import_matplotlib():
+def import_matplotlib():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,7 +60,7 @@ def import_drawing_early() -> None:
     """Import matplotlib (~0.4 s here) on a thread while the trials train, where the pictures
     will be drawn (the campaign's hub, when it has one): a campaign draws them after its last
     trial ends, and the user waits for that."""
-    threading.Thread(target=_import_matplotlib, name="import-matplotlib", daemon=True).start()
+    threading.Thread(target=import_matplotlib, name="import-matplotlib", daemon=True).start()
 
 
 LEGEND_ROW_IN = 0.19  # one legend line at fontsize "small", in inches
@@ -70,7 +70,7 @@ LEGEND_ROWS = 16  # a column of the legend holds this many trials before another
 def figure(bars: list[Bar], title: str):
     """The chart, its legend beside it in as many columns as its trials need and the figure
     as tall as the longest column: every trial's name inside the picture, however many."""
-    plt = _import_matplotlib()
+    plt = import_matplotlib()
 
     devices = sorted({b.device for b in bars})
     trials = list(dict.fromkeys(b.trial for b in sorted(bars, key=lambda b: b.start)))
@@ -98,7 +98,7 @@ def figure(bars: list[Bar], title: str):
 
 
 def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
-    plt = _import_matplotlib()
+    plt = import_matplotlib()
     fig = figure(bars, title)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)

@@ -214,21 +214,50 @@ def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) ->
     return _open_trial_run(uri, parent_run_id, campaign, trial.id, trial.label, trial.spec.model_dump(mode="json"))
 
 
+# A campaign run's experiment and its trials' runs (trial id -> run id), read from the store
+# once, at the first trial it opens in this process, and kept as it opens more: a launch owns
+# its campaign (flows/run/owner.py), so no one else adds trial runs under its run meanwhile,
+# and each trial's opening costs two store calls instead of four.
+_trial_runs: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
+
+
+def _known_trial_runs(client, uri: str, parent_run_id: str) -> tuple[str, dict[str, str]]:
+    known = _trial_runs.get((uri, parent_run_id))
+    if known is None:
+        exp_id = client.get_run(parent_run_id).info.experiment_id
+        runs: dict[str, str] = {}
+        token = None
+        while True:  # the latest run of each trial, as _find_run would find it
+            page = client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=1000,
+                                      order_by=["attributes.start_time DESC"], page_token=token)
+            for run in page:
+                runs.setdefault(run.data.tags.get(TRIAL_TAG, ""), run.info.run_id)
+            token = page.token
+            if not token:
+                break
+        known = _trial_runs[(uri, parent_run_id)] = (exp_id, runs)
+    return known
+
+
 @in_hub
 @retrying
 def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, label: str, spec: dict[str, Any]) -> str:
     from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
 
     client = _client(uri)
-    exp_id = client.get_run(parent_run_id).info.experiment_id
-    run = _find_run(client, exp_id, f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'")
-    if run is not None:  # an earlier launch's run: this one continues it
-        client.update_run(run.info.run_id, status="RUNNING")
-        return run.info.run_id
+    exp_id, runs = _known_trial_runs(client, uri, parent_run_id)
+    if (run_id := runs.get(trial_id)) is not None:  # an earlier launch's run: this one continues it
+        try:
+            client.update_run(run_id, status="RUNNING")
+            return run_id
+        except MlflowException:  # deleted since (by hand, in MLflow's UI): the trial gets a new one
+            del runs[trial_id]
     tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial_id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
     run = client.create_run(exp_id, run_name=label, tags=tags)
     params = flatten("", spec)
     client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+    runs[trial_id] = run.info.run_id
     return run.info.run_id
 
 

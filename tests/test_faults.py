@@ -327,6 +327,34 @@ def test_a_finished_trial_left_running_in_mlflow_is_settled_on_resume(tmp_path):
     assert not settle_finished_run(uri, parent, trial.id, result)  # nothing left to do
 
 
+def test_a_trial_opened_again_continues_its_run_and_one_deleted_by_hand_gets_a_new_one(tmp_path):
+    """open_trial_run reads the campaign run's trial runs from the store once per process and
+    keeps them: opened again (a retry, the next launch), a trial continues its run; a run
+    deleted in MLflow's UI meanwhile is not written to, the trial gets a new one."""
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+    from tasks.grid import expand_grid
+    from tasks.tracking import open_campaign_run, open_trial_run
+    from training.spec import parse_spec
+
+    spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 20, "batch_size": 8, "lr": 0.1},
+                       "grid": {"training.lr": [0.1, 0.2]}})
+    first, second = expand_grid(spec)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = open_campaign_run(uri, "exp", "c", {}, 2)
+    run_id = open_trial_run(uri, parent, "c", first)
+    assert open_trial_run(uri, parent, "c", first) == run_id
+    other = open_trial_run(uri, parent, "c", second)
+    tracking._trial_runs.clear()  # a later launch: what the store holds
+    assert open_trial_run(uri, parent, "c", first) == run_id and open_trial_run(uri, parent, "c", second) == other
+    MlflowClient(uri).delete_run(run_id)
+    again = open_trial_run(uri, parent, "c", first)
+    assert again not in (run_id, other) and MlflowClient(uri).get_run(again).data.tags[tracking.TRIAL_TAG] == first.id
+    tracking._trial_runs.clear()
+    assert open_trial_run(uri, parent, "c", first) == again
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_trials_and_leaves_true_records(tmp_path, digits_npz):
     import signal

@@ -161,3 +161,38 @@ def test_only_a_trial_whose_agent_keeps_a_device_on_its_node_moves_in_memory(tmp
     assert new_host_nodes(job, [b0]) is None  # rank 0 stays on the agent's node: a move off it is a relaunch
     job.agent_node = None
     assert new_host_nodes(job, [a0, b0]) is None  # under torchrun across nodes, or no shared folder
+
+
+def test_prefect_console_lines_to_a_file_go_through_a_plain_handler_with_the_same_text_and_a_terminals_stay(tmp_path):
+    import logging
+    import os
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows.run.live_view import plain_console_logs
+
+    out = open(tmp_path / "out.txt", "w")
+    leader, follower = os.openpty()
+    terminal = os.fdopen(follower, "w")
+    to_file, to_terminal = logging.getLogger("campaign.test_plain_file"), logging.getLogger("campaign.test_plain_terminal")
+    for logger, stream in ((to_file, out), (to_terminal, terminal)):
+        handler = PrefectConsoleHandler(stream=stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s | %(name)s - %(message)s"))
+        logger.handlers, logger.propagate = [handler], False
+        logger.setLevel(logging.INFO)
+    try:
+        line = "trial a-1 starts on vm/cpu0: lr=[0.1, 0.2] (see http://127.0.0.1:4200/runs)"
+        to_file.info(line)  # through rich
+        plain_console_logs()
+        to_file.info(line)
+        out.flush()
+        said = (tmp_path / "out.txt").read_text().splitlines()
+        assert said == [f"INFO | campaign.test_plain_file - {line}"] * 2
+        assert not any(isinstance(h, PrefectConsoleHandler) for h in to_file.handlers)
+        assert isinstance(to_terminal.handlers[0], PrefectConsoleHandler)  # a terminal keeps Prefect's colours
+    finally:
+        for logger in (to_file, to_terminal):
+            logger.handlers = []
+        out.close()
+        terminal.close()
+        os.close(leader)
