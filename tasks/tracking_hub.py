@@ -34,7 +34,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -42,6 +41,7 @@ from typing import Any
 
 from tasks.hub_calls import HubCallError, HubGone, registered, use_hub
 from training.metrics import METRICS_SOCKET_ENV, _ignore_signals, _package_root, _Runs
+from training.files import private_temp_dir
 from training.metrics_hub import Hub
 from training.process import imports_without_gc
 
@@ -56,7 +56,7 @@ class MetricsHub:
 
     def __init__(self, flush_s: float = 2.0, store: str | None = None):
         """`store`: the MLflow tracking URI whose store the hub builds as it starts."""
-        self.folder = tempfile.mkdtemp(prefix="campaign-metrics-")  # short: a socket path has ~100 characters
+        self.folder = str(private_temp_dir("campaign-metrics-"))  # short: a socket path has ~100 characters
         self.path = os.path.join(self.folder, "sink")
         answers, answer_fd = os.pipe()
         args = ["--path", self.path, "--flush-s", str(flush_s), *(["--store", store] if store else [])]

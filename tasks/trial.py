@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
 from training.failure import DISK_FULL, SIGNAL, USER, Failure, clear_failure, exit_description, read_failure, signal_name
 from training.fence import lease_problem
-from training.files import DiskFull, size_text, write_atomic
+from training.files import DiskFull, private_temp_dir, size_text, write_atomic
 from training.manifest import TMP_PREFIX
 from training.loopback import BIND_ENV
 from training.process import (die_with_parent, end_processes, processes_marked, signal_group, signal_process,
@@ -624,7 +623,7 @@ def _ticket_path(trial_id: str) -> Path:
     """Where the ticket of the trial staged after `trial_id` is (see tasks/warm_worker.py)."""
     global _tickets
     if _tickets is None:
-        _tickets = Path(tempfile.mkdtemp(prefix="campaign-handover-"))
+        _tickets = private_temp_dir("campaign-handover-")
     return _tickets / f"after-{trial_id}.json"
 
 

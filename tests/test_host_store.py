@@ -175,3 +175,24 @@ def launch_as(uid: int, public: Path, digits: Path) -> subprocess.Popen:
 
 def output(public: Path, uid: int) -> str:
     return (public / str(uid) / "out.log").read_text()[-4000:]
+
+
+def test_a_private_temp_folder_sweeps_those_its_prefix_left_by_processes_gone(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from training.files import private_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    left = tmp_path / f"campaign-test-{gone.stdout.strip()}-abc"  # a killed process's folder, its socket inside
+    left.mkdir()
+    (left / "sink").write_text("")
+    alive = tmp_path / f"campaign-test-{os.getpid()}-def"  # a running process's (this one's)
+    alive.mkdir()
+    other = tmp_path / "campaign-testing-1-x"  # another prefix's
+    other.mkdir()
+    made = private_temp_dir("campaign-test-")
+    assert made.name.startswith(f"campaign-test-{os.getpid()}-") and made.stat().st_mode & 0o777 == 0o700
+    assert not left.exists() and alive.exists() and other.exists()

@@ -384,3 +384,29 @@ def read_status_json(path: Path, problem: Callable[[Any], str | None], limit: in
         warnings.warn(f"ignoring {path}: {wrong}", stacklevel=3)
         return None
     return raw
+
+
+def private_temp_dir(prefix: str) -> Path:
+    """A new folder of this user's only (0700) in the temporary directory, named for this
+    process (`<prefix><pid>-<random>`), after removing this user's folders of the prefix whose
+    process is gone: a process killed outright cannot remove its own, and sockets, tickets
+    and scripts would pile up there run after run."""
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(f"{prefix}*-*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        try:
+            if pid.isdigit() and old.lstat().st_uid == os.getuid() and not _process_exists(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True

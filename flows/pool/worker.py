@@ -20,13 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
 from cluster.inventory import discover
 from flows.pool.nodes import HEARTBEAT_S, PoolError, call, check_name, ensure_pool, ensure_queue, publish_node, withdraw_node
 from flows.pool.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
+from training.files import private_temp_dir
 from training.process import die_with_parent, stop_process_groups
 
 POLL_S = 1  # how often the Prefect worker asks for work: a placed segment starts within about this
@@ -80,7 +80,7 @@ def interface_of(address: str) -> str:
 def python_here() -> str:
     """A new private folder whose `python` runs this interpreter: a script, since a link to a
     virtual environment's interpreter from elsewhere would not find its environment."""
-    folder = tempfile.mkdtemp(prefix="campaign-worker-bin-")
+    folder = str(private_temp_dir("campaign-worker-bin-"))
     script = os.path.join(folder, "python")
     with open(script, "w") as out:
         out.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
