@@ -450,7 +450,7 @@ class LeaseStore:
                     # empty file without a word. Rebuilt instead, with its grace period: the
                     # holders still running re-register before anyone takes their devices.
                     raise _Corrupt("the file was deleted while in use")
-                with self._file_lock(exclusive=False), self._connection() as conn:
+                with self._file_lock(exclusive=False), self._kept_connection() as conn:
                     if not self._verified:
                         self._prepare(conn)
                     conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
@@ -527,10 +527,44 @@ class LeaseStore:
     # --- the file ------------------------------------------------------------------------
 
     @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(self.path, timeout=_busy_timeout_s(), isolation_level=None)
+    def _kept_connection(self) -> Iterator[sqlite3.Connection]:
+        """A connection this thread keeps open between its transactions on the file under the
+        path (called under the shared file lock, so no rebuild replaces the file meanwhile),
+        dropped once a transaction on it fails. A connection opened and closed for each
+        transaction made SQLite create the WAL file and fold it into the database as it
+        closed: five fsyncs for one lease, where a kept one commits with one."""
         try:
-            conn.execute("PRAGMA synchronous = FULL")
+            found = os.stat(self.path)
+        except OSError:  # not made yet: made by this transaction's connection, not kept
+            found = None
+        if found is None:
+            with self._connection() as conn:
+                yield conn
+            return
+        kept = _kept_connections.__dict__.setdefault("by_file", {})
+        key = (os.getpid(), str(self.path), found.st_dev, found.st_ino, _busy_timeout_s())
+        conn = kept.get(key)
+        if conn is None:
+            for stale in [k for k in kept if k[1] == key[1]]:  # the file under the path was replaced (a rebuild)
+                _close_quietly(kept.pop(stale))
+            while len(kept) >= KEPT_PER_THREAD:  # the oldest other file's (a process rarely uses more than one)
+                _close_quietly(kept.pop(next(iter(kept))))
+            conn = kept[key] = self._open()
+        try:
+            yield conn
+        except BaseException:
+            _close_quietly(kept.pop(key, conn))  # whatever the failure, the next transaction starts afresh
+            raise
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=_busy_timeout_s(), isolation_level=None)
+        conn.execute("PRAGMA synchronous = FULL")
+        return conn
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        conn = self._open()
+        try:
             yield conn
         finally:
             conn.close()
@@ -843,6 +877,25 @@ def _app_id(conn: sqlite3.Connection) -> int:
 
 def _crc(values: tuple) -> int:
     return zlib.crc32(repr(values).encode())
+
+
+# Per thread: (pid, path, device, inode, busy timeout) -> a connection kept open between
+# transactions (LeaseStore._kept_connection); the pid, so that a forked child never uses its
+# parent's.
+_kept_connections = threading.local()
+KEPT_PER_THREAD = 4
+
+
+def close_kept_connections() -> None:
+    """This thread's kept connections closed (the last connection to a file to close folds its
+    WAL into the file, as when the process exits)."""
+    for conn in _kept_connections.__dict__.pop("by_file", {}).values():
+        _close_quietly(conn)
+
+
+def _close_quietly(conn: sqlite3.Connection) -> None:
+    with suppress(sqlite3.Error):
+        conn.close()
 
 
 def _busy_timeout_s() -> float:

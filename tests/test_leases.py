@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from cluster.leases import (
     LeaseLost,
+    close_kept_connections,
     LeaseStore,
     LeaseStoreBusy,
     LeaseStoreError,
@@ -389,6 +390,7 @@ def _pristine() -> tuple[bytes, list]:
             store.acquire("a", {"d0": 4, "d1": 10}, CAP)
             store.acquire("b", {"d0": 6}, CAP)
             _PRISTINE["leases"] = store.leases()
+            close_kept_connections()  # as at rest, no process using it: the WAL folded into the file
             _PRISTINE["bytes"] = (Path(d) / "leases.db").read_bytes()
     return _PRISTINE["bytes"], _PRISTINE["leases"]
 
@@ -632,3 +634,19 @@ def test_a_lease_another_process_passed_on_is_adopted_renewed_and_never_called_l
     campaign.renew("c/b@1")  # its own now: renewed as if it had acquired it
     beat.close()
     assert lost == [] and campaign.leases() == []  # and given back with the campaign's others at its end
+
+
+def test_a_store_kept_open_reads_the_file_that_replaced_its_own_not_the_one_moved_aside(tmp_path):
+    """Each thread keeps its connection open between transactions; a rebuild elsewhere moves
+    the file aside and makes a new one under the path: the next transaction is on the new file."""
+    path = tmp_path / "leases.db"
+    mine = LeaseStore(path, clock=Clock())
+    assert mine.acquire("a", {"d0": 4}, CAP)
+    assert [lease.holder for lease in mine.leases()] == ["a"]
+    for suffix in ("", "-wal", "-shm"):  # moved aside whole, as a rebuild does
+        if Path(f"{path}{suffix}").exists():
+            os.replace(f"{path}{suffix}", f"{tmp_path}/aside.db{suffix}")
+    assert LeaseStore(path, clock=Clock()).leases() == []  # another process makes the new file
+    assert mine.leases() == []
+    assert mine.acquire("b", {"d0": 4}, CAP)
+    assert [lease.holder for lease in LeaseStore(path, clock=Clock()).leases()] == ["b"]
