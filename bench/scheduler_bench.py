@@ -181,9 +181,10 @@ def alone_bound(cluster: Cluster, jobs: Sequence[WorkloadJob], config: SimConfig
 def alone_times(cluster: Cluster, jobs: Sequence[WorkloadJob], config: SimConfig, seed: int) -> dict[str, float]:
     """Each job's JCT with the cluster to itself from its arrival (see `alone_bound`)."""
     oracle = replace(config, oracle=True)
-    return {job.id: simulate(cluster, [replace(job, arrival=0.0)], ElasticPolicy(pause_s=config.pause_s), oracle,
-                             seed=seed).jobs[0].completion_time
-            for job in jobs}
+    # Alone, no other job wants the devices: it takes every one that speeds it up, however
+    # little (the policy's `fixed_fill_efficiency` keeps a fixed batch off them when shared).
+    alone = ElasticPolicy(pause_s=config.pause_s, fixed_fill_efficiency=0.0)
+    return {job.id: simulate(cluster, [replace(job, arrival=0.0)], alone, oracle, seed=seed).jobs[0].completion_time for job in jobs}
 
 
 # What a Pollux replay depends on besides the bench's settings and its jobs: a change to any

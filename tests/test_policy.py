@@ -21,6 +21,7 @@ from cluster.jobs import (
     speedup,
     validate_allocation,
 )
+from cluster.goodput import GoodputView
 from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, NodePool, TiresiasPolicy
 from cluster.throughput import AnalyticStepTime, OnlineStepTime, mean_relative_error, prior_from_size
 
@@ -387,6 +388,28 @@ def test_rank_weights_do_not_stop_a_job_for_a_newcomer_barely_shorter_than_itsel
     assert ElasticPolicy().decide(cluster, [running, newcomer], now) == {"running": {"node0": 1}}
     assert ElasticPolicy(rank_tie=1.0).decide(cluster, [running, newcomer], now) == {"new": {"node0": 1}}
     assert ElasticPolicy().decide(cluster, [running, replace(newcomer, remaining_steps=300.0)], now) == {"new": {"node0": 1}}
+
+
+def test_a_job_whose_batch_is_fixed_takes_idle_devices_only_while_each_still_gives_fixed_fill_efficiency():
+    """Idle devices go to whoever gains from them, but a fixed batch split past a third of a
+    lone device's speed per device is not worth holding them (the job keeps them for its
+    protection, and newcomers find them taken): past its request it stops there. A goodput
+    job with the same speed-ups (its batch grows with its devices) is not held back."""
+    cluster = Cluster.uniform(1, 16)
+    flat = AnalyticStepTime(fixed=0.4, compute=1.0, intra=0.0, inter=0.0, per_node=0.0)  # speed-up per device 0.30 at 9, 0.28 at 10
+    assert speedup(flat, 9, 1) / 9 >= 0.3 > speedup(flat, 10, 1) / 10
+    fixed = Job("fixed", 0.0, 1, 1, 16, flat, remaining_steps=1e5)
+    adaptive = replace(fixed, model=GoodputView(flat, 0.0))  # no gradient noise: the same speed-ups as the fixed batch
+    assert speedup(adaptive.model, 16, 1) == pytest.approx(speedup(flat, 16, 1))
+
+    def size(policy: ElasticPolicy, job: Job) -> int:
+        return devices_of(policy.decide(cluster, [job], 0.0)[job.id])
+
+    assert size(ElasticPolicy(), fixed) == 9
+    assert size(ElasticPolicy(fixed_fill_efficiency=0.0), fixed) == 16
+    assert size(ElasticPolicy(), adaptive) == 16
+    # Up to its request (or what it holds) the bound does not apply.
+    assert size(ElasticPolicy(), replace(fixed, requested=12)) == 12
 
 
 def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto():
