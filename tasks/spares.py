@@ -1,7 +1,8 @@
 """Processes the folder's resident server keeps ready for its launches, their imports done.
 
 A launch's first step waits on three processes that each import for a second or more on a
-small host: the launch itself (Prefect and the flow: ~0.9 s before its checks can end), the
+small host: the launch itself (Prefect and the flow: ~0.9 s before its checks can end; torch
+for the check of a function it has not checked, ~1 s; Optuna and its storage for a search), the
 campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zygote its warm
 workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the launch's
 own work that is more CPU than two cores have in two seconds. So the resident server
@@ -36,8 +37,8 @@ The zygote's workers are found by the marks in their environment as the kernel s
 spare started before the launch cannot have: it is started with placeholders of the marks'
 length, written over with the launch's marks before its first fork (else it execs, as above).
 
-While they wait the three hold ~0.65 GB of memory (resident: ~110 MB the launch, ~220 MB the
-hub, ~310 MB the zygote), and each warm launch costs ~5 s of CPU to make them again, once it has ended
+While they wait the three hold ~0.9 GB of memory (resident: ~390 MB the launch, ~220 MB the
+hub, ~310 MB the zygote), and each warm launch costs ~7 s of CPU to make them again, once it has ended
 (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
 
 Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
@@ -64,7 +65,7 @@ from training.files import read_json, write_json_atomic
 from training.zygote import Zygote
 
 FOLDER = Path(".campaign")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tasks/ is in it
 PACKAGES = ("cluster", "flows", "tasks", "training")
 # What each spare imports: what its process imports before it serves.
 KINDS = {
@@ -74,10 +75,11 @@ KINDS = {
     "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
             "mlflow.store.tracking.sqlalchemy_store", "tasks.timeline:import_matplotlib"),
     "zygote": ("tasks.warm_worker",),
-    # `campaign launch` itself (Prefect, the flow, the checks, the live view): not flows.cli,
+    # `campaign launch` itself (Prefect, the flow, the checks, the live view, a search's study): not flows.cli,
     # whose consoles look at the terminal as they are made, imported once the launch's are its own.
     "launch": ("typer", "rich.console", "rich.table", "rich.live", "flows.run.campaign", "flows.run.live_view",
-               "flows.servers.resident", "flows.servers.warmup", "flows.servers.ui"),
+               "flows.servers.resident", "flows.servers.warmup", "flows.servers.ui", "optuna", "training.pruning:import_storage",
+               "training.function"),  # torch, for the check of a function trial the launch has not checked before
 }
 LAUNCH_COMMANDS = ("launch", "resume")  # what a spare launch runs: the commands that run a campaign's flow
 # The marks the launch's processes carry (flows/run/warden.py, tasks/trial.py): 16 hex digits each.

@@ -186,3 +186,13 @@ def test_the_spare_launch_is_the_command_its_exit_code_its_stop_and_its_death(tm
         if spare and process_running(spare):
             os.kill(spare, signal.SIGKILL)
         subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+
+
+def test_a_spare_watches_the_projects_own_files_for_changes():
+    """What a spare checks before it is taken (code_files) covers the project's modules, not
+    only the site folders: a launch never takes a spare that imported code since edited."""
+    from tasks import spares
+
+    files = spares.code_files()
+    for module in ("tasks/spares.py", "flows/cli.py", "flows/run/campaign.py", "training/zygote.py", "cluster/leases.py"):
+        assert str(REPO / module) in files, module

@@ -21,6 +21,13 @@ def storage(url: str):
     return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
 
 
+def import_storage() -> None:
+    """Import what a study's storage uses (SQLAlchemy, Alembic, Optuna's tables: ~0.4 s on top
+    of Optuna's own import) by making one in memory: the resident server's spare launch does,
+    so that a search's first study is made in a tenth of that."""
+    storage("sqlite://")
+
+
 def build_pruner(rule: str | None, min_steps: int = 1, reduction_factor: int = 3, max_steps: int | None = None):
     """The Optuna pruner for an `early_stopping.rule` (None: never prune)."""
     import optuna
