@@ -319,8 +319,7 @@ def run_command(folder: Path, argv: list[str]) -> int | None:
             except OSError:
                 pass
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, pass_on)
+    before = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
     with mine:
         try:
             said = mine.recv(1 << 12)  # its exit code, as its last act; nothing if it died without one
@@ -329,6 +328,8 @@ def run_command(folder: Path, argv: list[str]) -> int | None:
         if spare >= 0:
             select.select([spare], [], [])  # the command is over when its process is
             os.close(spare)
+    for sig, handler in before.items():  # (a fallback runs the command here, with Ctrl-C its own again)
+        signal.signal(sig, handler)
     answer = json.loads(said) if said else {"code": 1}
     return None if answer.get("fallback") else int(answer["code"])
 
