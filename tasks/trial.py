@@ -557,6 +557,7 @@ def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> N
     """The worker's trial ended (`code`; None: this thread was interrupted): the worker has
     started the trial staged after it (its ticket: tasks/warm_worker.py), starts it now (the
     ticket was written after the worker looked), waits for the next one, or is discarded."""
+    ended = time.time()
     with _live_lock:
         _live_groups.pop(worker.proc.pid, None)
         keep = code == 0 and worker.alive and not _stopped.is_set()
@@ -565,7 +566,10 @@ def _after_trial(worker: WarmWorker, config: TrialConfig, code: int | None) -> N
         # another worker, must not find it: what was staged goes back to the queue).
         claimed = successor is not None and _claim_ticket(config.trial_id)
     passed = worker.reply.get("next") if code == 0 else None  # what the worker did with the ticket it took
-    if passed is not None and passed.get("started"):
+    started_next = passed is not None and passed.get("started")
+    with _live_lock:  # its record's interval ends here, before the next trial's in its worker begins (run_plan)
+        _ended_at[config.trial_id] = min(ended, float(passed["at"])) if started_next else ended
+    if started_next:
         if keep and successor is not None and _adopt(worker, successor, passed):
             return
         worker.discard()  # the trial it started is stopped with it (the campaign stops) ...
@@ -616,6 +620,7 @@ class _Handed:
 _successors: dict[str, Successor] = {}  # a running trial -> the one staged after it
 _ended: set[str] = set()  # trials whose warm worker ended them well with nothing staged after: it went idle
 _handed: dict[str, _Handed] = {}  # a trial started by hand_over whose task has not yet taken it
+_ended_at: dict[str, float] = {}  # a warm trial's end as its worker's reply says it, for its record (ended_at)
 _tickets: Path | None = None  # this campaign's folder of tickets (private: they carry its environment)
 
 
@@ -695,6 +700,13 @@ def start_in_idle_worker(plan: LaunchPlan, config: TrialConfig) -> bool:
     with _live_lock:
         _idle_workers.setdefault(worker.key, []).append(worker)
     return False
+
+
+def ended_at(trial_id: str) -> float | None:
+    """When a warm worker's trial ended, taken once: no later than the start of the trial its
+    worker started after it (the campaign reads the reply after that start)."""
+    with _live_lock:
+        return _ended_at.pop(trial_id, None)
 
 
 def handed_over(trial_id: str) -> tuple[float, int] | None:
@@ -1058,10 +1070,10 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
                 MemoryWatch(processes) as memory:
             code = apply_launch(plan, config)
     except BaseException:
-        intervals[-1]["end"] = time.time()
+        intervals[-1]["end"] = ended_at(config.trial_id) or time.time()
         update(intervals=intervals)
         raise
-    intervals[-1]["end"] = time.time()
+    intervals[-1]["end"] = ended_at(config.trial_id) or time.time()
     result = completed_result(trial_dir)
     if result is not None:  # finished, whatever happened after: a worker killed after the result changes nothing
         update(state="finished", exit_code=code, intervals=intervals)
