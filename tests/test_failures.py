@@ -107,6 +107,25 @@ def test_a_checkpoint_that_finds_no_room_says_so_and_gives_its_room_back(tiny_di
     assert list(checkpoints.iterdir()) == [] and available_bytes(disk) > MiB * 9 // 10  # the half-written one is gone
 
 
+def test_a_log_line_that_finds_no_room_while_a_checkpoint_fills_the_disk_names_the_checkpoint(tiny_disk):
+    """A background save filled the disk; the training thread's print found no room first. The
+    failure names the checkpoint, and its half-written folder goes, so the record fits."""
+    from training.failure import DISK_FULL, failures_recorded, read_failure
+
+    disk = tiny_disk(1)
+    trial = disk / "runs" / "c" / "t"
+    half = trial / "checkpoints" / ".tmp-step-00000020"
+    half.mkdir(parents=True)
+    fill(half)
+    with pytest.raises(OSError), failures_recorded(trial, 0):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a print to the log: no file named
+    failure = read_failure(trial)
+    assert failure is not None and failure.kind == DISK_FULL, failure
+    assert failure.line.startswith(f"disk full: cannot write the checkpoint {half} (No space left on device); "), failure.line
+    assert f"0 B free of 1.0 MiB on the file system at {disk}" in failure.line
+    assert not half.exists()
+
+
 # --- whose code raised ----------------------------------------------------------------------------
 
 

@@ -23,20 +23,23 @@ removes the file before each launch, so what it reads is this segment's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import sysconfig
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from training.files import disk_full_in, envelope_problem, no_room, read_status_json, write_atomic
+from training.files import DiskFull, disk_full_in, envelope_problem, no_room, read_status_json, write_atomic
 from training.layout import trial_files
+from training.manifest import TMP_PREFIX
 
 SCHEMA = 1
 USER, DISK_FULL, PROJECT, SIGNAL = "user code", "disk full", "project", "signal"
@@ -239,6 +242,25 @@ def failures_recorded(trial_dir: str | Path, rank: int | None, users: frozenset[
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:
-        write_failure(trial_dir, describe(e, rank, users, trial_dir))
+        failure = describe(e, rank, users, trial_dir)
+        if failure.kind == DISK_FULL and (half := _half_written_checkpoint(trial_dir)) is not None:
+            failure = _checkpoint_filled_the_disk(failure, half, e)
+        write_failure(trial_dir, failure)
         raise
+
+
+def _half_written_checkpoint(trial_dir: str | Path) -> Path | None:
+    """The checkpoint being written when the disk filled up (a `.tmp-` folder), if any."""
+    return max(trial_files(trial_dir).checkpoints.glob(f"{TMP_PREFIX}*"), default=None)
+
+
+def _checkpoint_filled_the_disk(failure: Failure, half: Path, exc: BaseException) -> Failure:
+    """A save in the background fills the disk; the training thread's next write (a log line,
+    a metric) may find no room first. The checkpoint is what took the room: the failure names it,
+    and its half-written folder (never in view; a resume removes it anyway) is removed, so that
+    the failure record has room."""
+    cause = no_room(exc)
+    full = DiskFull(half, cause.errno if cause is not None and cause.errno else errno.ENOSPC, "the checkpoint ")
+    shutil.rmtree(half, ignore_errors=True)
+    return replace(failure, line=str(full)[:2 * LINE_CHARS], where=full.path)
 
