@@ -210,8 +210,17 @@ def run_experiment(uri: str, run_id: str) -> str:
     return _client(uri).get_run(run_id).info.experiment_id
 
 
-def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial) -> str:
-    return _open_trial_run(uri, parent_run_id, campaign, trial.id, trial.label, trial.spec.model_dump(mode="json"))
+def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial, scheduled: bool = False) -> str:
+    """The trial's run, RUNNING (`scheduled`: SCHEDULED, staged to start later: `mark_running` then)."""
+    return _open_trial_run(uri, parent_run_id, campaign, trial.id, trial.label, trial.spec.model_dump(mode="json"),
+                           "SCHEDULED" if scheduled else "RUNNING")
+
+
+@in_hub
+@retrying
+def mark_running(uri: str, run_id: str) -> None:
+    """A staged trial's SCHEDULED run: its trial started."""
+    _client(uri).update_run(run_id, status="RUNNING")
 
 
 # A campaign run's experiment and its trials' runs (trial id -> run id), read from the store
@@ -241,7 +250,8 @@ def _known_trial_runs(client, uri: str, parent_run_id: str) -> tuple[str, dict[s
 
 @in_hub
 @retrying
-def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, label: str, spec: dict[str, Any]) -> str:
+def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, label: str, spec: dict[str, Any],
+                    status: str = "RUNNING") -> str:
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
 
@@ -249,7 +259,7 @@ def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, 
     exp_id, runs = _known_trial_runs(client, uri, parent_run_id)
     if (run_id := runs.get(trial_id)) is not None:  # an earlier launch's run: this one continues it
         try:
-            client.update_run(run_id, status="RUNNING")
+            client.update_run(run_id, status=status)
             return run_id
         except MlflowException:  # deleted since (by hand, in MLflow's UI): the trial gets a new one
             del runs[trial_id]
@@ -257,6 +267,8 @@ def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, 
     run = client.create_run(exp_id, run_name=label, tags=tags)
     params = flatten("", spec)
     client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+    if status != "RUNNING":  # a new run starts RUNNING
+        client.update_run(run.info.run_id, status=status)
     runs[trial_id] = run.info.run_id
     return run.info.run_id
 

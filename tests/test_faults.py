@@ -355,6 +355,30 @@ def test_a_trial_opened_again_continues_its_run_and_one_deleted_by_hand_gets_a_n
     assert open_trial_run(uri, parent, "c", first) == again
 
 
+def test_a_trial_staged_before_anything_says_when_it_starts_is_scheduled_until_it_does(tmp_path):
+    """Its run says SCHEDULED (new, or an earlier launch's), then RUNNING once it starts."""
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+    from tasks.grid import expand_grid
+    from tasks.tracking import mark_running, open_campaign_run, open_trial_run
+    from training.spec import parse_spec
+
+    spec = parse_spec({"campaign": {"name": "c"}, "model": {"name": "mlp"}, "training": {"steps": 20, "batch_size": 8, "lr": 0.1},
+                       "grid": {"training.lr": [0.1, 0.2]}})
+    first, second = expand_grid(spec)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    parent = open_campaign_run(uri, "exp", "c", {}, 2)
+    staged = open_trial_run(uri, parent, "c", first, scheduled=True)
+    assert client.get_run(staged).info.status == "SCHEDULED"
+    assert client.get_run(open_trial_run(uri, parent, "c", second)).info.status == "RUNNING"
+    mark_running(uri, staged)
+    assert client.get_run(staged).info.status == "RUNNING"
+    tracking._trial_runs.clear()  # a later launch stages it again: its run, SCHEDULED again
+    assert open_trial_run(uri, parent, "c", first, scheduled=True) == staged and client.get_run(staged).info.status == "SCHEDULED"
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_trials_and_leaves_true_records(tmp_path, digits_npz):
     import signal

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import campaign_cli
-from flows.run.handover import ends_soon, next_end, seconds_left, staging_order
+from flows.run.handover import STAGE_DEPTH, may_stage, next_end, seconds_left, staging_order
 from tasks.records import read_allocations
 from test_function import trial_runs, write_params
 
@@ -36,11 +36,14 @@ def test_under_early_stopping_a_trial_may_end_at_its_pruners_next_point():
     assert [next_end(s, 300, "median", 40, 3) for s in (0, 39, 40, 299)] == [40, 40, 41, 300]
 
 
-def test_a_trial_is_staged_after_one_that_ends_within_the_window_and_never_when_it_is_off():
-    assert ends_soon(1.5, 2.0) and not ends_soon(2.5, 2.0)
-    assert not ends_soon(None, 2.0)  # unknown: not staged, its MLflow run would show running for who knows how long
-    assert ends_soon(None, math.inf) and ends_soon(1e9, math.inf)
-    assert not ends_soon(0.0, 0.0)
+def test_a_trial_is_staged_after_one_that_ends_within_the_window_one_after_an_unknown_and_never_when_it_is_off():
+    assert may_stage(1.5, 0, 2.0, STAGE_DEPTH) and not may_stage(2.5, 0, 2.0, STAGE_DEPTH)
+    assert may_stage(1.5, STAGE_DEPTH - 1, 2.0, STAGE_DEPTH) and not may_stage(1.5, STAGE_DEPTH, 2.0, STAGE_DEPTH)
+    # Nothing says when it ends (it has just started): one, whose run says SCHEDULED, not a chain.
+    assert may_stage(None, 0, 2.0, STAGE_DEPTH) and not may_stage(None, 1, 2.0, STAGE_DEPTH)
+    assert may_stage(None, 2, math.inf, STAGE_DEPTH) and may_stage(1e9, 0, math.inf, STAGE_DEPTH)
+    assert not may_stage(0.0, 0, 0.0, STAGE_DEPTH) and not may_stage(None, 0, 0.0, STAGE_DEPTH)  # off
+    assert not may_stage(None, 0, 2.0, 0)
 
 
 def _never_two_on_a_device(root: Path) -> dict[str, list[str]]:
@@ -92,3 +95,23 @@ def test_staged_trials_start_in_the_worker_of_the_one_before_each_once_and_never
     for run in runs:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")]
         assert sorted(steps) == [5, 10, 15, 20], (run.data.tags.get("campaign.trial"), steps)
+
+
+@pytest.mark.slow
+def test_short_trials_are_staged_before_anything_says_how_long_they_take(tmp_path):
+    """With the default window, nothing says at first how long the first two trials take: one
+    trial is staged after each all the same, and starts in its worker as it ends (a trivial
+    trial ends before the loop comes round again); every run ends FINISHED."""
+    write_params(tmp_path, "first", {"kwargs": {"every": 5}, "steps": 10}, grid={"training.lr": [0.01, 0.02, 0.03, 0.04]})
+    done = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    root = tmp_path / "runs" / "first"
+    order = _never_two_on_a_device(root)
+    handed = [line for line in (done.stdout + done.stderr).splitlines() if "in the warm worker of" in line]
+    assert len(handed) == 2, done.stdout[-3000:]
+    for line in handed:
+        trial, before = line.split("trial ", 1)[1].split()[0], line.split("in the warm worker of ", 1)[1].split(",")[0]
+        device_order = next(ts for ts in order.values() if trial in ts)
+        assert device_order.index(trial) == device_order.index(before) + 1, (line, order)
+    _, runs = trial_runs(tmp_path)
+    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}

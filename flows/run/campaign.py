@@ -42,8 +42,8 @@ from tasks.system_metrics import SystemSampler
 from tasks.timeline import import_drawing_early, intervals, timeline_rows, write_timeline
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
-from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
-from flows.run.handover import STAGE_DEPTH, Staged, ends_soon, next_end, seconds_left, stage_ahead_s, staging_order
+from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, mark_running, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
+from flows.run.handover import STAGE_DEPTH, Staged, may_stage, next_end, seconds_left, stage_ahead_s, staging_order
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -270,9 +270,10 @@ class CampaignRun:
     def holder(self, trial: Trial) -> str:
         return f"{self.name}/{trial.id}@{os.getpid()}"  # trial_of reads it back
 
-    def prepare(self, trial: Trial) -> tuple[str, TrialConfig]:
-        """The trial's MLflow run (opened, or an earlier launch's found) and its config, without its lease."""
-        run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial)
+    def prepare(self, trial: Trial, scheduled: bool = False) -> tuple[str, TrialConfig]:
+        """The trial's MLflow run (opened, or an earlier launch's found; `scheduled`: it says
+        SCHEDULED until the trial starts) and its config, without its lease."""
+        run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled)
         self.run_ids[trial.id] = run_id
         self.feed_journal(trial.id, lambda: run_id)
         drawn = self.drawn.get(trial.id)
@@ -346,14 +347,14 @@ class CampaignRun:
         search = self.spec.search
         depth = 1 if search is not None and search.strategy == "tpe" else STAGE_DEPTH
         # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
-        while chains := [c for c in chains if ends_soon(c[0], ahead) and c[3] < depth]:
+        while chains := [c for c in chains if may_stage(c[0], c[3], ahead, depth)]:
             chain = min(chains, key=lambda c: staging_order(c[0], c[3]))
             if not self.unstaged_pending():
                 self.draw()  # a search draws the trial to stage
             waiting = self.unstaged_pending()
             if not waiting or self.requests[waiting[0].id].max_devices != 1:
                 return  # first come, first served: the next in line is not a one-device trial
-            staged = self.stage(waiting[0], after=chain[1].id, holder=chain[2], devices=chain[4])
+            staged = self.stage(waiting[0], after=chain[1].id, holder=chain[2], devices=chain[4], scheduled=chain[0] is None)
             chain[0] = chain[0] + typical if chain[0] is not None and typical is not None else None
             chain[1], chain[2], chain[3] = staged.trial, staged.holder, chain[3] + 1
 
@@ -368,11 +369,12 @@ class CampaignRun:
                 return True
         return False
 
-    def stage(self, trial: Trial, after: str, holder: str, devices: list[Device]) -> Staged:
-        """Stage `trial` after the trial `after` (leased to `holder`) in its warm worker on `devices`."""
+    def stage(self, trial: Trial, after: str, holder: str, devices: list[Device], scheduled: bool = False) -> Staged:
+        """Stage `trial` after the trial `after` (leased to `holder`) in its warm worker on
+        `devices`; `scheduled`: its MLflow run says SCHEDULED until it starts (nothing says when that is)."""
         placement = Placement(trial.id, (devices[0].id,), self.requests[trial.id].at(1).memory_bytes)
-        run_id, config = self.prepare(trial)
-        staged = Staged(trial, placement, self.holder(trial), run_id, config)
+        run_id, config = self.prepare(trial, scheduled)
+        staged = Staged(trial, placement, self.holder(trial), run_id, config, scheduled=scheduled)
         plan = plan_launch(config, devices, Path.cwd(), warm=True)
         self.staged[after] = staged
         lease = {"db": str(self.store.path), "timeout_s": self.store.heartbeat_timeout_s, "holder": staged.holder, "instead_of": holder,
@@ -579,6 +581,8 @@ class CampaignRun:
         staged = self.unstage_after(job.trial.id)
         if staged is not None and staged.taken is not None:  # its worker started the staged trial: the loop catches up
             self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id)
+            if staged.scheduled:
+                mark_running(self.uri, staged.run_id)
         else:  # (else the take-over passed its devices on)
             self.heartbeat.release(job.holder)
         if self.sampler is not None:

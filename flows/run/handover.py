@@ -33,6 +33,8 @@ STAGE_AHEAD_S = 2.0
 # At most this many trials staged one after the other on a worker: trials shorter than the
 # loop's round (it opens their runs, submits their tasks) would otherwise find none staged.
 STAGE_DEPTH = 3
+# Trials staged on a chain nothing says the end of yet (see may_stage).
+UNKNOWN_DEPTH = 1
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Staged:
     config: TrialConfig  # without its lease: the take-over adds it
     taken: TrialConfig | None = None  # set by the take-over: the device is its own, its worker was told to start it
     taken_at: float | None = None  # when (set after `taken`: a chain whose head it is reads both)
+    scheduled: bool = False  # staged before anything said when the trial before it ends: its run says SCHEDULED until it starts
 
 
 def seconds_left(step: int | None, steps: int, step_time_s: float | None, running_s: float,
@@ -71,11 +74,18 @@ def stage_ahead_s() -> float:
     return float(os.environ.get(STAGE_AHEAD_ENV) or STAGE_AHEAD_S)
 
 
-def ends_soon(left: float | None, ahead: float) -> bool:
-    """Whether a trial with `left` seconds to go (None: unknown) is staged after at `ahead` (stage_ahead_s)."""
-    if ahead <= 0:
+def may_stage(left: float | None, depth: int, ahead: float, max_depth: int) -> bool:
+    """Whether one more trial is staged on a worker's chain whose last staged trial (or its
+    running one: `depth` 0) should end in `left` seconds (None: nothing says yet), staging
+    `ahead` seconds ahead (stage_ahead_s), at most `max_depth` deep. A chain nothing says of
+    yet (its trial has just started, none of the campaign has finished) gets one trial: a
+    short trial ends before the loop learns how long it takes, and its worker would idle for a
+    round of the loop; that staged trial's MLflow run says SCHEDULED until it starts."""
+    if ahead <= 0 or depth >= max_depth:
         return False
-    return math.isinf(ahead) if left is None else left <= ahead
+    if left is None:
+        return math.isinf(ahead) or depth < UNKNOWN_DEPTH
+    return left <= ahead
 
 
 def next_end(step: int, steps: int, rule: str | None, min_steps: int, factor: int) -> int:
