@@ -31,6 +31,8 @@ class HubCallError(RuntimeError):
 class HubClient(Protocol):
     def call(self, name: str, args: list, kwargs: dict) -> Any: ...
 
+    def call_unanswered(self, name: str, args: list, kwargs: dict | None = None) -> None: ...
+
 
 _client: HubClient | None = None
 
@@ -49,6 +51,31 @@ def in_hub(fn: F) -> F:
             except HubGone:
                 pass  # run here instead
         return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+def in_hub_unanswered(fn: F) -> F:
+    """Like `in_hub`, but the caller does not wait for it: the hub runs its calls one at a
+    time in the order they came, so every later call (the campaign end's drain included)
+    comes after it, and the error it raises, if any, is logged when the hub's next answer is
+    read. For writes that nothing in this process reads back at once (a trial's run closed,
+    a sample of its system readings): the campaign's loop does not wait a store transaction
+    for each. Returns None."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    _registry[name] = fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        client = _client
+        if client is not None:
+            try:
+                client.call_unanswered(name, list(args), kwargs)
+                return None
+            except HubGone:
+                pass  # run here instead
+        fn(*args, **kwargs)
+        return None
 
     return call  # type: ignore[return-value]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from cluster.inventory import nvml_session
 from cluster.types import Device
-from tasks.hub_calls import in_hub
+from tasks.hub_calls import in_hub, in_hub_unanswered
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class SystemSampler:
         self._nvml.close()
 
 
-@in_hub
+@in_hub_unanswered
 def log_readings(uri: str, run_id: str, values: dict[str, float], timestamp_ms: int, step: int, devices_tag: str | None) -> None:
     """One sample of a run's readings (and its devices tag, when it changed), in one
     `log_batch`: in the campaign's hub when it has one (tasks/hub_calls.py)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from tasks.grid import Trial
-from tasks.hub_calls import in_hub
+from tasks.hub_calls import in_hub, in_hub_unanswered
 from tasks.mlflow_store import make_from_template
 
 # MLflow is imported by the functions that use it: in a campaign with a hub they run there
@@ -216,7 +216,7 @@ def open_trial_run(uri: str, parent_run_id: str, campaign: str, trial: Trial, sc
                            "SCHEDULED" if scheduled else "RUNNING")
 
 
-@in_hub
+@in_hub_unanswered
 @retrying
 def mark_running(uri: str, run_id: str) -> None:
     """A staged trial's SCHEDULED run: its trial started."""
@@ -273,7 +273,7 @@ def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, 
     return run.info.run_id
 
 
-@in_hub
+@in_hub_unanswered  # the loop goes on while the hub closes it: the end's drain, and any later call, come after it
 @retrying
 def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None,
                     log_path: str | None = None) -> None:

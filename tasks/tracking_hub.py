@@ -12,7 +12,8 @@ The campaign binds the socket before any trial starts and hands it over (`python
 tasks.tracking_hub --listen-fd N`), so no trainer finds it missing while the hub imports
 MLflow: lines wait in the hub's buffer meanwhile. Calls come as JSON lines on the hub's
 stdin; answers go back on a pipe of their own (`--answer-fd`: nothing a library prints can
-mix with them). Two calls steer the metrics: `end_input` (every trial's process has exited:
+mix with them); a call sent `unanswered` (tasks.hub_calls.in_hub_unanswered) is answered only
+if it fails, and the campaign reads that answer when it next can. Two calls steer the metrics: `end_input` (every trial's process has exited:
 take no new connection, read every open one to its end and send the rest, while the
 campaign writes its summary) and `drain` (wait for that: the curves read MLflow after it).
 
@@ -28,6 +29,7 @@ import argparse
 import atexit
 import importlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -44,6 +46,8 @@ from training.metrics import METRICS_SOCKET_ENV, _ignore_signals, _package_root,
 from training.files import private_temp_dir
 from training.metrics_hub import Hub
 from training.process import imports_without_gc
+
+log = logging.getLogger(__name__)
 
 # The modules whose `@in_hub` functions the hub serves (imported there, by name, at its start).
 SERVED = ("tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics")
@@ -76,6 +80,7 @@ class MetricsHub:
         self.gone = False
         self._lock = threading.Lock()  # one call at a time: the flow's thread and the system sampler's
         self._next = 0
+        self._unanswered: dict[int, str] = {}  # calls sent with no caller waiting: id -> name
 
     @staticmethod
     def _spare(listen_fd: int, answer_fd: int, args: list[str], env: dict[str, str]):
@@ -114,7 +119,7 @@ class MetricsHub:
                 # An answer to an earlier call that was interrupted (a signal's exception
                 # raised in its thread) comes first: it is not this call's.
                 while (line := self._answer(deadline)) and (answer := json.loads(line))["id"] != self._next:
-                    pass
+                    self._skipped(answer)
             except (OSError, ValueError):  # a broken or closed pipe
                 line = b""
             if line is None:
@@ -127,18 +132,39 @@ class MetricsHub:
             raise HubCallError(f"{name} failed in the campaign's hub: {answer['error']}")
         return answer.get("value")
 
-    def call_unanswered(self, name: str, args: list) -> None:
+    def call_unanswered(self, name: str, args: list, kwargs: dict | None = None) -> None:
         """Send `name` to run in the hub and return at once: the next call's answer comes
-        after it, and skips it (an error it raised included: it is left for a later use to report)."""
+        after it and skips it, logging the error it raised, if any. HubGone if the hub cannot
+        take it (the caller then runs it itself)."""
         with self._lock:
             if self.gone:
-                return
+                raise HubGone(name)
             self._next += 1
             try:
-                self.proc.stdin.write(json.dumps({"id": self._next, "name": name, "args": args, "kwargs": {}}, default=str) + "\n")
+                self.proc.stdin.write(json.dumps({"id": self._next, "name": name, "args": args, "kwargs": kwargs or {},
+                                                  "unanswered": True}, default=str) + "\n")
                 self.proc.stdin.flush()
+                self._unanswered[self._next] = name
+                self._read_ready()
             except (OSError, ValueError):
                 self.gone = True
+                raise HubGone(name) from None
+
+    def _read_ready(self) -> None:
+        """The answers in the pipe now (unanswered calls' errors), read without waiting: calls
+        that no one waits for never fill it."""
+        while select.select([self.answers], [], [], 0)[0] and (chunk := os.read(self.answers, 1 << 16)):
+            self._pending += chunk
+        while b"\n" in self._pending:
+            line, self._pending = self._pending.split(b"\n", 1)
+            self._skipped(json.loads(line))
+
+    def _skipped(self, answer: dict) -> None:
+        """An answer no caller waits for: an unanswered call's (its error logged), or an
+        interrupted call's."""
+        name = self._unanswered.pop(answer["id"], None)
+        if name is not None and "error" in answer:
+            log.warning("%s failed in the campaign's hub: %s", name, answer["error"])
 
     def _answer(self, deadline: float | None) -> bytes | None:
         """The hub's next answer line; b"" if its pipe closed, None if none came by `deadline`."""
@@ -217,7 +243,10 @@ def build_store_ahead(uri: str) -> None:
     goes on: once the checks have passed (nothing is written before), the flow's first MLflow
     call finds it built."""
     if _hub is not None:
-        _hub.call_unanswered("tasks.tracking.build_store", [uri])
+        try:
+            _hub.call_unanswered("tasks.tracking.build_store", [uri])
+        except HubGone:
+            pass  # the first call builds it
 
 
 def end_metrics_hub() -> None:
@@ -282,8 +311,10 @@ def serve_calls(hub: Hub, sender: threading.Thread, answers, store: str | None =
             else:
                 value = registered(name)(*request["args"], **request["kwargs"])
             answer = {"id": request["id"], "value": value}
-        except Exception as e:  # the caller raises it; the hub goes on
+        except Exception as e:  # the caller raises it (or logs it, for an unanswered call); the hub goes on
             answer = {"id": request["id"], "error": f"{e.__class__.__name__}: {e}"}
+        if request.get("unanswered") and "error" not in answer:
+            continue  # no one waits for it: only its error is said
         answers.write(json.dumps(answer, default=str) + "\n")
         answers.flush()
     if ending is None:  # the campaign ended or died without ending the input

@@ -160,3 +160,39 @@ def two_trials_whole(uri: str, experiment: str) -> list:
     for run in trials:
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
     return trials
+
+
+def test_unanswered_calls_run_in_order_their_errors_are_logged_and_never_fill_the_answer_pipe(tmp_path):
+    """The loop does not wait for a trial's run to be closed or a sample of its readings to be
+    written: the hub runs those calls in order (a later answered call finds them done); one
+    that fails is logged as a warning naming it; thousands that fail (each answered with its
+    error) do not fill the answer pipe and stall the hub."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = run_script(f"""
+        import json, logging
+        from tasks.hub_calls import use_hub
+        from tasks.system_metrics import log_readings
+        from tasks.tracking import mark_running, open_campaign_run
+        from tasks.tracking_hub import MetricsHub
+
+        warned = []
+        class Kept(logging.Handler):
+            def emit(self, record):
+                warned.append(record.getMessage())
+        logging.getLogger("tasks.tracking_hub").addHandler(Kept())
+        hub = MetricsHub(store={uri!r})
+        use_hub(hub)
+        run_id = open_campaign_run({uri!r}, "e", "c", {{}}, 1)
+        for step in range(3):
+            log_readings({uri!r}, run_id, {{"system/cpu_percent": 10.0 * step}}, 1000 + step, step, None)
+        for _ in range(1500):  # each fails in the hub: an answer of ~150 bytes no one waits for
+            log_readings({uri!r}, "no-such-run", {{"system/cpu_percent": 1.0}}, 1000, 0, None)
+        again = open_campaign_run({uri!r}, "e", "c", {{}}, 1)  # answered: after all of them
+        hub.close()
+        print(json.dumps({{"run": run_id, "again": again, "warned": warned}}))
+    """, tmp_path)
+    assert out["again"] == out["run"]
+    history = MlflowClient(tracking_uri=uri).get_metric_history(out["run"], "system/cpu_percent")
+    assert [(m.step, m.value) for m in history] == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    assert len(out["warned"]) == 1500 and all(w.startswith("tasks.system_metrics.log_readings failed in the campaign's hub: ")
+                                               and "no-such-run" in w for w in out["warned"]), out["warned"][:2]
