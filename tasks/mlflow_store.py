@@ -12,6 +12,7 @@ A store that exists is never touched, nor one that is not a local SQLite file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -19,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 CACHE_ENV = "CAMPAIGN_CACHE_DIR"  # the folder of the campaign's caches (default ~/.cache/campaign)
+COMPANIONS = ("-wal", "-shm", "-journal")  # the files SQLite keeps beside a store (its write-ahead log, rollback journal)
 
 
 def cache_dir() -> Path:
@@ -42,6 +44,8 @@ def make_from_template(uri: str) -> bool:
     if path is None or path.exists() or not path.parent.is_dir():
         return False
     try:
+        for suffix in COMPANIONS:  # a store deleted by hand leaves them: an old log is never replayed into the new file
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         os.close(fd)
         try:
@@ -79,3 +83,17 @@ def _template() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return template
+
+
+def fold_log(uri: str) -> None:
+    """Fold the store's write-ahead log into its file and empty it (tasks.tracking keeps its
+    SQLite stores in WAL mode): at rest the store is its one file, whole, as a person who
+    copies or moves it expects. Nothing if it is not a local SQLite store, or is busy."""
+    path = sqlite_file(uri)
+    if path is None or not path.exists():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1.0)) as db:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    except sqlite3.Error:
+        pass

@@ -78,8 +78,13 @@ class MetricsHub:
         self._pending = b""  # what came of the next answer so far
         self.ended = False
         self.gone = False
-        self._lock = threading.Lock()  # one call at a time: the flow's thread and the system sampler's
+        # Calls come from several threads (the flow's loop, the system sampler, the run opener):
+        # `_lock` guards sending and the bookkeeping, `_reading` the answer pipe (one reader).
+        self._lock = threading.Lock()
+        self._reading = threading.Lock()
         self._next = 0
+        self._waiting: set[int] = set()  # calls whose callers wait for their answers
+        self._answered: dict[int, dict] = {}  # answers read by another caller's thread, for their own
         self._unanswered: dict[int, str] = {}  # calls sent with no caller waiting: id -> name
 
     @staticmethod
@@ -106,65 +111,98 @@ class MetricsHub:
     def call(self, name: str, args: list, kwargs: dict, timeout: float | None = None) -> Any:
         """Run `name` (an `@in_hub` function, or END_INPUT / DRAIN) in the hub and return its
         result; HubGone if the hub cannot answer (the caller then runs it itself), or has not
-        within `timeout` seconds (it is then ended: what it held is lost, and said so)."""
-        with self._lock:
-            if self.gone:
-                raise HubGone(name)
-            self._next += 1
-            request = json.dumps({"id": self._next, "name": name, "args": args, "kwargs": kwargs}, default=str)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                self.proc.stdin.write(request + "\n")
-                self.proc.stdin.flush()
-                # An answer to an earlier call that was interrupted (a signal's exception
-                # raised in its thread) comes first: it is not this call's.
-                while (line := self._answer(deadline)) and (answer := json.loads(line))["id"] != self._next:
-                    self._skipped(answer)
-            except (OSError, ValueError):  # a broken or closed pipe
-                line = b""
-            if line is None:
-                self.proc.kill()
-                warnings.warn(f"the metrics hub did not answer {name} in {timeout:.0f} s; the trials' last metrics may be missing")
-            if not line:
-                self.gone = True
-                raise HubGone(name)
+        within `timeout` seconds (it is then ended: what it held is lost, and said so).
+        Threads may call at once: each waits for its own answer only (the hub runs the calls
+        in the order they came)."""
+        ident = self._send(name, args, kwargs)
+        try:
+            answer = self._await(ident, name, timeout)
+        finally:
+            with self._lock:
+                self._waiting.discard(ident)
+                self._answered.pop(ident, None)
         if "error" in answer:
             raise HubCallError(f"{name} failed in the campaign's hub: {answer['error']}")
         return answer.get("value")
 
     def call_unanswered(self, name: str, args: list, kwargs: dict | None = None) -> None:
-        """Send `name` to run in the hub and return at once: the next call's answer comes
-        after it and skips it, logging the error it raised, if any. HubGone if the hub cannot
-        take it (the caller then runs it itself)."""
+        """Send `name` to run in the hub and return at once: its answer comes only if it
+        fails, and is read (its error logged) when the hub's answers are next read. HubGone
+        if the hub cannot take it (the caller then runs it itself)."""
+        self._send(name, args, kwargs or {}, unanswered=True)
+        self._read_ready()
+
+    def _send(self, name: str, args: list, kwargs: dict, unanswered: bool = False) -> int:
         with self._lock:
             if self.gone:
                 raise HubGone(name)
             self._next += 1
+            request = {"id": self._next, "name": name, "args": args, "kwargs": kwargs, **({"unanswered": True} if unanswered else {})}
             try:
-                self.proc.stdin.write(json.dumps({"id": self._next, "name": name, "args": args, "kwargs": kwargs or {},
-                                                  "unanswered": True}, default=str) + "\n")
+                self.proc.stdin.write(json.dumps(request, default=str) + "\n")
                 self.proc.stdin.flush()
-                self._unanswered[self._next] = name
-                self._read_ready()
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # a broken or closed pipe
                 self.gone = True
                 raise HubGone(name) from None
+            if unanswered:
+                self._unanswered[self._next] = name
+            else:
+                self._waiting.add(self._next)
+            return self._next
 
-    def _read_ready(self) -> None:
-        """The answers in the pipe now (unanswered calls' errors), read without waiting: calls
-        that no one waits for never fill it."""
-        while select.select([self.answers], [], [], 0)[0] and (chunk := os.read(self.answers, 1 << 16)):
-            self._pending += chunk
-        while b"\n" in self._pending:
-            line, self._pending = self._pending.split(b"\n", 1)
-            self._skipped(json.loads(line))
+    def _await(self, ident: int, name: str, timeout: float | None) -> dict:
+        """Call `ident`'s answer: read from the pipe by one waiting thread at a time, which
+        hands the others theirs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._reading:
+                with self._lock:
+                    if ident in self._answered:
+                        return self._answered.pop(ident)
+                    if self.gone:
+                        raise HubGone(name)
+                try:
+                    line = self._answer(deadline)
+                except (OSError, ValueError):
+                    line = b""
+                if line is None:
+                    self.proc.kill()
+                    warnings.warn(f"the metrics hub did not answer {name} in {timeout:.0f} s; the trials' last metrics may be missing")
+                if not line:
+                    self.gone = True
+                    raise HubGone(name)
+                answer = json.loads(line)
+                if answer["id"] == ident:
+                    return answer
+                self._deliver(answer)
+            time.sleep(0)  # a thread whose answer this one read takes the reading lock first
 
-    def _skipped(self, answer: dict) -> None:
-        """An answer no caller waits for: an unanswered call's (its error logged), or an
-        interrupted call's."""
-        name = self._unanswered.pop(answer["id"], None)
+    def _deliver(self, answer: dict) -> None:
+        """An answer read by a thread it is not for: a waiting thread's, or one no one waits
+        for (an unanswered call's error, logged; an interrupted call's)."""
+        with self._lock:
+            if answer["id"] in self._waiting:
+                self._answered[answer["id"]] = answer
+                return
+            name = self._unanswered.pop(answer["id"], None)
         if name is not None and "error" in answer:
             log.warning("%s failed in the campaign's hub: %s", name, answer["error"])
+
+    def _read_ready(self) -> None:
+        """The answers in the pipe now, read without waiting (unless a thread is reading):
+        calls that no one waits for never fill it."""
+        if not self._reading.acquire(blocking=False):
+            return  # that thread reads them
+        try:
+            while select.select([self.answers], [], [], 0)[0] and (chunk := os.read(self.answers, 1 << 16)):
+                self._pending += chunk
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                self._deliver(json.loads(line))
+        except (OSError, ValueError):
+            pass  # a closed pipe: the next call finds the hub gone
+        finally:
+            self._reading.release()
 
     def _answer(self, deadline: float | None) -> bytes | None:
         """The hub's next answer line; b"" if its pipe closed, None if none came by `deadline`."""
@@ -342,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
         sender.join()
     # Everything is in MLflow (each log_batch committed): the campaign waits on this exit,
     # and an interpreter's teardown with MLflow and SQLAlchemy loaded took another 0.5 s.
+    from tasks.tracking import fold_logs
+
+    fold_logs()  # (os._exit runs no atexit hook)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

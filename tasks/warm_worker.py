@@ -21,6 +21,7 @@ when a ticket was taken (started False: the campaign starts that trial the usual
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,13 @@ def take_ticket(path: str | None) -> dict | None:
         return None
 
 
+@functools.cache
+def _store(db: str, timeout_s: float) -> LeaseStore:
+    """The lease file's store, one per worker: checked (schema, integrity) and its connection
+    opened at the first take-over only."""
+    return LeaseStore(db, timeout_s)
+
+
 def pass_device_on(ended: TrialConfig, ticket: dict) -> tuple[dict, dict | None]:
     """`ended` finished in this worker: move its device's lease to the ticket's trial and
     start it. (the reply's "next", the request to run now or None)."""
@@ -57,7 +65,7 @@ def pass_device_on(ended: TrialConfig, ticket: dict) -> tuple[dict, dict | None]
     refused = {"trial": trial, "started": False}
     if finished_result(ended) is None:  # it stopped without a result (pruned ones have one): the campaign decides
         return refused, None
-    store = LeaseStore(lease["db"], lease["timeout_s"])
+    store = _store(lease["db"], lease["timeout_s"])
     try:
         granted = store.acquire(lease["holder"], lease["claims"], lease["capacity"], pid=lease["pid"],
                                 campaign=lease["campaign"], instead_of=lease["instead_of"])
@@ -67,13 +75,15 @@ def pass_device_on(ended: TrialConfig, ticket: dict) -> tuple[dict, dict | None]
     if not granted:  # another campaign's turn: the device was given back, the trial waits its turn
         return refused, None
     config = dataclasses.replace(TrialConfig(**ticket["config"]), lease=store.fence(lease["holder"]))
+    grant = store.grant(lease["holder"])
+    store.forget(lease["holder"])  # the campaign holds it from its reply on (it adopts the grant)
     request = ticket["request"]
     Path(config.trial_dir).mkdir(parents=True, exist_ok=True)
     write_atomic(Path(request["config"]), config.to_json().encode(), durable=False)  # every launch writes it again
     clear_failure(config.trial_dir)  # what its processes record from now on is this segment's (training.failure)
     log_path = Path(request["log"])
     offset = log_path.stat().st_size if log_path.exists() else 0
-    return {"trial": trial, "started": True, "grant": store.grant(lease["holder"]), "at": time.time(), "offset": offset}, request
+    return {"trial": trial, "started": True, "grant": grant, "at": time.time(), "offset": offset}, request
 
 
 def next_trial(request: dict, code: int) -> tuple[dict, dict | None]:

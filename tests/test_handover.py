@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import campaign_cli
-from flows.run.handover import STAGE_DEPTH, may_stage, next_end, seconds_left, staging_order
+from flows.run.handover import STAGE_DEPTH, may_stage, next_end, restage_moves, seconds_left, staging_order
 from tasks.records import read_allocations
 from test_function import trial_runs, write_params
 
@@ -36,14 +36,54 @@ def test_under_early_stopping_a_trial_may_end_at_its_pruners_next_point():
     assert [next_end(s, 300, "median", 40, 3) for s in (0, 39, 40, 299)] == [40, 40, 41, 300]
 
 
-def test_a_trial_is_staged_after_one_that_ends_within_the_window_one_after_an_unknown_and_never_when_it_is_off():
+def test_a_trial_is_staged_after_one_that_ends_within_the_window_or_whose_end_is_unknown_and_never_when_it_is_off():
     assert may_stage(1.5, 0, 2.0, STAGE_DEPTH) and not may_stage(2.5, 0, 2.0, STAGE_DEPTH)
     assert may_stage(1.5, STAGE_DEPTH - 1, 2.0, STAGE_DEPTH) and not may_stage(1.5, STAGE_DEPTH, 2.0, STAGE_DEPTH)
-    # Nothing says when it ends (it has just started): one, whose run says SCHEDULED, not a chain.
-    assert may_stage(None, 0, 2.0, STAGE_DEPTH) and not may_stage(None, 1, 2.0, STAGE_DEPTH)
+    # Nothing says when it ends (it has just started): staged as one that ends soon (runs SCHEDULED).
+    assert may_stage(None, 0, 2.0, STAGE_DEPTH) and may_stage(None, STAGE_DEPTH - 1, 2.0, STAGE_DEPTH)
+    assert not may_stage(None, STAGE_DEPTH, 2.0, STAGE_DEPTH)
     assert may_stage(None, 2, math.inf, STAGE_DEPTH) and may_stage(1e9, 0, math.inf, STAGE_DEPTH)
     assert not may_stage(0.0, 0, 0.0, STAGE_DEPTH) and not may_stage(None, 0, 0.0, STAGE_DEPTH)  # off
     assert not may_stage(None, 0, 2.0, 0)
+
+
+def test_runs_opened_ahead_are_opened_once_in_another_thread_and_a_failed_one_is_opened_again_by_the_caller():
+    import threading
+    from types import SimpleNamespace
+
+    from flows.run.handover import RunOpener
+
+    calls: list[tuple[str, str]] = []
+
+    def open_run(trial, scheduled):
+        calls.append((trial.id, threading.current_thread().name))
+        if trial.id == "bad":
+            raise RuntimeError("database is locked")
+        return f"run-{trial.id}"
+
+    opener = RunOpener(open_run)
+    a, b, bad = (SimpleNamespace(id=i) for i in ("a", "b", "bad"))
+    opener.ahead([a, bad], scheduled=True)
+    opener.ahead([a, bad], scheduled=False)  # asked again while opening: not opened twice
+    assert opener.take(a) == ("run-a", True) and opener.take(bad) is None and opener.take(b) is None
+    assert opener.take(a) is None  # taken once
+    opener.keep("b", "run-b", False)  # a staged trial back in the queue: its run kept for its start
+    assert opener.take(b) == ("run-b", False)
+    opener.close()
+    assert sorted(c[0] for c in calls) == ["a", "bad"] and all(c[1].startswith("run-opener") for c in calls)
+
+
+def test_a_staged_trial_moves_to_a_worker_that_ends_sooner_by_more_than_the_margin():
+    # (running trial, seconds left, something staged after it, that one may move)
+    assert restage_moves([("a", 2.0, True, True), ("b", 0.5, False, False)]) == [("a", "b")]
+    assert restage_moves([("a", 0.55, True, True), ("b", 0.5, False, False)]) == []  # within the margin: stays
+    assert restage_moves([("a", 2.0, True, False), ("b", 0.5, False, False)]) == []  # the head of a chain: stays
+    assert restage_moves([("a", 2.0, True, True), ("b", None, False, False)]) == []  # nothing says when b ends
+    assert restage_moves([("a", None, True, True), ("b", 0.5, False, False)]) == []
+    # Two staged, one free worker: the one that would wait longest moves.
+    assert restage_moves([("a", 1.0, True, True), ("c", 3.0, True, True), ("b", 0.2, False, False)]) == [("c", "b")]
+    assert restage_moves([("a", 1.0, True, True), ("c", 3.0, True, True), ("b", 0.2, False, False), ("d", 0.4, False, False)]) == [
+        ("c", "b"), ("a", "d")]
 
 
 def _never_two_on_a_device(root: Path) -> dict[str, list[str]]:
@@ -99,7 +139,7 @@ def test_staged_trials_start_in_the_worker_of_the_one_before_each_once_and_never
 
 @pytest.mark.slow
 def test_short_trials_are_staged_before_anything_says_how_long_they_take(tmp_path):
-    """With the default window, nothing says at first how long the first two trials take: one
+    """With the default window, nothing says at first how long the first two trials take: a
     trial is staged after each all the same, and starts in its worker as it ends (a trivial
     trial ends before the loop comes round again); every run ends FINISHED."""
     write_params(tmp_path, "first", {"kwargs": {"every": 5}, "steps": 10}, grid={"training.lr": [0.01, 0.02, 0.03, 0.04]})

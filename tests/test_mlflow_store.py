@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 from mlflow import MlflowClient
 
 from tasks.mlflow_store import make_from_template
@@ -41,3 +44,29 @@ def test_an_existing_store_and_other_stores_are_left_alone(tmp_path, monkeypatch
         assert not make_from_template(uri)
     assert not (tmp_path / "cache").exists()  # nothing made for stores it does not make
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left behind
+
+
+def test_a_store_deleted_by_hand_leaves_no_log_for_the_new_one_and_a_closed_one_is_one_whole_file(tmp_path):
+    """The stores are kept in WAL mode: a new store made where one was deleted (its -wal and
+    -shm left behind) starts empty, and a store's log is folded into its file as the process
+    that wrote it exits."""
+    import subprocess
+    import sys
+
+    from tasks.mlflow_store import make_from_template
+
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    write = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+             f"from tasks.tracking import open_campaign_run\n"
+             f"open_campaign_run({uri!r}, 'e', 'c', {{}}, 1)\n")
+    subprocess.run([sys.executable, "-c", write], check=True, timeout=120)
+    assert not Path(f"{db}-wal").exists() or Path(f"{db}-wal").stat().st_size == 0  # folded as it exited
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
+    Path(f"{db}-wal").write_bytes(b"an old log")  # what a store deleted by hand leaves
+    db.unlink()
+    assert make_from_template(uri) and not Path(f"{db}-wal").exists()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 0

@@ -196,3 +196,29 @@ def test_unanswered_calls_run_in_order_their_errors_are_logged_and_never_fill_th
     assert [(m.step, m.value) for m in history] == [(0, 0.0), (1, 10.0), (2, 20.0)]
     assert len(out["warned"]) == 1500 and all(w.startswith("tasks.system_metrics.log_readings failed in the campaign's hub: ")
                                                and "no-such-run" in w for w in out["warned"]), out["warned"][:2]
+
+
+def test_threads_calling_the_hub_at_once_each_get_their_own_answer(tmp_path):
+    """The loop, the system sampler and the run opener call the hub from their own threads:
+    each call's answer reaches its caller, whichever thread read it from the pipe."""
+    import threading
+
+    from tasks.tracking_hub import MetricsHub
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    hub = MetricsHub(store=uri)
+    got: dict[str, list] = {}
+    try:
+        opened = {c: hub.call("tasks.tracking.open_campaign_run", [uri, "e", c, {}, 1], {}) for c in ("a", "b", "c", "d")}
+
+        def ask(campaign: str) -> None:
+            got[campaign] = [hub.call("tasks.tracking.open_campaign_run", [uri, "e", campaign, {}, 1], {}) for _ in range(15)]
+
+        threads = [threading.Thread(target=ask, args=(c,)) for c in opened]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        hub.close()
+    assert got == {c: [run] * 15 for c, run in opened.items()}

@@ -43,7 +43,7 @@ from tasks.timeline import import_drawing_early, intervals, timeline_rows, write
 from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, mark_running, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
-from flows.run.handover import STAGE_DEPTH, Staged, may_stage, next_end, seconds_left, stage_ahead_s, staging_order
+from flows.run.handover import STAGE_DEPTH, RunOpener, Staged, may_stage, next_end, restage_moves, seconds_left, stage_ahead_s, staging_order
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -201,6 +201,8 @@ class CampaignRun:
         self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished()} if search else {}
         self.pruned: set[str] = set()
         self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
+        self.opener = RunOpener(lambda trial, scheduled: open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled))
+        self.began: dict[str, float] = {}  # a started trial -> when, until its wall time is counted in finished_s
         every = spec.tracking.system_metrics_every_s
         self.sampler = SystemSampler(self.uri, every, processes_of=trial_process_groups) if every > 0 else None
         accept_launches()
@@ -273,7 +275,13 @@ class CampaignRun:
     def prepare(self, trial: Trial, scheduled: bool = False) -> tuple[str, TrialConfig]:
         """The trial's MLflow run (opened, or an earlier launch's found; `scheduled`: it says
         SCHEDULED until the trial starts) and its config, without its lease."""
-        run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled)
+        opened = self.opener.take(trial)  # opened ahead, if it was
+        if opened is None:
+            run_id = open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled)
+        else:
+            run_id, said_scheduled = opened
+            if said_scheduled and not scheduled:
+                mark_running(self.uri, run_id)
         self.run_ids[trial.id] = run_id
         self.feed_journal(trial.id, lambda: run_id)
         drawn = self.drawn.get(trial.id)
@@ -281,7 +289,7 @@ class CampaignRun:
                                     self.search.pruning(drawn) if drawn is not None else None)
 
     def launch(self, trial: Trial, placement: Placement, holder: str, run_id: str, config: TrialConfig,
-               serving: str | None = None, running: str | None = None) -> None:
+               serving: str | None = None, running: str | None = None, started_at: float | None = None) -> None:
         """Submit the trial's task on the placement's devices, leased to `holder`, and count it
         running. A one-device trial starts at once in an idle warm worker, if there is one (its
         task catches up); `running`: the trial whose worker started it already (a take-over)."""
@@ -309,6 +317,10 @@ class CampaignRun:
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic, warm=warm)
+        if started_at is not None:  # its worker started it (a take-over) before the loop caught up
+            job.started_at = started_at
+        if running is None:  # (a take-over's start was noted as it was taken: `taken`)
+            self.began[trial.id] = job.started_at
         if self.pool is not None and agent_across_nodes(config, elastic, len(by_node(devices))):
             job.agent_node, job.config = devices[0].node, config  # its agent there grows it onto other nodes in memory
         if serving is not None:
@@ -329,6 +341,7 @@ class CampaignRun:
         if self.pool is not None or self.scheduler is not None or not self.spec.cluster.warm_workers:
             return
         now, ahead = time.time(), stage_ahead_s()
+        self.restage_sooner(now)
         typical = statistics.median(self.finished_s) if self.finished_s else None
         chains = []  # per running warm trial: [time left until the last staged after it ends, last, its holder, depth, devices]
         for job in self.running.values():
@@ -357,6 +370,8 @@ class CampaignRun:
             staged = self.stage(waiting[0], after=chain[1].id, holder=chain[2], devices=chain[4], scheduled=chain[0] is None)
             chain[0] = chain[0] + typical if chain[0] is not None and typical is not None else None
             chain[1], chain[2], chain[3] = staged.trial, staged.holder, chain[3] + 1
+            # Trials this short end faster than the loop opens runs: the next ones' open meanwhile.
+            self.opener.ahead(self.unstaged_pending()[:2 * len(chains)], scheduled=typical is None or typical > ahead)
 
     def unstage_one(self) -> bool:
         """A device is free and nothing waits but staged trials: the one staged last goes back
@@ -365,9 +380,29 @@ class CampaignRun:
         for after, staged in reversed(list(self.staged.items())):
             if staged.taken is None and unstage_successor(after):
                 del self.staged[after]
+                self.opener.keep(staged.trial.id, staged.run_id, staged.scheduled)
                 self.unstage_after(staged.trial.id)
                 return True
         return False
+
+    def restage_sooner(self, now: float) -> None:
+        """Trials staged after running ones that should now end later than another running
+        one with nothing staged after it move there (handover.restage_moves)."""
+        heads, jobs = [], {}
+        for job in self.running.values():
+            staged = self.staged.get(job.trial.id)
+            if job.warm and (staged is None or staged.taken is None):  # (a taken one heads its chain: the loop catches up first)
+                movable = staged is not None and staged.trial.id not in self.staged  # alone, not the first of a chain
+                heads.append((job.trial.id, self.seconds_left(job.trial, job.started_at, now), staged is not None, movable))
+                jobs[job.trial.id] = job
+        for before, after in restage_moves(heads):
+            staged = self.staged[before]
+            if not unstage_successor(before):
+                continue  # its worker took it meanwhile
+            del self.staged[before]
+            self.opener.keep(staged.trial.id, staged.run_id, staged.scheduled)
+            to = jobs[after]
+            self.stage(staged.trial, after=after, holder=to.holder, devices=to.devices, scheduled=staged.scheduled)
 
     def stage(self, trial: Trial, after: str, holder: str, devices: list[Device], scheduled: bool = False) -> Staged:
         """Stage `trial` after the trial `after` (leased to `holder`) in its warm worker on
@@ -402,6 +437,7 @@ class CampaignRun:
         unstage_successor(trial_id)
         staged = self.staged.pop(trial_id, None)
         if staged is not None and staged.taken is None:
+            self.opener.keep(staged.trial.id, staged.run_id, staged.scheduled)
             self.unstage_after(staged.trial.id)
         return staged
 
@@ -429,6 +465,11 @@ class CampaignRun:
         """The device is the staged trial's now: its config with its lease, its allocation logged."""
         staged.taken = dataclasses.replace(staged.config, lease=self.store.fence(staged.holder))
         staged.taken_at = time.time()
+        # How long the ended trial took, known now (the loop collects it later): what the
+        # staging estimates trials by (finished_s), and when the one after it started.
+        self.began[staged.trial.id] = staged.taken_at
+        if (began := self.began.pop(ended, None)) is not None:
+            self.finished_s.append(staged.taken_at - began)
         log_allocation(self.root, ended, [], "end")
         log_allocation(self.root, staged.trial.id, staged.placement.device_ids, "start",
                        staged.placement.claims(self.capacity)[staged.placement.device_ids[0]])
@@ -580,7 +621,8 @@ class CampaignRun:
         job = self.running.pop(future)
         staged = self.unstage_after(job.trial.id)
         if staged is not None and staged.taken is not None:  # its worker started the staged trial: the loop catches up
-            self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id)
+            self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id,
+                        started_at=staged.taken_at)
             if staged.scheduled:
                 mark_running(self.uri, staged.run_id)
         else:  # (else the take-over passed its devices on)
@@ -639,7 +681,8 @@ class CampaignRun:
                     self.scheduler.unpin(job.trial.id)
             return
         self.results[job.trial.id] = result
-        self.finished_s.append(time.time() - job.started_at)
+        if (began := self.began.pop(job.trial.id, None)) is not None:  # (else counted as its worker passed its device on)
+            self.finished_s.append(time.time() - began)
         if job.relaunch is not None:
             answer(job.trial_dir, job.relaunch[1], "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before it could move")
         if job.awaiting is not None:  # it reached its end before a resize (a preemption) landed: say so
@@ -755,6 +798,7 @@ class CampaignRun:
             if stopped := stop_launched_trials():
                 self.logger.warning(f"stopped {len(stopped)} running trial(s) before releasing their devices: {', '.join(stopped)}")
             close_warm_workers()
+            self.opener.close()
             if hub is not None:  # every trial's process has exited: the hub sends the rest while the summary is written
                 end_metrics_hub()
             self.heartbeat.close()

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from cluster.types import Placement
 from tasks.grid import Trial
@@ -33,8 +35,9 @@ STAGE_AHEAD_S = 2.0
 # At most this many trials staged one after the other on a worker: trials shorter than the
 # loop's round (it opens their runs, submits their tasks) would otherwise find none staged.
 STAGE_DEPTH = 3
-# Trials staged on a chain nothing says the end of yet (see may_stage).
-UNKNOWN_DEPTH = 1
+# A staged trial moves to another worker whose trial should end this much sooner (a margin
+# over the estimates' noise, so that it does not move back and forth).
+RESTAGE_MARGIN_S = 0.1
 
 
 @dataclass
@@ -64,6 +67,20 @@ def seconds_left(step: int | None, steps: int, step_time_s: float | None, runnin
     return None
 
 
+def restage_moves(heads: list[tuple[str, float | None, bool, bool]], margin: float = RESTAGE_MARGIN_S) -> list[tuple[str, str]]:
+    """Which staged trials move: `heads` are the running warm trials (id, seconds left or
+    None, whether a trial is staged after it, whether that one may move: it is alone). A
+    staged trial moves to the running trial with nothing staged after it that should end
+    soonest, when that is sooner by more than `margin`: with trials of unequal lengths it
+    would otherwise wait while a device idles. (from, to) pairs, the latest-ending first."""
+    idle = sorted((left, trial) for trial, left, staged, _ in heads if not staged and left is not None)
+    moves = []
+    for trial, left, staged, movable in sorted(heads, key=lambda h: -(h[1] or 0.0)):
+        if idle and movable and left is not None and idle[0][0] + margin < left:
+            moves.append((trial, idle.pop(0)[1]))
+    return moves
+
+
 def staging_order(left: float | None, depth: int) -> tuple[int, float]:
     """Which worker's chain gets the next staged trial first: the shallowest, then the one
     that should end soonest (`left` None: nothing says yet, after those that say)."""
@@ -77,15 +94,15 @@ def stage_ahead_s() -> float:
 def may_stage(left: float | None, depth: int, ahead: float, max_depth: int) -> bool:
     """Whether one more trial is staged on a worker's chain whose last staged trial (or its
     running one: `depth` 0) should end in `left` seconds (None: nothing says yet), staging
-    `ahead` seconds ahead (stage_ahead_s), at most `max_depth` deep. A chain nothing says of
-    yet (its trial has just started, none of the campaign has finished) gets one trial: a
-    short trial ends before the loop learns how long it takes, and its worker would idle for a
-    round of the loop; that staged trial's MLflow run says SCHEDULED until it starts."""
+    `ahead` seconds ahead (stage_ahead_s), at most `max_depth` deep. A chain nothing says the
+    end of yet (its trial has just started, none of the campaign has finished) is staged as
+    one that ends soon: short trials end before the loop learns how long they take, and
+    their workers would idle a round of the loop each; trials staged so are SCHEDULED in
+    MLflow until they start (and a device that frees first takes them: `restage_moves`,
+    the loop's unstaging)."""
     if ahead <= 0 or depth >= max_depth:
         return False
-    if left is None:
-        return math.isinf(ahead) or depth < UNKNOWN_DEPTH
-    return left <= ahead
+    return left is None or math.isinf(ahead) or left <= ahead
 
 
 def next_end(step: int, steps: int, rule: str | None, min_steps: int, factor: int) -> int:
@@ -100,3 +117,44 @@ def next_end(step: int, steps: int, rule: str | None, min_steps: int, factor: in
             rung *= factor
         return min(rung, steps)
     return min(max(step + 1, min_steps), steps)
+
+
+class RunOpener:
+    """Opens the MLflow runs of trials about to be staged, in a thread of its own, while the
+    loop goes on: a run's opening is a few store transactions in the campaign's hub (~50 ms
+    on a loaded host), longer than a trivial trial's handover, and the loop opened each
+    trial's run as it staged it. A run opened ahead of a trial whose start nothing tells yet
+    says SCHEDULED until it starts."""
+
+    def __init__(self, open_run: Callable[[Trial, bool], str]):
+        self.open_run = open_run  # (trial, scheduled) -> run id
+        self.opening: dict[str, tuple[Future, bool]] = {}
+        self.pool: ThreadPoolExecutor | None = None
+
+    def ahead(self, trials: list[Trial], scheduled: bool) -> None:
+        """Open these trials' runs next (those not opened yet)."""
+        for trial in trials:
+            if trial.id not in self.opening:
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(1, thread_name_prefix="run-opener")
+                self.opening[trial.id] = (self.pool.submit(self.open_run, trial, scheduled), scheduled)
+
+    def keep(self, trial_id: str, run_id: str, scheduled: bool) -> None:
+        """A staged trial went back to the queue: its run, opened already, for its next start."""
+        kept: Future = Future()
+        kept.set_result(run_id)
+        self.opening[trial_id] = (kept, scheduled)
+
+    def take(self, trial: Trial) -> tuple[str, bool] | None:
+        """(the trial's run, whether it says SCHEDULED) once opened ahead, waiting for it if
+        it is being opened; None if it was not, or its opening failed (the caller opens it,
+        and says why if that fails again)."""
+        opening = self.opening.pop(trial.id, None)
+        try:
+            return (opening[0].result(), opening[1]) if opening is not None else None
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
