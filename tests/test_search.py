@@ -28,6 +28,26 @@ def spec(**sections):
 
 # --- the study, alone ---------------------------------------------------------------------
 
+def test_the_study_is_kept_in_wal_mode_and_a_new_one_never_inherits_a_deleted_ones_log(tmp_path):
+    import sqlite3
+
+    import optuna
+
+    from training.pruning import storage
+
+    db = tmp_path / "search.db"
+    url = f"sqlite:///{db}"
+    study = optuna.create_study(storage=storage(url), study_name="s")
+    study.tell(study.ask(), 1.0)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    del study
+    db.unlink()  # deleted by hand: its -wal and -shm stay behind
+    Path(f"{db}-wal").write_bytes(b"an old log")
+    fresh = optuna.create_study(storage=storage(url), study_name="s")
+    assert len(fresh.trials) == 0 and Path(f"{db}-wal").stat().st_size != len(b"an old log")
+
+
 def test_a_grid_runs_in_the_spec_order_and_each_seed_once(tmp_path):
     search = Search(spec(grid={"training.lr": [0.3, 0.1], "model.width": [8, 16]}, early_stopping={"rule": "median"}), tmp_path)
     assert search.total == 4

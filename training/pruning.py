@@ -9,16 +9,40 @@ not fail (`storage`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sqlite3
 from typing import Any
 
 SQLITE_TIMEOUT_S = 60  # trials of one campaign report to one file; a writer waits this long for another
 
 
 def storage(url: str):
-    """Optuna's RDB storage on the campaign's SQLite file, tolerant of concurrent writers."""
+    """Optuna's RDB storage on the campaign's SQLite file, tolerant of concurrent writers (a
+    waiting writer waits), in WAL mode: a trial's report at an evaluation and the campaign's
+    ask and tell commit into a write-ahead log, synced at its checkpoints, not each into a
+    journal file made, synced and deleted (~10 ms a commit on a loaded host: a pruned trial's
+    last report, on the way from its end to the next trial's start). A crash of the machine
+    may lose the last commits, never the file's consistency; a resume tells the study the
+    results on disk again."""
     import optuna
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
+    path = url.split(":///", 1)[1] if url.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
+    if not os.path.exists(path):  # a study deleted by hand leaves them: an old log is never replayed into the new file
+        for suffix in ("-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + suffix)
+    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": functools.partial(_wal_connection, path)})
+
+
+def _wal_connection(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=SQLITE_TIMEOUT_S, check_same_thread=False)  # SQLAlchemy's pool hands it between threads
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    return conn
 
 
 def import_storage() -> None:
