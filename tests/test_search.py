@@ -41,11 +41,12 @@ def test_the_study_is_kept_in_wal_mode_and_a_new_one_never_inherits_a_deleted_on
     study.tell(study.ask(), 1.0)
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    del study
+    storage(url).engine.dispose()  # (as the process that made it ends)
     db.unlink()  # deleted by hand: its -wal and -shm stay behind
     Path(f"{db}-wal").write_bytes(b"an old log")
-    fresh = optuna.create_study(storage=storage(url), study_name="s")
+    fresh = optuna.create_study(storage=storage(url), study_name="s")  # a new file: a storage of its own
     assert len(fresh.trials) == 0 and Path(f"{db}-wal").stat().st_size != len(b"an old log")
+    assert storage(url) is storage(url)  # one per process and file
 
 
 def test_a_grid_runs_in_the_spec_order_and_each_seed_once(tmp_path):

@@ -19,8 +19,20 @@ SQLITE_TIMEOUT_S = 60  # trials of one campaign report to one file; a writer wai
 
 
 def storage(url: str):
-    """Optuna's RDB storage on the campaign's SQLite file, tolerant of concurrent writers (a
-    waiting writer waits), in WAL mode: a trial's report at an evaluation and the campaign's
+    """Optuna's RDB storage on the campaign's SQLite file: one per process and file (a warm
+    worker's trials report through the same; a new one checks the schema, ~30 ms)."""
+    path = url.split(":///", 1)[1] if url.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        return _storage(url, None)
+    try:
+        return _storage(url, os.stat(path).st_ino)
+    except FileNotFoundError:  # made now: its own, not kept (the next call finds the file)
+        return _storage.__wrapped__(url, None)
+
+
+@functools.cache  # by the file's identity too: a study deleted and made again is a new file
+def _storage(url: str, _inode: int | None):
+    """Tolerant of concurrent writers (a waiting writer waits), and in WAL mode: a trial's report at an evaluation and the campaign's
     ask and tell commit into a write-ahead log, synced at its checkpoints, not each into a
     journal file made, synced and deleted (~10 ms a commit on a loaded host: a pruned trial's
     last report, on the way from its end to the next trial's start). A crash of the machine
