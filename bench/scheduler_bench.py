@@ -182,8 +182,8 @@ def alone_times(cluster: Cluster, jobs: Sequence[WorkloadJob], config: SimConfig
     """Each job's JCT with the cluster to itself from its arrival (see `alone_bound`)."""
     oracle = replace(config, oracle=True)
     # Alone, no other job wants the devices: it takes every one that speeds it up, however
-    # little (the policy's `fixed_fill_efficiency` keeps a fixed batch off them when shared).
-    alone = ElasticPolicy(pause_s=config.pause_s, fixed_fill_efficiency=0.0)
+    # little (the policy's fill efficiencies keep a job off them when shared).
+    alone = ElasticPolicy(pause_s=config.pause_s, fixed_fill_efficiency=0.0, goodput_fill_efficiency=0.0)
     return {job.id: simulate(cluster, [replace(job, arrival=0.0)], alone, oracle, seed=seed).jobs[0].completion_time for job in jobs}
 
 

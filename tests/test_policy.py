@@ -390,11 +390,11 @@ def test_rank_weights_do_not_stop_a_job_for_a_newcomer_barely_shorter_than_itsel
     assert ElasticPolicy().decide(cluster, [running, replace(newcomer, remaining_steps=300.0)], now) == {"new": {"node0": 1}}
 
 
-def test_a_job_whose_batch_is_fixed_takes_idle_devices_only_while_each_still_gives_fixed_fill_efficiency():
+def test_a_job_takes_idle_devices_only_while_each_still_gives_its_fill_efficiency():
     """Idle devices go to whoever gains from them, but a fixed batch split past a third of a
     lone device's speed per device is not worth holding them (the job keeps them for its
     protection, and newcomers find them taken): past its request it stops there. A goodput
-    job with the same speed-ups (its batch grows with its devices) is not held back."""
+    job (its batch grows with its devices) has a bound of its own, `goodput_fill_efficiency`."""
     cluster = Cluster.uniform(1, 16)
     flat = AnalyticStepTime(fixed=0.4, compute=1.0, intra=0.0, inter=0.0, per_node=0.0)  # speed-up per device 0.30 at 9, 0.28 at 10
     assert speedup(flat, 9, 1) / 9 >= 0.3 > speedup(flat, 10, 1) / 10
@@ -407,9 +407,17 @@ def test_a_job_whose_batch_is_fixed_takes_idle_devices_only_while_each_still_giv
 
     assert size(ElasticPolicy(), fixed) == 9
     assert size(ElasticPolicy(fixed_fill_efficiency=0.0), fixed) == 16
-    assert size(ElasticPolicy(), adaptive) == 16
+    # Each kind of job is held by its own bound only.
+    assert size(ElasticPolicy(), adaptive) == 9
+    assert size(ElasticPolicy(goodput_fill_efficiency=0.0), adaptive) == 16
+    assert size(ElasticPolicy(fixed_fill_efficiency=0.0), adaptive) == 9
+    assert size(ElasticPolicy(goodput_fill_efficiency=0.0), fixed) == 9
     # Up to its request (or what it holds) the bound does not apply.
     assert size(ElasticPolicy(), replace(fixed, requested=12)) == 12
+    assert size(ElasticPolicy(), replace(adaptive, requested=12)) == 12
+    # A running goodput job already past the bound keeps what it holds: the bound limits growth, not what is held.
+    held = replace(adaptive, placement={"node0": 12}, since=0.0, attained=3600.0 * 12)
+    assert size(ElasticPolicy(), held) == 12
 
 
 def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto():
