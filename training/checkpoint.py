@@ -40,14 +40,14 @@ class Checkpointer:
 
     `save(..., blocking=False)` returns once the state is staged (copied to CPU memory); the
     write runs in a background thread over `async_group`, a process group of its own so its
-    collectives never interleave with training's. Rank 0 writes the manifest and renames the
-    checkpoint into view when the write has completed on every rank (DCP writes its metadata
-    only then). One save is in flight at a time.
+    collectives never interleave with training's (a process alone needs none: `background`).
+    Rank 0 writes the manifest and renames the checkpoint into view when the write has
+    completed on every rank (DCP writes its metadata only then). One save is in flight at a time.
     """
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, async_group: "dist.ProcessGroup | None" = None,
                  guard: Callable[[], str | None] | None = None, grant: dict[str, Any] | None = None,
-                 remote: "CheckpointRemote | None" = None, one_writer: bool = False):
+                 remote: "CheckpointRemote | None" = None, one_writer: bool = False, background: bool = False):
         self.root = Path(root)
         # Rank 0 writes every replicated item (DCP's dedup to the lowest rank): the whole
         # checkpoint is then in rank 0's folder, though the ranks' folders are on different
@@ -62,6 +62,8 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.async_group = async_group
+        # Saves may be written in the background: over async_group, or by a process alone.
+        self.background = async_group is not None or (background and world_size == 1)
         self._pending: Future | None = None
         self._finalized: Future | None = None
         self._pending_dir: Path | None = None  # where the save in flight writes (`.tmp-step-N`)
@@ -102,7 +104,7 @@ class Checkpointer:
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        if blocking or self.async_group is None:
+        if blocking or not self.background:
             with _room_for(tmp):
                 dcp.save(state, checkpoint_id=tmp, planner=self._planner(), no_dist=self.alone)
                 self._barrier()

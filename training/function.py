@@ -200,11 +200,13 @@ class TrialContext:
         # Rank 0's pruning decision and stop requests reach the others over gloo on the CPU:
         # agreeing costs no device sync, wherever the model trains.
         self._flags = dist.new_group(backend="gloo") if world_size > 1 else None
-        # Saves written from a thread need collectives of their own (as the project's loop's do).
-        self._async = dist.new_group(backend="gloo") if async_saves and dist.is_initialized() else None
+        # Saves written from a thread need collectives of their own (as the project's loop's do);
+        # a process alone writes without (a new group is ~10 ms of each warm trial's start).
+        background = async_saves and dist.is_initialized()
+        self._async = dist.new_group(backend="gloo") if background and world_size > 1 else None
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, rank, world_size, self._async,
                                          guard=commit_guard(cfg.lease), grant=grant_of(cfg.lease),
-                                         remote=remote_for(cfg.checkpoint_remote, cfg.keep_checkpoints))
+                                         remote=remote_for(cfg.checkpoint_remote, cfg.keep_checkpoints), background=background)
         self.metrics = (MetricsLogger(cfg.mlflow_tracking_uri, cfg.mlflow_run_id, journal=trial_files(cfg.trial_dir).metrics_journal)
                         if self.is_rank0 else MetricsLogger(None, None))
         self.pruning = Pruning(cfg.pruning) if cfg.pruning and self.is_rank0 else None
@@ -259,7 +261,7 @@ class TrialContext:
             raise TypeError("ctx.save(step, state): state must be a non-empty dict (modules and optimizers may be values)")
         self.step = max(self.step, step)
         self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
-        self.saved = self.checkpointer.save(step, checkpoint_state(step, state), blocking=self._async is None)
+        self.saved = self.checkpointer.save(step, checkpoint_state(step, state), blocking=not self.checkpointer.background)
         return self.saved
 
     def load(self) -> tuple[int, dict[str, Any]] | None:

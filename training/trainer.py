@@ -219,11 +219,11 @@ class Trainer(Stateful):
                                   for i, s in enumerate(self.spans))
         self.noise_sizes = self._noise_sizes(env)
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
-        self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints else None
+        self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints and env.world_size > 1 else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group,
                                          guard=commit_guard(self.cfg.lease), grant=grant_of(self.cfg.lease),
                                          remote=remote_for(self.cfg.checkpoint_remote, self.cfg.keep_checkpoints),
-                                         one_writer=self.cfg.one_checkpoint_writer)
+                                         one_writer=self.cfg.one_checkpoint_writer, background=self.cfg.async_checkpoints)
         if env.rank == 0 and not self.metrics.enabled:
             self.metrics = MetricsLogger(self.cfg.mlflow_tracking_uri, self.cfg.mlflow_run_id,
                                          journal=trial_files(self.cfg.trial_dir).metrics_journal)
