@@ -86,14 +86,16 @@ def _template() -> Path:
 
 
 def fold_log(uri: str) -> None:
-    """Fold the store's write-ahead log into its file and empty it (tasks.tracking keeps its
-    SQLite stores in WAL mode): at rest the store is its one file, whole, as a person who
-    copies or moves it expects. Nothing if it is not a local SQLite store, or is busy."""
+    """Fold the store's write-ahead log into its file (tasks.tracking keeps its SQLite stores in
+    WAL mode): at rest the store's file holds all of it, as a person who copies or moves it
+    expects. Without waiting for anyone (a process exiting must not hold up the next launch's
+    writes): what a reader keeps from folding is folded by the last connection to close, or
+    the next checkpoint. Nothing if it is not a local SQLite store."""
     path = sqlite_file(uri)
     if path is None or not path.exists():
         return
     try:
-        with contextlib.closing(sqlite3.connect(path, timeout=1.0)) as db:
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.closing(sqlite3.connect(path, timeout=0)) as db:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
     except sqlite3.Error:
         pass
