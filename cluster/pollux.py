@@ -67,7 +67,7 @@ class PolluxPolicy:
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
 
-    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float) -> dict[str, dict[str, int]]:
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float, more_to_come: bool = True) -> dict[str, dict[str, int]]:
         if not jobs:
             return {}
         started = time.perf_counter()

@@ -220,7 +220,7 @@ class _Simulation:
                 self._arrive(self.pending[index])
                 index += 1
             if self.active:
-                self._decide()
+                self._decide(more_to_come=index < len(self.pending))
                 if not any(live.placement for live in self.active.values()):
                     # Nothing else can happen but more ticks: the policy would never finish.
                     raise InvalidAllocation(
@@ -277,7 +277,7 @@ class _Simulation:
                 live.model.observe(n, k, truth * self.rng.lognormvariate(0.0, self.config.noise))
                 live.last_report = self.now
 
-    def _decide(self) -> None:
+    def _decide(self, more_to_come: bool = True) -> None:
         self._report_step_times()
         for live in self.active.values():
             if live.noise is not None and live.placement:  # the noise scale grew: so did its best batch
@@ -302,7 +302,8 @@ class _Simulation:
             for live in self.active.values()
         ]
         started = time.perf_counter()
-        allocation = self.policy.decide(self.cluster, views, self.now)
+        # Whether jobs are still to arrive: what a campaign knows of its own queue (not the when).
+        allocation = self.policy.decide(self.cluster, views, self.now, more_to_come)
         self.decision_s.append(time.perf_counter() - started)
         try:
             validate_allocation(self.cluster, views, allocation)

@@ -418,6 +418,9 @@ def test_a_job_takes_idle_devices_only_while_each_still_gives_its_fill_efficienc
     # A running goodput job already past the bound keeps what it holds: the bound limits growth, not what is held.
     held = replace(adaptive, placement={"node0": 12}, since=0.0, attained=3600.0 * 12)
     assert size(ElasticPolicy(), held) == 12
+    # The bound keeps devices for jobs to come: with none to come, nothing is kept for them.
+    for job in (fixed, adaptive):
+        assert devices_of(ElasticPolicy().decide(cluster, [job], 0.0, more_to_come=False)[job.id]) == 16
 
 
 def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto():

@@ -119,14 +119,14 @@ class _Greedy:
 
     name = "broken"
 
-    def decide(self, cluster, jobs, now):
+    def decide(self, cluster, jobs, now, more_to_come=True):
         return {j.id: {cluster.nodes[0].name: j.max_devices} for j in jobs}
 
 
 class _BelowMinimum:
     name = "half-gang"
 
-    def decide(self, cluster, jobs, now):
+    def decide(self, cluster, jobs, now, more_to_come=True):
         return {j.id: {cluster.nodes[0].name: j.min_devices - 1} for j in jobs if j.min_devices > 1} or {
             j.id: {cluster.nodes[0].name: 1} for j in jobs
         }
@@ -135,7 +135,7 @@ class _BelowMinimum:
 class _Idle:
     name = "idle"
 
-    def decide(self, cluster, jobs, now):
+    def decide(self, cluster, jobs, now, more_to_come=True):
         return {}
 
 
@@ -159,7 +159,7 @@ class _FirstOnOne:
 
     name = "first-on-one"
 
-    def decide(self, cluster, jobs, now):
+    def decide(self, cluster, jobs, now, more_to_come=True):
         first = min(jobs, key=lambda j: (j.arrival, j.id))
         return {first.id: {cluster.nodes[0].name: 1}}
 
@@ -178,7 +178,7 @@ def test_the_simulator_counts_decisions_that_leave_devices_idle_beside_a_job_tha
 class _TwoOnFirstNode:
     name = "two-on-first-node"
 
-    def decide(self, cluster, jobs, now):
+    def decide(self, cluster, jobs, now, more_to_come=True):
         return {jobs[0].id: {cluster.nodes[0].name: 2}}
 
 

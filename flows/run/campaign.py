@@ -558,7 +558,9 @@ class CampaignRun:
                 self.scheduler.pin(job.trial.id, len(job.devices))
         ours = f"{self.name}/"
         foreign = {lease.device_id for lease in self.store.leases() if not lease.holder.startswith(ours)}
-        actions = self.scheduler.decide(usable_devices(self.inventory, foreign), now)
+        # Every trial of a grid has arrived at the start; a search may still draw more.
+        more_to_come = self.search is not None and bool(self.search.remaining())
+        actions = self.scheduler.decide(usable_devices(self.inventory, foreign), now, more_to_come)
         for job in self.running.values():
             target = actions.resize.get(job.trial.id)
             if target is not None and job.awaiting is None and job.hosting is None and pending_request(job.trial_dir, job.handled) is None:

@@ -123,8 +123,9 @@ class LiveScheduler:
             t.attained += t.devices * (now - t.last_update)
         t.last_update = now
 
-    def decide(self, free_devices: dict[str, list[str]], now: float | None = None) -> Actions:
-        """Decide over the devices this campaign may use: node -> device ids (ours and free)."""
+    def decide(self, free_devices: dict[str, list[str]], now: float | None = None, more_to_come: bool = True) -> Actions:
+        """Decide over the devices this campaign may use: node -> device ids (ours and free);
+        `more_to_come`: whether trials may still arrive (a search's budget left)."""
         now = time.time() if now is None else now
         # Devices of trials a person pinned are theirs, not the policy's to hand out.
         pinned: dict[str, int] = {}
@@ -152,7 +153,7 @@ class LiveScheduler:
                             preemptions=t.preemptions, remaining_steps=t.remaining_steps))
         if not jobs:
             return Actions()
-        allocation = self.policy.decide(cluster, jobs, now)
+        allocation = self.policy.decide(cluster, jobs, now, more_to_come)
         validate_allocation(cluster, jobs, allocation)  # a policy bug is raised, never fixed up
         start, resize, batch = {}, {}, {}
         for t in self.tracked.values():
