@@ -39,20 +39,7 @@ _client: HubClient | None = None
 
 def in_hub(fn: F) -> F:
     """Run `fn` in the hub when this process has one (see the module's docstring)."""
-    name = f"{fn.__module__}.{fn.__qualname__}"
-    _registry[name] = fn
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        client = _client
-        if client is not None:
-            try:
-                return client.call(name, list(args), kwargs)
-            except HubGone:
-                pass  # run here instead
-        return fn(*args, **kwargs)
-
-    return call  # type: ignore[return-value]
+    return _routed(fn, lambda client, name, args, kwargs: client.call(name, args, kwargs))
 
 
 def in_hub_unanswered(fn: F) -> F:
@@ -62,6 +49,12 @@ def in_hub_unanswered(fn: F) -> F:
     read. For writes that nothing in this process reads back at once (a trial's run closed,
     a sample of its system readings): the campaign's loop does not wait a store transaction
     for each. Returns None."""
+    return _routed(fn, lambda client, name, args, kwargs: client.call_unanswered(name, args, kwargs), answered=False)
+
+
+def _routed(fn: F, send: Callable[[HubClient, str, list, dict], Any], answered: bool = True) -> F:
+    """`fn` registered under its name and sent to the hub by `send` while there is one; run
+    here without a hub, or once it is gone."""
     name = f"{fn.__module__}.{fn.__qualname__}"
     _registry[name] = fn
 
@@ -70,12 +63,12 @@ def in_hub_unanswered(fn: F) -> F:
         client = _client
         if client is not None:
             try:
-                client.call_unanswered(name, list(args), kwargs)
-                return None
+                value = send(client, name, list(args), kwargs)
+                return value if answered else None
             except HubGone:
                 pass  # run here instead
-        fn(*args, **kwargs)
-        return None
+        value = fn(*args, **kwargs)
+        return value if answered else None
 
     return call  # type: ignore[return-value]
 
