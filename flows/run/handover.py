@@ -91,7 +91,7 @@ def stage_ahead_s() -> float:
     return float(os.environ.get(STAGE_AHEAD_ENV) or STAGE_AHEAD_S)
 
 
-def may_stage(left: float | None, depth: int, ahead: float, max_depth: int) -> bool:
+def may_stage(left: float | None, depth: int, ahead: float, max_depth: int, unknown: bool = True) -> bool:
     """Whether one more trial is staged on a worker's chain whose last staged trial (or its
     running one: `depth` 0) should end in `left` seconds (None: nothing says yet), staging
     `ahead` seconds ahead (stage_ahead_s), at most `max_depth` deep. A chain nothing says the
@@ -99,10 +99,14 @@ def may_stage(left: float | None, depth: int, ahead: float, max_depth: int) -> b
     one that ends soon: short trials end before the loop learns how long they take, and
     their workers would idle a round of the loop each; trials staged so are SCHEDULED in
     MLflow until they start (and a device that frees first takes them: `restage_moves`,
-    the loop's unstaging)."""
+    the loop's unstaging). Not where a trial's start must wait for the ones before to be
+    told to the study (`unknown` False: early stopping, whose pruner compares a trial with
+    the finished ones, or a search that learns from them)."""
     if ahead <= 0 or depth >= max_depth:
         return False
-    return left is None or math.isinf(ahead) or left <= ahead
+    if left is None:
+        return unknown or math.isinf(ahead)
+    return math.isinf(ahead) or left <= ahead
 
 
 def next_end(step: int, steps: int, rule: str | None, min_steps: int, factor: int) -> int:
