@@ -75,9 +75,13 @@ def _template() -> Path:
 
         store = SqlAlchemyStore(f"sqlite:///{tmp}", str(template.parent / "mlruns"))
         store.engine.dispose()
-        with sqlite3.connect(tmp) as db:
+        with contextlib.closing(sqlite3.connect(tmp)) as db:
             db.execute("DELETE FROM experiment_tags")
             db.execute("DELETE FROM experiments")
+            db.commit()
+            # One file, whatever mode this process's stores are kept in (tasks.tracking: WAL):
+            # the log is folded in and removed, so the file moved below is the whole template.
+            db.execute("PRAGMA journal_mode = DELETE")
         os.replace(tmp, template)
     finally:
         if os.path.exists(tmp):

@@ -142,15 +142,16 @@ def test_staged_trials_start_in_the_worker_of_the_one_before_each_once_and_never
 @pytest.mark.slow
 def test_short_trials_are_staged_before_anything_says_how_long_they_take(tmp_path):
     """With the default window, nothing says at first how long the first two trials take: a
-    trial is staged after each all the same, and starts in its worker as it ends (a trivial
-    trial ends before the loop comes round again); every run ends FINISHED."""
-    write_params(tmp_path, "first", {"kwargs": {"every": 5}, "steps": 10}, grid={"training.lr": [0.01, 0.02, 0.03, 0.04]})
+    trial is staged after each all the same, and starts in its worker as it ends; every run
+    ends FINISHED. (A ticket written just as its trial ends may find the worker gone idle:
+    that trial then starts the usual way, so at least one of the two is handed over.)"""
+    write_params(tmp_path, "first", {"kwargs": {"every": 50}, "steps": 200}, grid={"training.lr": [0.01, 0.02, 0.03, 0.04]})
     done = campaign_cli("launch", "params.yaml", "--no-live", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     root = tmp_path / "runs" / "first"
     order = _never_two_on_a_device(root)
     handed = [line for line in (done.stdout + done.stderr).splitlines() if "in the warm worker of" in line]
-    assert len(handed) == 2, done.stdout[-3000:]
+    assert 1 <= len(handed) <= 2, done.stdout[-3000:]
     for line in handed:
         trial, before = line.split("trial ", 1)[1].split()[0], line.split("in the warm worker of ", 1)[1].split(",")[0]
         device_order = next(ts for ts in order.values() if trial in ts)
