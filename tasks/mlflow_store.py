@@ -19,8 +19,9 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
+from training.files import drop_sqlite_companions
+
 CACHE_ENV = "CAMPAIGN_CACHE_DIR"  # the folder of the campaign's caches (default ~/.cache/campaign)
-COMPANIONS = ("-wal", "-shm", "-journal")  # the files SQLite keeps beside a store (its write-ahead log, rollback journal)
 
 
 def cache_dir() -> Path:
@@ -44,8 +45,7 @@ def make_from_template(uri: str) -> bool:
     if path is None or path.exists() or not path.parent.is_dir():
         return False
     try:
-        for suffix in COMPANIONS:  # a store deleted by hand leaves them: an old log is never replayed into the new file
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        drop_sqlite_companions(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         os.close(fd)
         try:

@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 from tasks.grid import Trial
 from tasks.hub_calls import in_hub, in_hub_unanswered
 from tasks.mlflow_store import fold_log, make_from_template
+from training.files import commit_to_wal
 
 # MLflow is imported by the functions that use it: in a campaign with a hub they run there
 # (tasks/hub_calls.py), and `launch` never imports it.
@@ -82,14 +83,12 @@ atexit.register(fold_logs)
 
 @functools.cache
 def _sqlite_in_wal_mode() -> None:
-    """Every SQLite store this process opens (MLflow's) commits into a write-ahead log, synced
-    at its checkpoints, not at every commit: a commit in SQLite's default mode made, synced and
-    deleted a journal file (~10 ms on a loaded host), and a campaign's hub commits ~8 times
-    per trial. A crash of the machine may lose the last commits, never the file's
-    consistency; what they held is on disk in the trials' folders (their results and metrics
-    journals), from which a launch settles and refills the runs. Readers (the MLflow UI) no
-    longer wait for the writer either. The log is folded into the file as the process exits
-    (fold_logs), and a new store never inherits an old one's (make_from_template)."""
+    """Every SQLite store this process opens (MLflow's) commits into a write-ahead log
+    (training.files.commit_to_wal): a campaign's hub commits ~8 times per trial. What the last
+    commits held before a crash of the machine is on disk in the trials' folders (their
+    results and metrics journals), from which a launch settles and refills the runs. The log
+    is folded into the file as the process exits (fold_logs), and a new store never inherits
+    an old one's (make_from_template)."""
     import sqlite3
 
     from sqlalchemy import event
@@ -98,11 +97,7 @@ def _sqlite_in_wal_mode() -> None:
     @event.listens_for(Engine, "connect")
     def _wal(dbapi_connection, _record) -> None:
         if isinstance(dbapi_connection, sqlite3.Connection):
-            try:
-                dbapi_connection.execute("PRAGMA journal_mode = WAL")
-                dbapi_connection.execute("PRAGMA synchronous = NORMAL")
-            except sqlite3.Error:  # a store in use by a process that holds it otherwise: as it is
-                pass
+            commit_to_wal(dbapi_connection)
 
 
 def open_store(uri: str) -> None:

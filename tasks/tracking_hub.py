@@ -13,9 +13,10 @@ tasks.tracking_hub --listen-fd N`), so no trainer finds it missing while the hub
 MLflow: lines wait in the hub's buffer meanwhile. Calls come as JSON lines on the hub's
 stdin; answers go back on a pipe of their own (`--answer-fd`: nothing a library prints can
 mix with them); a call sent `unanswered` (tasks.hub_calls.in_hub_unanswered) is answered only
-if it fails, and the campaign reads that answer when it next can. Two calls steer the metrics: `end_input` (every trial's process has exited:
-take no new connection, read every open one to its end and send the rest, while the
-campaign writes its summary) and `drain` (wait for that: the curves read MLflow after it).
+if it fails, and the campaign reads that answer when it next can. Two calls steer the
+metrics: `end_input` (every trial's process has exited: take no new connection, read every
+open one to its end and send the rest, while the campaign writes its summary) and `drain`
+(wait for that: the curves read MLflow after it).
 
 The hub is a process, not a thread of the campaign, for the same reason as a sink: a
 campaign killed outright must not take its trials' last metrics with it. When its stdin

@@ -37,7 +37,7 @@ from tasks.mlflow_store import make_from_template, sqlite_file
 from tasks.records import CampaignRecord, campaign_dir, read_campaign, read_trial_record, update_campaign
 from training.config import TrialConfig
 from training.errors import CampaignError
-from training.files import InputError, read_json, write_atomic
+from training.files import SQLITE_COMPANIONS, InputError, read_json, write_atomic
 from training.layout import campaign_files, campaign_records
 from training.spec import CampaignSpec, tracking_uri
 
@@ -267,7 +267,7 @@ def set_store_aside(path: Path) -> Path:
     while aside.exists():
         aside = aside.with_name(aside.name + "-")
     path.rename(aside)
-    for suffix in ("-journal", "-wal", "-shm"):
+    for suffix in SQLITE_COMPANIONS:
         companion = path.with_name(path.name + suffix)
         if companion.exists():
             companion.rename(aside.with_name(aside.name + suffix))

@@ -410,3 +410,29 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:  # another user's: it exists
         return True
     return True
+
+
+# --- SQLite stores in WAL mode (MLflow's, a study's) -----------------------------------------------
+
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a store: its write-ahead log and its index, a rollback journal
+
+
+def drop_sqlite_companions(path: str | Path) -> None:
+    """Before a new store is made at `path`: what one deleted by hand left beside it goes, so
+    SQLite never replays an old write-ahead log into the new file."""
+    for suffix in SQLITE_COMPANIONS:
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def commit_to_wal(conn) -> None:
+    """`conn` (sqlite3) commits into a write-ahead log, synced at its checkpoints rather than at
+    every commit (a rollback journal made, synced and deleted per commit: a trial's MLflow run
+    opened and closed took 16.2 ms against 11.0, bench/store_commits.py). A crash of the machine may lose the last commits, never the file's consistency;
+    readers no longer wait for the writer. A store held otherwise by another process stays as it is."""
+    import sqlite3
+
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+    except sqlite3.Error:
+        pass

@@ -201,7 +201,7 @@ class TrialContext:
         # agreeing costs no device sync, wherever the model trains.
         self._flags = dist.new_group(backend="gloo") if world_size > 1 else None
         # Saves written from a thread need collectives of their own (as the project's loop's do);
-        # a process alone writes without (a new group is ~10 ms of each warm trial's start).
+        # a process alone writes without (a new group is a gloo setup at each warm trial's start).
         background = async_saves and dist.is_initialized()
         self._async = dist.new_group(backend="gloo") if background and world_size > 1 else None
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, rank, world_size, self._async,
