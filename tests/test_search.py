@@ -49,6 +49,32 @@ def test_the_study_is_kept_in_wal_mode_and_a_new_one_never_inherits_a_deleted_on
     assert storage(url) is storage(url)  # one per process and file
 
 
+def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_the_next_is_judged(tmp_path):
+    """The next trial may start before the campaign's loop has collected the last one: the
+    median rule counts only finished trials, so the trainer tells its own end; the loop's
+    tell afterwards changes nothing. Under ASHA the loop alone tells."""
+    from optuna.trial import TrialState
+
+    from training.pruning import Pruning
+
+    search = Search(spec(grid={"training.lr": [0.3, 0.1]}, early_stopping={"rule": "median", "min_steps": 20}), tmp_path)
+    first, second = search.ask(), search.ask()
+    ends, worse = Pruning(search.pruning(first)), Pruning(search.pruning(second))
+    for step in (20, 40):
+        assert not ends.should_stop(step, {search.metric: 0.1})
+    assert not worse.should_stop(20, {search.metric: 0.9})  # nothing finished yet: nothing to compare with
+    ends.finished({"pruned": False, "metrics": {search.metric: 0.1}})
+    assert search.study.trials[first.number].state == TrialState.COMPLETE
+    assert worse.should_stop(40, {search.metric: 0.9})  # judged against the finished one
+    assert search.tell(first.number, {"pruned": False, "metrics": {search.metric: 0.5}}) == "complete"
+    assert search.study.trials[first.number].value == 0.1  # told once, by the trainer
+
+    asha = Search(spec(campaign={"name": "a"}, grid={"training.lr": [0.3]}, early_stopping={"rule": "asha", "min_steps": 20}), tmp_path)
+    drawn = asha.ask()
+    Pruning(asha.pruning(drawn)).finished({"pruned": False, "metrics": {asha.metric: 0.1}})
+    assert asha.study.trials[drawn.number].state == TrialState.RUNNING
+
+
 def test_a_grid_runs_in_the_spec_order_and_each_seed_once(tmp_path):
     search = Search(spec(grid={"training.lr": [0.3, 0.1], "model.width": [8, 16]}, early_stopping={"rule": "median"}), tmp_path)
     assert search.total == 4

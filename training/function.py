@@ -395,6 +395,8 @@ class FunctionTrial:
             ctx.latest = metrics
             ctx.write_progress("finished")
             write_result(cfg.result_path, result)  # signed: a reader trusts only this host's trainer's results
+            if ctx.pruning is not None:
+                ctx.pruning.finished(result)
         return result
 
     def save_checkpoint(self, blocking: bool = True) -> None:

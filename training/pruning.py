@@ -10,12 +10,14 @@ not fail (`storage`).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sqlite3
 from typing import Any
 
 from training.files import commit_to_wal, drop_sqlite_companions
 
+LEARNS_FROM_FINISHED = {"median"}  # rules whose decision depends on which trials have finished
 SQLITE_TIMEOUT_S = 60  # trials of one campaign report to one file; a writer waits this long for another
 
 
@@ -100,3 +102,18 @@ class Pruning:
         trial = self._optuna_trial()
         trial.report(value, step)
         return step >= self.spec["min_steps"] and trial.should_prune()
+
+    def finished(self, result: dict[str, Any]) -> None:
+        """Tell the study a finished trial's objective, after its result is written and before
+        its device goes to the next trial. The median rule compares only with finished trials:
+        told by the campaign's loop alone, a trial staged behind this one could reach its first
+        check before the loop has collected this one, and be judged against fewer trials than
+        it should. The loop's own tell then finds it told (skip_if_finished). The other rules
+        compare with every trial's reports, finished or not, and leave the tell to the loop."""
+        if self.spec["rule"] not in LEARNS_FROM_FINISHED or result.get("pruned"):
+            return
+        value = result.get("metrics", {}).get(self.spec["metric"])
+        if value is None or not math.isfinite(float(value)):
+            return  # the loop tells it failed
+        trial = self._optuna_trial()
+        trial.study.tell(trial, float(value), skip_if_finished=True)

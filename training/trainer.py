@@ -721,6 +721,8 @@ class Trainer(Stateful):
         if self.is_rank0:
             self.write_progress("finished")
             write_result(cfg.result_path, result)  # signed: a reader trusts only this host's trainer's results
+            if self.pruning is not None:
+                self.pruning.finished(result)
         return result
 
     def _flush_logs(self, wait: bool, hold_last_line: bool = False) -> None:

@@ -359,8 +359,10 @@ class CampaignRun:
         # grid, or a sampler that does not learn, loses nothing by drawing earlier.
         search = self.spec.search
         depth = 1 if search is not None and search.strategy == "tpe" else STAGE_DEPTH
-        # A trial of unknown length is staged after only where none learns from the finished ones.
-        unknown = self.spec.early_stopping is None and (search is None or search.strategy != "tpe")
+        # A trial of unknown length is staged after only where no draw learns from the finished
+        # ones (a pruner that does, the median rule, is told by each trial's trainer as it ends:
+        # training.pruning.Pruning.finished).
+        unknown = search is None or search.strategy != "tpe"
         # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
         while chains := [c for c in chains if may_stage(c[0], c[3], ahead, depth, unknown)]:
             chain = min(chains, key=lambda c: staging_order(c[0], c[3]))

@@ -99,9 +99,8 @@ def may_stage(left: float | None, depth: int, ahead: float, max_depth: int, unkn
     one that ends soon: short trials end before the loop learns how long they take, and
     their workers would idle a round of the loop each; trials staged so are SCHEDULED in
     MLflow until they start (and a device that frees first takes them: `restage_moves`,
-    the loop's unstaging). Not where a trial's start must wait for the ones before to be
-    told to the study (`unknown` False: early stopping, whose pruner compares a trial with
-    the finished ones, or a search that learns from them)."""
+    the loop's unstaging). Not where a trial's draw must wait for the ones before to be
+    told to the study (`unknown` False: a search that learns from them)."""
     if ahead <= 0 or depth >= max_depth:
         return False
     if left is None:
