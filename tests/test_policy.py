@@ -439,7 +439,7 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     assert ElasticPolicy().decide(cluster, [grown, replace(short, remaining_steps=20_000.0)], now) == {"grown": {"node0": 4}}
     # Changed under `yield_min_s` ago: it is not yielded down again so soon; it lends the
     # newcomer only the device it needs to start (`admit_short`), or nothing with that off.
-    recent = replace(grown, since=now - 1800.0)
+    recent = replace(grown, since=now - 600.0)
     assert ElasticPolicy().decide(cluster, [recent, short], now) == {"grown": {"node0": 3}, "short": {"node0": 1}}
     assert ElasticPolicy(admit_short=False).decide(cluster, [recent, short], now) == {"grown": {"node0": 4}}
     # Lengths unknown, or the rule off: the newcomer waits out the protection.
