@@ -78,7 +78,8 @@ KINDS = {
     # `campaign launch` itself (Prefect, the flow, the checks, the live view, a search's study): not flows.cli,
     # whose consoles look at the terminal as they are made, imported once the launch's are its own.
     "launch": ("typer", "rich.console", "rich.table", "rich.live", "flows.run.campaign", "flows.run.live_view",
-               "flows.servers.resident", "flows.servers.warmup", "flows.servers.ui", "optuna", "training.pruning:import_storage",
+               "flows.servers.resident", "flows.servers.warmup", "flows.servers.warmup:import_flow_start", "flows.servers.ui", "optuna",
+               "training.pruning:import_storage",
                "training.function"),  # torch, for the check of a function trial the launch has not checked before
 }
 LAUNCH_COMMANDS = ("launch", "resume")  # what a spare launch runs: the commands that run a campaign's flow
