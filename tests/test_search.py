@@ -49,7 +49,7 @@ def test_the_study_is_kept_in_wal_mode_and_a_new_one_never_inherits_a_deleted_on
     assert storage(url) is storage(url)  # one per process and file
 
 
-def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_the_next_is_judged(tmp_path):
+def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_the_next_is_judged(tmp_path, capsys):
     """The next trial may start before the campaign's loop has collected the last one: the
     median rule counts only finished trials, so the trainer tells its own end; the loop's
     tell afterwards changes nothing. Under ASHA the loop alone tells."""
@@ -68,6 +68,9 @@ def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_th
     assert worse.should_stop(40, {search.metric: 0.9})  # judged against the finished one
     assert search.tell(first.number, {"pruned": False, "metrics": {search.metric: 0.5}}) == "complete"
     assert search.study.trials[first.number].value == 0.1  # told once, by the trainer
+    # A tell that fails does not fail the finished trial: the loop tells the study instead.
+    Pruning({**search.pruning(second), "study": "gone"}).finished({"pruned": False, "metrics": {search.metric: 0.1}})
+    assert "the campaign tells it" in capsys.readouterr().err
 
     asha = Search(spec(campaign={"name": "a"}, grid={"training.lr": [0.3]}, early_stopping={"rule": "asha", "min_steps": 20}), tmp_path)
     drawn = asha.ask()

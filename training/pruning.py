@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import sqlite3
+import sys
 from typing import Any
 
 from training.files import commit_to_wal, drop_sqlite_companions
@@ -115,5 +116,9 @@ class Pruning:
         value = result.get("metrics", {}).get(self.spec["metric"])
         if value is None or not math.isfinite(float(value)):
             return  # the loop tells it failed
-        trial = self._optuna_trial()
-        trial.study.tell(trial, float(value), skip_if_finished=True)
+        try:
+            trial = self._optuna_trial()
+            trial.study.tell(trial, float(value), skip_if_finished=True)
+        except Exception as e:  # the trial is finished all the same: the loop tells the study as it collects it
+            print(f"early stopping: telling the study this trial's end failed ({type(e).__name__}: {e}); the campaign tells it",
+                  file=sys.stderr, flush=True)
