@@ -45,7 +45,7 @@ def test_a_trial_is_staged_after_one_that_ends_within_the_window_or_whose_end_is
     assert may_stage(None, 2, math.inf, STAGE_DEPTH) and may_stage(1e9, 0, math.inf, STAGE_DEPTH)
     assert not may_stage(0.0, 0, 0.0, STAGE_DEPTH) and not may_stage(None, 0, 0.0, STAGE_DEPTH)  # off
     assert not may_stage(None, 0, 2.0, 0)
-    # Where a pruner or a search learns from the finished trials: not before something says.
+    # Where a search learns from the finished trials: not before something says.
     assert not may_stage(None, 0, 2.0, STAGE_DEPTH, unknown=False) and may_stage(1.5, 0, 2.0, STAGE_DEPTH, unknown=False)
 
 

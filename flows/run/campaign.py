@@ -355,16 +355,14 @@ class CampaignRun:
                 last, holder, depth = staged.trial, staged.holder, depth + 1
                 left = left + typical if left is not None and typical is not None else None
             chains.append([left, last, holder, depth, job.devices])
-        # A search that learns from results (tpe) draws at most one trial ahead per worker; a
-        # grid, or a sampler that does not learn, loses nothing by drawing earlier.
-        search = self.spec.search
-        depth = 1 if search is not None and search.strategy == "tpe" else STAGE_DEPTH
-        # A trial of unknown length is staged after only where no draw learns from the finished
-        # ones (a pruner that does, the median rule, is told by each trial's trainer as it ends:
-        # training.pruning.Pruning.finished).
-        unknown = search is None or search.strategy != "tpe"
+        # A search that learns from results (tpe) draws at most one trial ahead per worker, and
+        # none after a trial of unknown length; a grid, or a sampler that does not learn, loses
+        # nothing by drawing earlier (a pruner that learns from finished trials, the median rule,
+        # is told by each trial's trainer as it ends: training.pruning.Pruning.finished).
+        learns = self.spec.search is not None and self.spec.search.strategy == "tpe"
+        depth = 1 if learns else STAGE_DEPTH
         # One more on the shallowest chain that ends soon, then again: the queue spread over the devices.
-        while chains := [c for c in chains if may_stage(c[0], c[3], ahead, depth, unknown)]:
+        while chains := [c for c in chains if may_stage(c[0], c[3], ahead, depth, unknown=not learns)]:
             chain = min(chains, key=lambda c: staging_order(c[0], c[3]))
             if not self.unstaged_pending():
                 self.draw()  # a search draws the trial to stage
