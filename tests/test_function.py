@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import re
 import textwrap
 import threading
 from pathlib import Path
@@ -356,6 +357,23 @@ def test_function_trials_report_to_mlflow_and_the_study_and_a_raising_one_fails_
     assert len(complete) == 1 and complete[0].value == pytest.approx(result["metrics"]["val_loss"])
 
 
+@pytest.mark.slow
+def test_a_search_fills_every_free_device_before_it_stages_a_trial(tmp_path):
+    """A search draws one trial at a time: on two free slots its second draw starts on the
+    second slot in the loop's first round, before a third is drawn to wait (staged) behind
+    them, not a round of the loop later."""
+    search = {"strategy": "grid", "space": {"training.kwargs.quality": {"choice": [1.0, 2.0, 3.0]}}}
+    write_params(tmp_path, "fill", {"kwargs": {"every": 10}}, search=search)
+    done = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stderr.splitlines()  # the flow's log
+    drawn = {int(m.group(1)): m.group(2) for line in lines if (m := re.search(r"search: trial (\d)/3 is (\S+)", line))}
+    second_starts = next(i for i, line in enumerate(lines) if f"trial {drawn[2]} " in line and " starts on " in line)
+    third_drawn = next(i for i, line in enumerate(lines) if "search: trial 3/3 is" in line)
+    assert second_starts < third_drawn, "\n".join(lines)
+    assert "(in the warm worker of" not in lines[second_starts]  # its own device, not after the first
+
+
 def launch_held_at_65(tmp_path: Path, root: Path) -> tuple[subprocess.Popen, Path]:
     """`campaign launch` of tmp_path's params.yaml, its one trial (under `root`) held at step
     65; the campaign process and the trial's folder, once it holds there."""
@@ -459,6 +477,9 @@ def test_the_pruner_stops_a_function_trial_and_its_slot_goes_to_the_next(tmp_pat
     results = {p.parent.name: json.loads(p.read_text()) for p in root.glob("*/result.json")}
     (worse,) = [t for t in results if t.startswith("quality10")]
     assert results[worse]["pruned"] and results[worse]["steps"] == 40
+    # Its save after the stop wrote nothing (a pruned trial is final): the result points at the last one.
+    assert Path(results[worse]["checkpoint"]).name == "step-00000020"
+    assert sorted(p.name for p in (root / worse / "checkpoints").glob("step-*")) == ["step-00000020"]
     assert sum(not r["pruned"] for r in results.values()) == 2 and all(r["steps"] == 200 for r in results.values() if not r["pruned"])
     _, runs = trial_runs(tmp_path)
     assert sorted(r.data.tags["campaign.state"] for r in runs) == ["finished", "finished", "pruned"]

@@ -527,17 +527,31 @@ class CampaignRun:
         return Packer(self.inventory, self.store.usage(), workload=workload_of(pending_min), multi_node=multi_node)
 
     def start_first_come(self) -> None:
-        """Fixed-size trials: each in order, at the largest size that leaves the queue room."""
+        """Fixed-size trials: each in order, at the largest size that leaves the queue room.
+        A search draws one trial at a time (draw): while the last draw started, the next is
+        drawn for the devices still free now, not a round of the loop later (the loop's wait,
+        CONTROL_POLL_S, left the second device of a search's start idle for half a second)."""
+        while self._start_pending() and self.search is not None and not self.unstaged_pending() and self.search.remaining() > 0:
+            self.draw()
+
+    def _start_pending(self) -> bool:
+        """Start the waiting trials that fit now; whether any did."""
         packer = self.packer(multi_node=self.pool is not None)
         if self.staged and not self.unstaged_pending() and any(packer.free_bytes(d.id) == d.memory_bytes for d in self.inventory.devices):
             self.unstage_one()
+        started = False
         for trial in self.unstaged_pending():
             request = self.requests[trial.id]
             queued_min = sum(self.requests[t.id].min_devices for t in self.pending if t is not trial)
             free = sum(packer.free_bytes(d.id) == d.memory_bytes for d in self.inventory.devices)
             placement = start_size(request, lambda n: packer.place(request.at(n)), queued_min, free)
-            if placement is not None and not self.start(trial, placement):
+            if placement is None:
+                continue
+            if self.start(trial, placement):
+                started = True
+            else:
                 packer.release(placement)
+        return started
 
     def schedule_elastic(self) -> None:
         """Elastic trials: the policy decides who runs on how many devices, now."""
