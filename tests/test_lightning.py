@@ -2,7 +2,7 @@
 
 Fast tests: in this process, the example's LightningModule on a trial context of its own:
 `self.log` reaches `ctx.report` once per step, a second fit resumes after the save, a stop or
-a pruning ends the fit after a save at that step, the trial's own Trainer arguments are
+a pruning ends the fit (a stop after a save at that step), the trial's own Trainer arguments are
 refused, the example passes the campaign's pre-flight check, and the module says how to
 install Lightning when it is missing. Slow ones: the example through `campaign launch`, and a
 two-process (DDP) trial whose campaign is SIGKILLed mid-trial and launched again.
@@ -102,15 +102,18 @@ def test_self_log_is_reported_once_per_step_and_a_second_fit_resumes_after_the_s
 def test_should_stop_stops_the_trainer_after_a_save_at_that_step(digits, tmp_path, flag):
     """A SIGTERM (the trial's handler, not Lightning's, takes it: no exception ends the fit),
     or the pruner's verdict, while step 30 is reported: the next step's end asks should_stop,
-    the trainer stops there, and that step is saved once its metrics (with Lightning's
-    validation, which a stop brings) are reported."""
+    the trainer stops there, and (a stop, not a pruning: a pruned trial is final) that step is
+    saved once its metrics (with Lightning's validation, which a stop brings) are reported."""
     def stop_at_30(ctx, step):
         if step == 30:
             os.kill(os.getpid(), signal.SIGTERM) if flag == "sigterm" else setattr(ctx, "pruned", True)
 
     ctx, reports = fit(digits, tmp_path, 200, on_report=stop_at_30)
     assert reports[-1] == (31, {"train_loss", "val_loss", "val_acc", "epoch"})  # Lightning logs a stopping step
-    assert saved_steps(tmp_path)[-1] == "step-00000031"
+    if flag == "sigterm":
+        assert saved_steps(tmp_path)[-1] == "step-00000031"
+    else:  # a pruned trial is final: nothing is taken or written at its stop, the last save stands
+        assert saved_steps(tmp_path) and "step-00000031" not in saved_steps(tmp_path)
     assert (ctx.pruned, ctx.stopped) == ((True, False) if flag == "pruned" else (False, True))
 
 

@@ -197,7 +197,9 @@ def test_a_pruned_trial_hands_its_device_to_the_next(tmp_path, digits_npz):
     hopeless = sorted(t for t in status if "lr1e-05" in t)
     assert [status[t].state for t in hopeless] == ["pruned", "pruned"] and all(status[t].step == 60 for t in hopeless)
     result = json.loads((tmp_path / "runs" / "prune" / hopeless[0] / "result.json").read_text())
-    assert result["pruned"] and result["steps"] == 60 and Path(result["checkpoint"]).name == "step-00000060"  # at a checkpoint
+    # Stopped at step 60, its state there not written (a pruned trial is final): the result points at the save before.
+    assert result["pruned"] and result["steps"] == 60 and Path(result["checkpoint"]).name == "step-00000030"
+    assert not (tmp_path / "runs" / "prune" / hopeless[0] / "checkpoints" / "step-00000060").exists()
     order = events(tmp_path, "prune")
     first_pruned = next(i for i, (trial, reason) in enumerate(order) if trial in hopeless and reason == "end")
     assert order[first_pruned + 1] == ("log_every60-lr0.1-" + order[first_pruned + 1][0].rsplit("-", 1)[1], "start")  # its slot, to the next

@@ -81,6 +81,25 @@ FORGERIES = {
 }
 
 
+@pytest.mark.parametrize("checkpoint, problem", [
+    ("/runs/c/t1/checkpoints/step-00000030", None),  # the save before its stop
+    ("", None),  # stopped before its first save
+    ("/runs/c/t1/checkpoints/step-00000060", "is not a save at or before step 40"),
+])
+def test_a_pruned_result_names_a_save_at_or_before_its_stop(checkpoint, problem):
+    """A pruned trial is final: its state at the stop is not written, so its result names the
+    last save (or none); a save past its stop is still refused."""
+    result = trainer_result(steps=40, pruned=True, checkpoint=checkpoint)
+    if problem is None:
+        assert result_problem(signed_result(result), "t1") is None
+    else:
+        with pytest.raises(ValueError, match=problem):
+            signed_result(result)
+    unpruned = {**result, "pruned": False}  # a trial that ran to its end names its last step's
+    with pytest.raises(ValueError, match="is not the final checkpoint of step 40"):
+        signed_result(unpruned)
+
+
 @pytest.mark.parametrize("forgery", FORGERIES)
 def test_a_forged_unsigned_or_malformed_result_is_named_and_read_as_none(tmp_path, forgery):
     change, why = FORGERIES[forgery]

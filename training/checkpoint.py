@@ -68,6 +68,7 @@ class Checkpointer:
         self._finalized: Future | None = None
         self._pending_dir: Path | None = None  # where the save in flight writes (`.tmp-step-N`)
         self.loaded: Path | None = None  # the checkpoint the last load_latest read (a resume's record says which)
+        self.last: Path | None = None  # the newest this trial wrote or loaded: what its result points at
 
     def _planner(self) -> DefaultSavePlanner | None:
         return DefaultSavePlanner(dedup_save_to_lowest_rank=True) if self.one_writer else None  # one per save: it keeps state
@@ -111,6 +112,7 @@ class Checkpointer:
                 if self.rank == 0:
                     self._finalize(step, tmp, final)
             self._barrier()
+            self.last = final
             return final
         with _room_for(tmp):  # staging copies to memory; a small file may be written already
             self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group, planner=self._planner(),
@@ -121,6 +123,7 @@ class Checkpointer:
             # reference to the future it completes, not read it from self.
             finalized = self._finalized = Future()
             self._pending.add_done_callback(lambda done: self._finalize_when(done, step, tmp, final, finalized))
+        self.last = final
         return final
 
     def _drop_empty_leftovers(self, step: int) -> None:
@@ -158,6 +161,11 @@ class Checkpointer:
             except Exception as e:  # the checkpoint is whole here: training goes on, a resume elsewhere starts older
                 print(f"checkpoint remote {self.remote.url}: pushing {final.name} failed ({e}); it stays on this node",
                       file=sys.stderr, flush=True)
+
+    def newest(self) -> Path | None:
+        """The newest checkpoint this trial wrote or loaded, else the newest in its folder (an
+        elastic generation that took its state in memory and wrote none yet)."""
+        return self.last or next(iter(list_checkpoints(self.root)), None)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and, on rank 0, visible."""
@@ -209,7 +217,7 @@ class Checkpointer:
             if hasattr(value, "checkpoint_has"):
                 value.checkpoint_has(keys)
         dcp.load(state, checkpoint_id=found, no_dist=self.alone)
-        self.loaded = found
+        self.loaded = self.last = found
         return checkpoint_step(found)
 
 

@@ -23,7 +23,8 @@ set, and gets one `TrialContext`:
 - `ctx.should_stop()`: True when the trial is to end now (the pruner stopped it, the
   campaign wants its devices for a resize or preemption, or it is stopping: SIGTERM). Every rank calls it at the same
   points (it agrees rank 0's answer over a CPU group: no device sync); the function then
-  saves and returns, and the campaign restarts it at its new size from that save.
+  saves and returns, and the campaign restarts it at its new size from that save (a pruned
+  trial is final: its save after the stop writes nothing, the last one stands).
 
 A function trial is elastic by checkpoint-restart: its agent always takes the restart path
 (training/elastic.py), where the project's loop hands its state over in memory.
@@ -254,11 +255,16 @@ class TrialContext:
             self.write_progress("running")
             self._progress_at = now
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any]) -> Path | None:
         """Checkpoint `state` as step `step` (every rank calls it: the write is collective).
-        Written in the background once staged; a later save or the trial's end waits for it."""
+        Written in the background once staged; a later save or the trial's end waits for it.
+        Once should_stop() said the pruner stopped the trial, nothing is written: a pruned
+        trial is final (nothing resumes it), so its state at the stop would only delay the
+        next trial on its device; the last save stands (returned)."""
         if not isinstance(state, dict) or not state:
             raise TypeError("ctx.save(step, state): state must be a non-empty dict (modules and optimizers may be values)")
+        if self._agreed and self.pruned:  # agreed on every rank: all skip this collective write together
+            return self.saved
         self.step = max(self.step, step)
         self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
         self.saved = self.checkpointer.save(step, checkpoint_state(step, state), blocking=not self.checkpointer.background)

@@ -21,7 +21,8 @@ save by itself. What maps onto what (`CampaignCallback`):
   restores everything as it restores its own files.
 - `ctx.should_stop()` -> `trainer.should_stop`: asked after every optimizer step (it is
   collective: every rank asks at the same steps); yes (pruned, the devices are wanted, the
-  campaign is stopping: SIGTERM) takes a checkpoint and stops the trainer after that step.
+  campaign is stopping: SIGTERM) takes a checkpoint and stops the trainer after that step
+  (pruned: none, the trial is final).
 
 Processes and DDP. A trial's processes already are a DDP world: torchrun, a warm worker or an
 elastic agent started one process per leased device, chose its device and initialised the
@@ -248,11 +249,13 @@ class CampaignCallback(pl.Callback):
         stop = self.ctx.should_stop()  # every rank, after every optimizer step
         if stop:
             trainer.should_stop = True
+        if self.ctx.pruned:  # final: its state at the stop is not written (ctx.save), so not taken either
+            return
         if stop or step % self.save_every == 0 or step >= trainer.max_steps:
             self._take(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.taken_step is None and self.saved_step != trainer.global_step:
+        if self.taken_step is None and self.saved_step != trainer.global_step and not self.ctx.pruned:
             self._take(trainer)  # training ended by max_epochs or a dataset's end, between saves
         self._step_over()
 

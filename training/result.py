@@ -1,7 +1,8 @@
 """A trial's result record, and what makes a trial finished.
 
-The trainer writes `result.json` once, after its final checkpoint is durable, so a result
-on disk means the trial ran to its end. It is signed like a checkpoint's manifest: an
+The trainer writes `result.json` once, after its final checkpoint is durable (a pruned
+trial's last save: its state at the stop is not written), so a result on disk means the
+trial ran to its end. It is signed like a checkpoint's manifest: an
 HMAC-SHA256 under this host's checkpoint key (training/manifest.py `signing_key`) over its
 canonical content, so that someone who can write the trial's folder but not read the key
 cannot make the campaign believe a trial finished with numbers it never reached (a forged
@@ -141,10 +142,11 @@ def _metrics_problem(metrics: dict[str, Any]) -> str | None:
 def _checkpoint_problem(raw: dict[str, Any]) -> str | None:
     """The checkpoint a result names is the one its step was saved as: the project's loop
     saves its last step (`steps`) before it writes the result; a function trial's last save
-    is at or before its last reported step, and it may have saved nothing (""). Only the
-    name is compared: the folder may have moved (a pool node's copy, a copied campaign)."""
+    is at or before its last reported step, and it may have saved nothing (""), as may a
+    pruned trial's (final: its state at the stop is not written). Only the name is compared:
+    the folder may have moved (a pool node's copy, a copied campaign)."""
     name, steps = Path(raw["checkpoint"]).name, raw["steps"]
-    if "function" in raw:
+    if "function" in raw or raw.get("pruned") is True:
         saved = re.fullmatch(rf"{re.escape(PREFIX)}([0-9]{{8,}})", name)
         if raw["checkpoint"] == "" or (saved is not None and int(saved.group(1)) <= steps):
             return None

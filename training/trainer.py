@@ -694,7 +694,7 @@ class Trainer(Stateful):
                         print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)
                     window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and not self.done and self.agree(stop_here):
-                self.pruned = True  # early stopping: end here, at a checkpoint, with a result that says so
+                self.pruned = True  # early stopping: end here, with a result that says so
                 self.metrics.tag("pruned_at_step", str(self.progress_step))
                 break
             if self.step % cfg.checkpoint_every == 0 and not self.done:
@@ -704,7 +704,12 @@ class Trainer(Stateful):
             if self.is_rank0 and self.last_step_at - progress_at >= PROGRESS_EVERY_S:
                 self.write_progress("running")
                 progress_at = self.last_step_at
-        self.save_checkpoint(blocking=True)  # the final state is durable before the result says so
+        if self.pruned:
+            # A pruned trial is final (nothing resumes it): its state at the stop is not written,
+            # which would only delay the next trial on its devices; the last save stands.
+            self.checkpointer.wait()
+        else:
+            self.save_checkpoint(blocking=True)  # the final state is durable before the result says so
         if self.is_rank0 and "val_accuracy" not in self.latest:
             self.latest.update(self.evaluate())  # resumed from the final checkpoint: no step ran
         result = {
@@ -712,7 +717,7 @@ class Trainer(Stateful):
             "world_size": self.env.world_size, "pruned": self.pruned,
             "resumed_from_step": start_step, "wall_s": time.time() - started,
             "metrics": dict(self.latest),
-            "checkpoint": str(self.checkpointer.root / f"step-{self.step:08d}"),
+            "checkpoint": str(self.checkpointer.newest() or ""),
             # What the trial's packing estimate is held against (bench/gpu_suite.py): this
             # process's peak of allocated device memory, None on a CPU slot.
             "peak_device_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
