@@ -128,6 +128,14 @@ class Search:
                 trial._suggest(name, dist)  # as `Study.ask` draws its fixed distributions
         return trial
 
+    def ended(self) -> list[Drawn]:
+        """Trials told complete or pruned. The study keeps what it was told; a campaign whose
+        result for one is refused or gone runs it again (training.result: re-finalised)."""
+        from optuna.trial import TrialState
+
+        return [self._drawn(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+                if TRIAL in t.user_attrs]
+
     def all_drawn(self) -> list[Drawn]:
         """Every trial drawn so far, in draw order (a campaign's summary covers them all)."""
         from optuna.trial import TrialState

@@ -72,6 +72,12 @@ def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_th
     Pruning({**search.pruning(second), "study": "gone"}).finished({"pruned": False, "metrics": {search.metric: 0.1}})
     assert "the campaign tells it" in capsys.readouterr().err
 
+    # Told pruned, then trained again (its result refused: a pruned trial's state at its stop is
+    # not kept, so it trains from its last save): it stops at its next evaluation, the study as told.
+    assert search.tell(second.number, {"pruned": True, "steps": 40, "metrics": {search.metric: 0.9}}) == "pruned"
+    assert Pruning(search.pruning(second)).should_stop(30, {search.metric: 0.9})
+    assert search.study.trials[second.number].state == TrialState.PRUNED
+
     asha = Search(spec(campaign={"name": "a"}, grid={"training.lr": [0.3]}, early_stopping={"rule": "asha", "min_steps": 20}), tmp_path)
     drawn = asha.ask()
     Pruning(asha.pruning(drawn)).finished({"pruned": False, "metrics": {asha.metric: 0.1}})
@@ -206,6 +212,18 @@ def test_a_pruned_trial_hands_its_device_to_the_next(tmp_path, digits_npz):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("campaigns").experiment_id], "tags.`campaign.kind` = 'trial'")
     assert sorted(r.data.tags["campaign.state"] for r in runs) == ["finished", "finished", "pruned", "pruned"]
+
+    # Its result refused (unsigned), a launch trains it again from that save: the study, told it
+    # was pruned, stops it at its next evaluation again; the other three are not run again.
+    path = tmp_path / "runs" / "prune" / hopeless[0] / "result.json"
+    path.write_text(json.dumps({k: v for k, v in result.items() if k != "hmac"}))
+    again = campaign_cli("launch", "params.yaml", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "it is not signed" in again.stdout + again.stderr
+    redone = json.loads(path.read_text())
+    assert redone["pruned"] and redone["resumed_from_step"] == 30 and "hmac" in redone, again.stdout + again.stderr
+    assert "2/4 trials, 2 pruned" in again.stdout
+    assert [trial for trial, reason in events(tmp_path, "prune")[len(order):] if reason == "start"] == [hopeless[0]]
 
 
 @pytest.mark.slow

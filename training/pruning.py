@@ -97,11 +97,19 @@ class Pruning:
         return self._trial
 
     def should_stop(self, step: int, metrics: dict[str, float]) -> bool:
+        import optuna
+
         value = metrics.get(self.spec["metric"])
         if value is None:
             return False
         trial = self._optuna_trial()
-        trial.report(value, step)
+        try:
+            trial.report(value, step)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # The study was told this trial's end already and it runs again: its result was
+            # refused (training.result) after it was pruned, whose state at the stop is not
+            # kept, so it trains again from its last save. Pruned then, it stops here again.
+            return trial.study.trials[trial.number].state == optuna.trial.TrialState.PRUNED
         return step >= self.spec["min_steps"] and trial.should_prune()
 
     def finished(self, result: dict[str, Any]) -> None:

@@ -198,7 +198,10 @@ class CampaignRun:
         self.waiting_since: float | None = None  # when this campaign last told the lease store it waits
         self.search = search
         self.trials: list[Trial] = list(trials)  # every trial known so far (a search adds them as it draws)
-        self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished()} if search else {}
+        # The study's trials this run runs: those never told, and those told ended whose result is
+        # refused or gone (their pruning rule applies again; a tell finds them told and is skipped).
+        ids = {t.id for t in self.trials}
+        self.drawn: dict[str, Drawn] = {d.trial.id: d for d in search.unfinished() + search.ended() if d.trial.id in ids} if search else {}
         self.pruned: set[str] = set()
         self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
         self.opener = RunOpener(lambda trial, scheduled: open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled))
@@ -919,9 +922,16 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     check_data(spec)
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
     inventory = inventory_for(spec)
-    # A search draws its trials as it goes; what it drew before a kill runs again (resumes).
+    # A search draws its trials as it goes; what it drew before a kill runs again (resumes), and
+    # so does one told ended whose result is now refused or gone: the study's tell stands, the
+    # trial is re-finalised from its last checkpoint (training.result), as a grid's would be.
     search = Search(spec, campaign_dir(spec.tracking.runs_dir, name)) if spec.searched else None
-    trials = expand_grid(spec) if search is None else [d.trial for d in search.unfinished()]
+    if search is None:
+        trials = expand_grid(spec)
+    else:
+        root = campaign_dir(spec.tracking.runs_dir, name)
+        trials = [d.trial for d in search.unfinished()]
+        trials += [d.trial for d in search.ended() if completed_result(root / d.trial.id, warn=lambda _: None) is None]
     requests = checked_requests(spec, trials or expand_grid(spec), inventory)  # a request no node can hold fails now
 
     if spec.cluster.pool is None:  # its MLflow calls run there (a pool's trials run elsewhere, with sinks of their own)
