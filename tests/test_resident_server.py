@@ -15,8 +15,10 @@ import pytest
 from cluster.leases import process_alive
 from test_faults import wait_until
 
-HANDLE = ("from pathlib import Path; from flows.servers.resident import Resident; r = Resident(Path('.')); r.ready(); "
-          "print(r.started_here, r.state['pid'], r.state['prefect_api'])")
+# Ready, the handle has imported what the flow's start imports (while the server booted).
+FLOW_START = ("fastapi.encoders", "prefect.flow_engine", "prefect.task_engine")
+HANDLE = ("import sys; from pathlib import Path; from flows.servers.resident import Resident; r = Resident(Path('.')); r.ready(); "
+          f"print(r.started_here, r.state['pid'], r.state['prefect_api'], all(m in sys.modules for m in {FLOW_START!r}))")
 
 
 def resident_env(**extra: str) -> dict[str, str]:
@@ -33,7 +35,8 @@ def command(folder: Path, env: dict[str, str]) -> subprocess.Popen:
 def answer(process: subprocess.Popen) -> tuple[bool, int, str]:
     out, err = process.communicate(timeout=240)
     assert process.returncode == 0, err
-    started, pid, api = out.split()
+    started, pid, api, imported = out.split()
+    assert imported == "True", f"ready without {FLOW_START} imported"
     return started == "True", int(pid), api
 
 

@@ -131,8 +131,9 @@ class Resident:
         return self.process is not None
 
     def ready(self) -> None:
-        import prefect.flow_engine  # noqa: F401  (imported while the server boots, as WarmUp does)
+        from flows.servers.warmup import import_flow_start
 
+        import_flow_start()  # what the flow's start imports, while the server boots (as WarmUp does)
         if self.state is None:
             self.state = wait_for(self.folder, self.process)
         os.environ["PREFECT_API_URL"] = self.state["prefect_api"]  # the race's winner, if not ours
