@@ -117,6 +117,18 @@ def test_should_stop_stops_the_trainer_after_a_save_at_that_step(digits, tmp_pat
     assert (ctx.pruned, ctx.stopped) == ((True, False) if flag == "pruned" else (False, True))
 
 
+def test_a_pruning_counts_for_the_collective_steps_only_once_every_rank_agreed_it(tmp_path):
+    """Rank 0 learns of a pruning at its report, the others at the next agreement: the save
+    and Lightning's checkpoint skip on `stopped_by_pruner`, which every rank reads alike."""
+    ctx = context(tmp_path, 10)
+    try:
+        ctx.pruned = True  # rank 0's pruner said so at its report
+        assert not ctx.stopped_by_pruner
+        assert ctx.should_stop() and ctx.stopped_by_pruner
+    finally:
+        ctx.close()
+
+
 def test_the_callback_on_a_trainer_of_its_own_says_to_build_it_with_campaign_trainer(digits, tmp_path):
     from training.lightning import CampaignCallback
 

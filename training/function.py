@@ -263,7 +263,7 @@ class TrialContext:
         next trial on its device; the last save stands (returned)."""
         if not isinstance(state, dict) or not state:
             raise TypeError("ctx.save(step, state): state must be a non-empty dict (modules and optimizers may be values)")
-        if self._agreed and self.pruned:  # agreed on every rank: all skip this collective write together
+        if self.stopped_by_pruner:  # agreed on every rank: all skip this collective write together
             return self.saved
         self.step = max(self.step, step)
         self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
@@ -304,6 +304,13 @@ class TrialContext:
         self.pruned, self.stopped = bool(flags[0]), bool(flags[1]) and not flags[0]
         self._agreed = self.pruned or self.stopped  # the same on every rank, and final
         return self._agreed
+
+    @property
+    def stopped_by_pruner(self) -> bool:
+        """The pruner stopped the trial, as every rank knows it (should_stop said so): rank 0
+        learns it at its report, the others only at the next agreement, so a collective step
+        that depends on it asks this, not `pruned`."""
+        return self._agreed and self.pruned
 
     # --- around the function --------------------------------------------------------------
     def write_progress(self, state: str) -> None:

@@ -249,13 +249,13 @@ class CampaignCallback(pl.Callback):
         stop = self.ctx.should_stop()  # every rank, after every optimizer step
         if stop:
             trainer.should_stop = True
-        if self.ctx.pruned:  # final: its state at the stop is not written (ctx.save), so not taken either
+        if self.ctx.stopped_by_pruner:  # final: its state at the stop is not written (ctx.save), so not taken either
             return
         if stop or step % self.save_every == 0 or step >= trainer.max_steps:
             self._take(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.taken_step is None and self.saved_step != trainer.global_step and not self.ctx.pruned:
+        if self.taken_step is None and self.saved_step != trainer.global_step and not self.ctx.stopped_by_pruner:
             self._take(trainer)  # training ended by max_epochs or a dataset's end, between saves
         self._step_over()
 
