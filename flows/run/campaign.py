@@ -925,11 +925,11 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     # A search draws its trials as it goes; what it drew before a kill runs again (resumes), and
     # so does one told ended whose result is now refused or gone: the study's tell stands, the
     # trial is re-finalised from its last checkpoint (training.result), as a grid's would be.
-    search = Search(spec, campaign_dir(spec.tracking.runs_dir, name)) if spec.searched else None
+    root = campaign_dir(spec.tracking.runs_dir, name)
+    search = Search(spec, root) if spec.searched else None
     if search is None:
         trials = expand_grid(spec)
     else:
-        root = campaign_dir(spec.tracking.runs_dir, name)
         trials = [d.trial for d in search.unfinished()]
         trials += [d.trial for d in search.ended() if completed_result(root / d.trial.id, warn=lambda _: None) is None]
     requests = checked_requests(spec, trials or expand_grid(spec), inventory)  # a request no node can hold fails now
