@@ -12,7 +12,9 @@ is (`gpu_0=GPU-8f…, cpu_0=vm/cpu1`), again after every resize.
 
 A run is sampled 1, 3 and 7 s after it starts, then every period: a trial longer than 10 s
 has at least three samples whatever the period, and one that ends before its first gets
-one as it ends.
+one as it ends, logged with its run's closing tags (tasks.tracking.close_trial_run): one
+store transaction less for each short trial, which matters where trials take less than the
+campaign's own handling of them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from cluster.types import Device
 from tasks.hub_calls import in_hub, in_hub_unanswered
 
 log = logging.getLogger(__name__)
+
+# One sample of a run, as it travels to the hub (JSON): {"values": {name: value},
+# "timestamp_ms": int, "step": int, "devices_tag": str | None}.
+Reading = dict[str, Any]
 
 RAMP_S = (1.0, 2.0, 4.0)  # gaps before a run's first samples (then its period): 1, 3 and 7 s after it starts
 DEVICES_TAG = "system.devices"
@@ -143,18 +149,21 @@ class SystemSampler:
     def _gap(self, taken: int) -> float:
         return min(self.period_s, RAMP_S[taken]) if taken < len(RAMP_S) else self.period_s
 
-    def forget(self, run_id: str) -> None:
+    def forget(self, run_id: str) -> Reading | None:
         """The trial has stopped: no more samples. A trial shorter than a period gets one
-        now, so that every run has its devices' readings."""
+        now, so that every run has its devices' readings: returned, for the caller to log
+        with what else it writes to the run (`log_reading` logs it alone)."""
+        last = None
         if run_id in self.watched and not self.samples.get(run_id):
             try:
-                self.log(self.sample(only=run_id), time.time())
-            except Exception as e:  # a locked store: the run goes without, the campaign goes on
-                log.warning("system metrics of run %s could not be logged: %s: %s", run_id, e.__class__.__name__, e)
+                last = self.reading(run_id, self.sample(only=run_id).get(run_id, {}), time.time())
+            except Exception as e:  # psutil could not read it: the run goes without, the campaign goes on
+                log.warning("system metrics of run %s could not be sampled: %s: %s", run_id, e.__class__.__name__, e)
         with self._lock:
             self.watched.pop(run_id, None)
             self.trials.pop(run_id, None)
             self.due.pop(run_id, None)
+        return last
 
     def sample(self, only: str | Sequence[str] | None = None) -> dict[str, dict[str, float]]:
         """Readings of every watched run (or of the run or runs `only`)."""
@@ -170,15 +179,23 @@ class SystemSampler:
                     out[run_id]["system/trial_memory_rss_megabytes"] = rss / 2**20
         return out
 
+    def reading(self, run_id: str, values: dict[str, float], now: float) -> Reading | None:
+        """One sample of the run, counted (its step) and with its devices tag if not logged yet."""
+        if not values:
+            return None
+        step = self.samples.get(run_id, 0)
+        self.samples[run_id] = step + 1
+        with self._lock:
+            tag = self.tags.pop(run_id, None)
+        return {"values": values, "timestamp_ms": int(now * 1000), "step": step, "devices_tag": tag}
+
     def log(self, readings: dict[str, dict[str, float]], now: float) -> None:
         for run_id, values in readings.items():
-            if not values:
-                continue
-            step = self.samples.get(run_id, 0)
-            self.samples[run_id] = step + 1
-            with self._lock:
-                tag = self.tags.pop(run_id, None)
-            log_readings(self.uri, run_id, values, int(now * 1000), step, tag)
+            self.log_reading(run_id, self.reading(run_id, values, now))
+
+    def log_reading(self, run_id: str, reading: Reading | None) -> None:
+        if reading is not None:
+            log_readings(self.uri, run_id, reading)
 
     def due_runs(self) -> list[str]:
         """The runs whose next sample is due now; each gets its next due time."""
@@ -207,14 +224,21 @@ class SystemSampler:
         self._nvml.close()
 
 
-@in_hub_unanswered
-def log_readings(uri: str, run_id: str, values: dict[str, float], timestamp_ms: int, step: int, devices_tag: str | None) -> None:
-    """One sample of a run's readings (and its devices tag, when it changed), in one
-    `log_batch`: in the campaign's hub when it has one (tasks/hub_calls.py)."""
+def reading_batch(reading: Reading) -> tuple[list, list]:
+    """A sample's (metrics, tags) for MLflow's `log_batch`: its readings, and its devices tag
+    when it changed."""
     from mlflow.entities import Metric, RunTag
 
-    metrics = [Metric(k, v, timestamp_ms, step) for k, v in sorted(values.items())]
-    _client_log_batch(uri)(run_id, metrics=metrics, tags=[RunTag(DEVICES_TAG, devices_tag)] if devices_tag else [])
+    metrics = [Metric(k, v, reading["timestamp_ms"], reading["step"]) for k, v in sorted(reading["values"].items())]
+    return metrics, [RunTag(DEVICES_TAG, reading["devices_tag"])] if reading["devices_tag"] else []
+
+
+@in_hub_unanswered
+def log_readings(uri: str, run_id: str, reading: Reading) -> None:
+    """One sample of a run's readings (and its devices tag, when it changed), in one
+    `log_batch`: in the campaign's hub when it has one (tasks/hub_calls.py)."""
+    metrics, tags = reading_batch(reading)
+    _client_log_batch(uri)(run_id, metrics=metrics, tags=tags)
 
 
 @functools.lru_cache(maxsize=None)

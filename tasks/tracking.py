@@ -301,6 +301,7 @@ def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, 
             del runs[trial_id]
     tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: trial_id, CAMPAIGN_TAG: campaign, KIND_TAG: "trial"}
     run = client.create_run(exp_id, run_name=label, tags=tags)
+    _artifact_uris[run.info.run_id] = run.info.artifact_uri
     params = flatten("", spec)
     client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
     if status != "RUNNING":  # a new run starts RUNNING
@@ -309,16 +310,37 @@ def _open_trial_run(uri: str, parent_run_id: str, campaign: str, trial_id: str, 
     return run.info.run_id
 
 
+# The artifact folder of each trial run this process opened: a run's close logs its train.log
+# there without reading the whole run back first (MlflowClient.log_artifact does, for its
+# artifact folder: a few ms of CPU a trial, as much as a short trial's handover).
+_artifact_uris: dict[str, str] = {}
+
+
+def _log_artifact(client, run_id: str, path: str) -> None:
+    if (artifact_uri := _artifact_uris.pop(run_id, None)) is None:  # a run an earlier launch opened
+        client.log_artifact(run_id, path)
+        return
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    get_artifact_repository(artifact_uri, tracking_uri=client.tracking_uri).log_artifact(path)
+
+
 @in_hub_unanswered  # the loop goes on while the hub closes it: the end's drain, and any later call, come after it
 @retrying
 def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, devices: list[str], error: str | None = None,
-                    log_path: str | None = None) -> None:
+                    log_path: str | None = None, reading: dict[str, Any] | None = None) -> None:
+    """The trial's run ends: its train.log, its final values and devices as tags, and
+    `reading` (its system readings, tasks.system_metrics.SystemSampler.forget) in one
+    `log_batch`; FINISHED, or FAILED with `error`."""
     from mlflow.entities import RunTag
+
+    from tasks.system_metrics import reading_batch
 
     client = _client(uri)
     if log_path is not None and Path(log_path).is_file():  # the trainer's output, readable from the run's page
-        client.log_artifact(run_id, log_path)
-    tags = [RunTag("devices", ",".join(devices)), RunTag("world_size", str(len(devices)))]
+        _log_artifact(client, run_id, log_path)
+    metrics, tags = reading_batch(reading) if reading is not None else ([], [])
+    tags += [RunTag("devices", ",".join(devices)), RunTag("world_size", str(len(devices)))]
     if result is not None:
         tags.append(RunTag("checkpoint", result["checkpoint"]))
         tags.append(RunTag("campaign.state", "pruned" if result.get("pruned") else "finished"))
@@ -328,7 +350,7 @@ def close_trial_run(uri: str, run_id: str, result: dict[str, Any] | None, device
         tags.append(RunTag("final.step", str(result["steps"])))
     if error:
         tags.append(RunTag("error", error[-4000:]))
-    client.log_batch(run_id, tags=tags[:MAX_TAGS])
+    client.log_batch(run_id, metrics=metrics, tags=tags[:MAX_TAGS])
     client.set_terminated(run_id, status="FINISHED" if error is None else "FAILED")
 
 

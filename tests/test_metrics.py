@@ -246,7 +246,7 @@ def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
         sampler.watch(b, [gpu(1), gpu(0)])  # two, in rank order
         sampler.watch(c, [Device("n/cpu1", "n", 1, "cpu", "CPU core 1", GiB), Device("n/cpu2", "n", 2, "cpu", "CPU core 2", GiB)])
         sampler.log(sampler.sample(), now=1000.0)
-        sampler.forget(a)
+        assert sampler.forget(a) is None  # sampled already: nothing more at its end
         sampler.log(sampler.sample(), now=1010.0)
     finally:
         sampler.close()
@@ -257,15 +257,24 @@ def test_system_metrics_sample_exactly_each_trials_own_devices(tmp_path):
     assert metrics(b)["system/gpu_0_utilization_percentage"] == 60.0 and metrics(b)["system/gpu_1_utilization_percentage"] == 30.0
     assert metrics(c) == {"system/cpu_0_utilization_percentage": 70.0, "system/cpu_1_utilization_percentage": 40.0,
                           "system/cpu_utilization_percentage": 55.0}
-    # A trial that ends before the first period still gets one sample, when it is forgotten.
+    # A trial that ends before the first period still gets one sample, when it is forgotten,
+    # written with its run's closing tags.
+    from tasks.system_metrics import DEVICES_TAG
+    from tasks.tracking import close_trial_run
+
     short = client.create_run(exp).info.run_id
     quick = SystemSampler(client.tracking_uri, period_s=3600, nvml=nvml, cpu_percent=lambda: [10.0, 70.0, 40.0])
     try:
         quick.watch(short, [gpu(0)])
-        quick.forget(short)
+        last = quick.forget(short)
     finally:
         quick.close()
+    assert "system/gpu_0_utilization_percentage" not in metrics(short)  # not logged by itself
+    close_trial_run(client.tracking_uri, short, {"checkpoint": "c", "metrics": {"val_loss": 0.5}, "steps": 2}, [gpu(0).id], reading=last)
     assert metrics(short)["system/gpu_0_utilization_percentage"] == 30.0
+    closed = client.get_run(short)
+    assert closed.data.tags[DEVICES_TAG] == f"gpu_0={gpu_uuid(0, 0)}" and closed.data.tags["final.val_loss"] == "0.5"
+    assert closed.info.status == "FINISHED"
     # Forgotten after the first sample (its trial ended); the others sampled twice, steps 0 and 1.
     assert [m.step for m in client.get_metric_history(a, "system/gpu_0_utilization_percentage")] == [0]
     assert sorted(m.step for m in client.get_metric_history(b, "system/gpu_1_power_usage_watts")) == [0, 1]

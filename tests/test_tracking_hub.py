@@ -184,9 +184,9 @@ def test_unanswered_calls_run_in_order_their_errors_are_logged_and_never_fill_th
         use_hub(hub)
         run_id = open_campaign_run({uri!r}, "e", "c", {{}}, 1)
         for step in range(3):
-            log_readings({uri!r}, run_id, {{"system/cpu_percent": 10.0 * step}}, 1000 + step, step, None)
+            log_readings({uri!r}, run_id, {{"values": {{"system/cpu_percent": 10.0 * step}}, "timestamp_ms": 1000 + step, "step": step, "devices_tag": None}})
         for _ in range(1500):  # each fails in the hub: an answer of ~150 bytes no one waits for
-            log_readings({uri!r}, "no-such-run", {{"system/cpu_percent": 1.0}}, 1000, 0, None)
+            log_readings({uri!r}, "no-such-run", {{"values": {{"system/cpu_percent": 1.0}}, "timestamp_ms": 1000, "step": 0, "devices_tag": None}})
         again = open_campaign_run({uri!r}, "e", "c", {{}}, 1)  # answered: after all of them
         hub.close()
         print(json.dumps({{"run": run_id, "again": again, "warned": warned}}))

@@ -640,6 +640,14 @@ class CampaignRun:
 
     def collect(self, future: PrefectFuture) -> None:
         job = self.running.pop(future)
+        # A trial shorter than its sampling period gets one sample of its devices as it ends:
+        # written with its run's close when it closes here, else alone.
+        reading = self.sampler.forget(job.run_id) if self.sampler is not None else None
+        if not self.collected(future, job, reading) and reading is not None:
+            self.sampler.log_reading(job.run_id, reading)
+
+    def collected(self, future: PrefectFuture, job: Running, reading: dict | None) -> bool:
+        """Whether the trial's run was closed (with `reading`)."""
         staged = self.unstage_after(job.trial.id)
         if staged is not None and staged.taken is not None:  # its worker started the staged trial: the loop catches up
             self.launch(staged.trial, staged.placement, staged.holder, staged.run_id, staged.taken, running=job.trial.id,
@@ -648,8 +656,6 @@ class CampaignRun:
                 mark_running(self.uri, staged.run_id)
         else:  # (else the take-over passed its devices on)
             self.heartbeat.release(job.holder)
-        if self.sampler is not None:
-            self.sampler.forget(job.run_id)
         if self.scheduler is not None:
             self.scheduler.running(job.trial.id, job.devices[0].node, 0, time.time())
         lease_lost = readmit(job.trial.id)
@@ -665,28 +671,29 @@ class CampaignRun:
             if lease_lost:  # stopped because its leases were reclaimed, not its own failure: queued again
                 log_allocation(self.root, job.trial.id, [], "lease lost")
                 self.requeue(job)
-                return
+                return False
             log_allocation(self.root, job.trial.id, [], "failed")  # the task failed after its retries: record it, go on with the rest
             self.failed[job.trial.id] = str(e)
             if job.trial.id in self.drawn:
                 self.search.tell(self.drawn.pop(job.trial.id).number, None)
-            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(trial_files(job.trial_dir).log))
+            close_trial_run(self.uri, job.run_id, None, job.device_ids, error=str(e), log_path=str(trial_files(job.trial_dir).log),
+                            reading=reading)
             # One line, the failure's own (an exception's last line, a signal, a full disk): not a
             # cut from the middle of a traceback; the whole of it is in the trial's train.log.
             self.logger.error(e.summary if isinstance(e, TrialFailed) else f"trial {job.trial.id} failed: {str(e)[-2000:]}")
             if self.scheduler is not None:
                 self.scheduler.finish(job.trial.id)
-            return
+            return True
         if node := result.get("node_lost"):  # the node is gone, the trial is not: it resumes from its checkpoint on the nodes left
             self.relaunch_failed(job, f"node {node} was lost first")
             self.logger.error(f"trial {job.trial.id}: node {node} stopped beating; it resumes from its last checkpoint on the nodes left")
             self.drop_node(node)
             self.requeue(job)
             self.check_pending_fit()
-            return
+            return False
         if result.get("preempted") and job.relaunch is not None:
             self.relaunch(job)
-            return
+            return False
         if result.get("preempted"):
             self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
             self.pending.append(job.trial)
@@ -700,7 +707,7 @@ class CampaignRun:
                     self.scheduler.pin(job.trial.id, 0)
                 else:
                     self.scheduler.unpin(job.trial.id)
-            return
+            return False
         self.results[job.trial.id] = result
         if (began := self.began.pop(job.trial.id, None)) is not None:  # (else counted as its worker passed its device on)
             self.finished_s.append(time.time() - began)
@@ -714,13 +721,14 @@ class CampaignRun:
             self.scheduler.finish(job.trial.id)
         if job.trial.id in self.drawn:
             self.search.tell(self.drawn.pop(job.trial.id).number, result)
-        close_trial_run(self.uri, job.run_id, result, job.device_ids, log_path=str(trial_files(job.trial_dir).log))
+        close_trial_run(self.uri, job.run_id, result, job.device_ids, log_path=str(trial_files(job.trial_dir).log), reading=reading)
         if result.get("pruned"):  # early stopping: its devices are free for the others now
             self.pruned.add(job.trial.id)
             update_record(job.trial_dir, state="pruned")
             self.logger.info(f"trial {job.trial.id} pruned at step {result['steps']}: {format_metrics(result['metrics'])}")
-            return
-        self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
+        else:
+            self.logger.info(f"trial {job.trial.id} finished: {format_metrics(result['metrics'])}")
+        return True
 
     def relaunch(self, job: Running) -> None:
         """A trial stopped to move onto other nodes (or off them, `Running.relaunch`) starts
