@@ -115,12 +115,19 @@ def code_fingerprint() -> str:
 # must not cost the next launch its cached checks (~10 s of imports and model builds).
 # (tasks/ too: it only hands the check its workload, which is part of the key.)
 NOT_CHECKED = ("tests", "bench", "docs", "flows", "cluster", "schema", "site")
+# Folders of the working folder that hold what campaigns wrote, never code: MLflow's default
+# artifact folder, and each campaign's own folder (it holds the campaign's record). A folder
+# that ran many campaigns holds tens of thousands of their files, past the walk's limit: its
+# checks were never remembered.
+NO_CODE = ("mlruns",)
+NO_CODE_MARK = "campaign.json"  # training.layout.CampaignFiles.record
 
 
 def _python_files() -> list[Path] | None:
     """The .py files a workload check can run: the trainer's package (training/) and the working
-    folder's own modules (not in hidden folders, virtual environments or the project's
-    NOT_CHECKED folders); None where the folders hold more than MAX_FINGERPRINT_ENTRIES."""
+    folder's own modules (not in hidden folders, virtual environments, the project's
+    NOT_CHECKED folders or what campaigns wrote: NO_CODE); None where the folders hold more
+    than MAX_FINGERPRINT_ENTRIES."""
     import os
 
     project = Path(__file__).resolve().parent.parent
@@ -129,7 +136,8 @@ def _python_files() -> list[Path] | None:
     for top in dict.fromkeys([project / "training", Path.cwd().resolve()]):
         for folder, dirs, names in os.walk(top):
             skip = (*NOT_CHECKED, "tasks", "training") if Path(folder) == project else ()  # training/: walked already
-            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__", "venv", *skip)]
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__", "venv", *NO_CODE, *skip)
+                       and not os.path.exists(os.path.join(folder, d, NO_CODE_MARK))]
             seen += len(names) + len(dirs)
             if seen > MAX_FINGERPRINT_ENTRIES:
                 return None

@@ -120,6 +120,37 @@ def test_the_workload_checks_cache_is_kept_across_edits_a_check_never_runs(tmp_p
     assert tmp_path / "mylab" / "nets.py" in _python_files()  # the user's own modules count
 
 
+def test_what_campaigns_wrote_does_not_cost_a_folder_its_cached_checks(tmp_path, monkeypatch):
+    """A folder that ran many campaigns holds their trials' files (checkpoints, logs) and
+    MLflow's artifacts by the ten thousand: not code. The walk leaves them out, so it stays
+    under its limit and the checks stay remembered."""
+    import os
+
+    from tasks import workload
+
+    trainer = Path(workload.__file__).resolve().parent.parent / "training"  # walked too
+    walked = sum(len(names) + len([d for d in dirs if d != "__pycache__"]) for folder, dirs, names in os.walk(trainer)
+                 if "__pycache__" not in folder)
+    monkeypatch.setattr(workload, "MAX_FINGERPRINT_ENTRIES", walked + 40)
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "nets.py").write_text("X = 1\n")
+    monkeypatch.chdir(tmp_path)
+    first = workload.code_fingerprint()
+    for i in range(30):  # a campaign's folder (its record marks it) and MLflow's artifact folder
+        trial = tmp_path / "runs" / "c" / f"trial-{i}"
+        trial.mkdir(parents=True)
+        (trial / "train.log").write_text("")
+        (tmp_path / "mlruns" / "1" / f"run-{i}").mkdir(parents=True)
+        (tmp_path / "mlruns" / "1" / f"run-{i}" / "meta.yaml").write_text("")
+    (tmp_path / "runs" / "c" / "campaign.json").write_text("{}")
+    assert workload.code_fingerprint() == first  # the same key: its checks are found
+    (tmp_path / "mylab" / "more.py").write_text("Y = 2\n")
+    assert workload.code_fingerprint() != first  # code still counts
+    for i in range(60):  # past the limit in folders that may hold code: never a stale key
+        (tmp_path / "data" / f"part-{i}").mkdir(parents=True)
+    assert len({workload.code_fingerprint() for _ in range(2)}) == 2
+
+
 def test_a_function_trial_that_passed_its_check_is_not_checked_again_until_its_code_changes(tmp_path, monkeypatch):
     """A relaunch of a `training.target` campaign imports neither the user's module nor torch to
     check it again; an edit of the user's code checks it again, and a failure is never remembered."""
