@@ -68,7 +68,7 @@ CHECK_CACHE_ENV = "CAMPAIGN_CHECK_CACHE"  # where workloads that passed their ch
 MAX_FINGERPRINT_ENTRIES = 20_000  # files and folders walked to fingerprint the code
 
 
-def passed_check(work: dict[str, Any], lr: float, code: str) -> Path:
+def passed_check(work: dict[str, Any], lr: float | None, code: str) -> Path:
     """The file that says `work` passed its check, named by everything the check depends
     on: the workload, torch's version, the data file and the project's code (`code`:
     code_fingerprint()), so that any edit checks again. In the user's cache folder: every
@@ -152,14 +152,19 @@ def _check_function(trial: Trial, seen: set[str], several: bool, code: str | Non
     import tempfile
 
     t = trial.spec.training
-    check = {"target": t.check, "kwargs": dict(t.kwargs)} if t.check else None
-    key = json.dumps([trial_function(trial.spec)["function"], check], sort_keys=True, default=str)
+    function = trial_function(trial.spec)["function"]
+    if t.check:  # the hook runs with the trial's values
+        check = {"target": t.check, "kwargs": dict(t.kwargs)}
+        what = {"function": function, "check": check, "batch_size": t.batch_size, "seed": trial.spec.seed, "lr": t.lr,
+                "checkpoint_every": t.checkpoint_every}
+    else:  # the target is imported and its keywords bound, whatever their values: a grid over them is checked once
+        check = None
+        what = {"function": {"target": function["target"], "keywords": sorted(function["kwargs"])}}
+    key = json.dumps(what, sort_keys=True, default=str)
     if key in seen:
         return
     seen.add(key)
-    what = {"function": trial_function(trial.spec)["function"], "check": check, "batch_size": t.batch_size, "seed": trial.spec.seed,
-            "checkpoint_every": t.checkpoint_every}
-    passed = passed_check(what, t.lr, code if code is not None else code_fingerprint())
+    passed = passed_check(what, None, code if code is not None else code_fingerprint())
     if passed.exists():
         return
     from training.config import TrialConfig

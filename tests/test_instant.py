@@ -170,12 +170,21 @@ def test_a_function_trial_that_passed_its_check_is_not_checked_again_until_its_c
     real = training.function.check_function
     monkeypatch.setattr(training.function, "check_function", lambda *a: checked.append(a[0]["target"]) or real(*a))
 
-    def spec(target: str = "mylab.loop:fit"):
-        return parse_spec({"campaign": {"name": "c"}, "training": {"target": target, "steps": 2, "batch_size": 8, "lr": 0.1}})
+    def spec(target: str = "mylab.loop:fit", **grid):
+        return parse_spec({"campaign": {"name": "c"}, "training": {"target": target, "steps": 2, "batch_size": 8, "lr": 0.1,
+                                                                   "kwargs": {"every": 1}}, "grid": grid})
 
     check_trials(expand_grid(spec()))
     check_trials(expand_grid(spec()))
     assert checked == ["mylab.loop:fit"]  # the relaunch found it passed
+    # Without a check hook only the keywords' names are checked: new values (a grid over them, a
+    # new point) are not checked again; a keyword the function does not take is.
+    check_trials(expand_grid(spec(**{"training.kwargs.every": [2, 3, 4]})))
+    assert checked == ["mylab.loop:fit"]
+    with pytest.raises(CampaignError, match="training.kwargs"):
+        check_trials(expand_grid(spec(**{"training.kwargs.often": [2]})))
+    assert len(checked) == 2
+    checked.pop()
     (tmp_path / "mylab" / "loop.py").write_text("def fit(ctx, every=2):\n    pass\n")
     check_trials(expand_grid(spec()))
     assert len(checked) == 2  # the user's code changed: checked again
