@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from training.layout import CampaignFiles
 from training.spec import TrialSpec
 from tasks.grid import Trial
 from training.errors import CampaignError
@@ -120,7 +121,7 @@ NOT_CHECKED = ("tests", "bench", "docs", "flows", "cluster", "schema", "site")
 # that ran many campaigns holds tens of thousands of their files, past the walk's limit: its
 # checks were never remembered.
 NO_CODE = ("mlruns",)
-NO_CODE_MARK = "campaign.json"  # training.layout.CampaignFiles.record
+NO_CODE_MARK = CampaignFiles(Path(".")).record.name  # a campaign's record marks its folder
 
 
 def _python_files() -> list[Path] | None:
