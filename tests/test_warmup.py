@@ -1,6 +1,7 @@
 """Prefect's temporary server (flows/servers/warmup.py): the flow run of a launch that started its own
-server sends it no heartbeats (the server dies with the launch; Prefect joins its heartbeat
-thread at the flow's end, in 1 s slices); against a server of the user's, heartbeats stay on."""
+server sends it no heartbeats (the server dies with the launch); against a server of the user's,
+which outlives it, the flow sends them itself (flows/run/heartbeat.py) and Prefect's engine, which
+joins its heartbeat thread at the flow's end in 1 s slices, sends none."""
 
 from __future__ import annotations
 
@@ -15,21 +16,33 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 FLOW = """
-import json, os, sys
+import json, os, sys, threading
 from flows.servers.warmup import WarmUp
 warm = WarmUp()  # starts a server only without PREFECT_API_URL
 warm.ready()
 from prefect import flow
+from prefect.events.clients import AssertingEventsClient
+from prefect.events.worker import EventsWorker
+from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
+from flows.run.heartbeat import heartbeats
+
+events = EventsWorker.instance(AssertingEventsClient)  # what the flow emits, kept (as prefect.testing.fixtures does)
+EventsWorker.instance = lambda *_: events
 
 @flow
 def probe():
-    return get_current_settings().flows.heartbeat_frequency
+    with heartbeats():  # as the campaign flow does
+        return get_current_settings().flows.heartbeat_frequency, str(flow_run.id)
 
 with warm.flow_settings():
-    inside = probe()
+    inside, run_id = probe()
+events.drain()
+beats = [e for client in AssertingEventsClient.all for e in client.events
+         if e.event == "prefect.flow-run.heartbeat" and e.resource.id == f"prefect.flow-run.{run_id}"]
 print(json.dumps({"started": warm.process is not None, "api": os.environ["PREFECT_API_URL"], "heartbeat": inside,
-                  "after": get_current_settings().flows.heartbeat_frequency}))
+                  "after": get_current_settings().flows.heartbeat_frequency, "beats": len(beats),
+                  "beating": any(t.name == "flow-run-heartbeat" for t in threading.enumerate())}))
 """
 
 
@@ -41,10 +54,10 @@ def run_probe(env: dict[str, str], tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow  # two temporary servers and two flows in their own processes
-def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_default_against_anothers(tmp_path):
+def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_flows_own_against_anothers(tmp_path):
     own = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     started = run_probe(own, tmp_path)
-    assert started["started"] and started["heartbeat"] is None
+    assert started["started"] and started["heartbeat"] is None and started["beats"] == 0
     assert started["after"] is not None  # only the flow run's settings change, not the process's
 
     # A server of the user's (the harness of prefect's own tests would do too: any other URL).
@@ -57,7 +70,9 @@ def test_no_flow_heartbeats_to_the_launchs_own_server_and_the_default_against_an
         assert api.startswith("http://127.0.0.1:")
         theirs = run_probe({**own, "PREFECT_API_URL": api}, tmp_path)
         assert not theirs["started"] and theirs["api"] == api
-        assert theirs["heartbeat"] is not None and theirs["heartbeat"] >= 30  # Prefect's default, left as the user set it
+        # Prefect's engine sends none; the flow sent its first at once, and its thread stopped with the flow.
+        assert theirs["heartbeat"] is None and theirs["beats"] == 1 and not theirs["beating"]
+        assert theirs["after"] is not None and theirs["after"] >= 30  # Prefect's default, left as the user set it
     finally:
         server.stdin.close()
         server.wait(timeout=30)

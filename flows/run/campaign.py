@@ -44,6 +44,7 @@ from tasks.curves import campaign_curves
 from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, mark_running, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
 from flows.run.handover import STAGE_DEPTH, RunOpener, Staged, may_stage, next_end, restage_moves, seconds_left, stage_ahead_s, staging_order
+from flows.run.heartbeat import heartbeats
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import PoolError
@@ -924,8 +925,14 @@ def flow_run_name() -> str:
 
 @flow(name="campaign", flow_run_name=flow_run_name, log_prints=True)
 def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None, pool: str | None = None) -> dict[str, Any]:
-    logger = CampaignLog(get_run_logger())
     timings.mark("the flow run started")
+    with heartbeats():  # where the launch took them from Prefect's engine (flows/run/heartbeat.py)
+        return run_campaign(params_path, lease_db, pool)
+
+
+def run_campaign(params_path: str, lease_db: str | None, pool: str | None) -> dict[str, Any]:
+    """The campaign flow's body: its trials run, its records and pictures written."""
+    logger = CampaignLog(get_run_logger())
     spec = load_spec(params_path, pool=pool)
     check_data(spec)
     name, uri = spec.campaign.name, tracking_uri(spec.tracking)
@@ -963,11 +970,13 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
     ))
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)
     run.run()
+    timings.mark("the trials ended, their workers closed")
 
     known = run.known_trials()
     summary = write_summary(spec, known, run.results, run.failed, run.pruned)
     close_campaign_run(uri, parent_run_id, summary)
     update_campaign(spec.tracking.runs_dir, name, state="ended", ended=time.time())
+    timings.mark("the summary written, the campaign's MLflow run closed")
     states = {t.id: trial_status(run.root / t.id, t.id, t.label, t.spec.training.steps).state for t in known}
     try:  # the trials' results are on disk and in MLflow; a Prefect server gone now must not fail them
         if ui and run.run_ids:  # where to see the trials' curves side by side, the campaign's metric first
@@ -979,15 +988,19 @@ def campaign_flow(params_path: str = "params.yaml", lease_db: str | None = None,
                                   description=f"campaign {name}: who held which device when (seconds since the first start)")
     except Exception as e:
         logger.warning(f"the campaign's Prefect artifacts could not be saved ({e.__class__.__name__}: {e})")
+    timings.mark("the summary's Prefect artifacts saved")
     try:  # pictures must not fail a campaign that trained
         if pictures := write_timeline(run.root, f"campaign {name}: who held which device"):
             log_files(uri, parent_run_id, list(pictures), "timeline")
+        timings.mark("the timeline drawn")
         labels = {t.id: t.label for t in known}
         drain_metrics_hub()  # the trials' metrics are all in MLflow now
+        timings.mark("the trials' metrics all in MLflow")
         if curves := campaign_curves(uri, run.run_ids, labels, f"campaign {name}", run.root / "curves.png"):
             log_files(uri, parent_run_id, [curves], "curves")
     except Exception as e:
         logger.warning(f"the campaign's pictures could not be drawn ({e.__class__.__name__}: {e})")
+    timings.mark("the curves drawn")
     close_metrics_hub()  # where the pictures failed first
     if run.failed:
         raise RuntimeError(f"{len(run.failed)} of {len(trials)} trials failed: {', '.join(run.failed)}; see `campaign status {name}`")

@@ -139,9 +139,10 @@ class Resident:
         os.environ["PREFECT_API_URL"] = self.state["prefect_api"]  # the race's winner, if not ours
 
     def flow_settings(self):
-        import contextlib
+        """The server outlives the launch: the flow sends its run's heartbeats (flows/run/heartbeat.py)."""
+        from flows.run.heartbeat import engine_heartbeats_off
 
-        return contextlib.nullcontext()
+        return engine_heartbeats_off()
 
 
 def register_client(folder: Path) -> None:

@@ -168,12 +168,12 @@ class WarmUp:
     def flow_settings(self):
         """Prefect's settings for the campaign's flow run: against the server started here, no
         flow-run heartbeats. They exist so that a server that outlives a crashed run can mark it
-        crashed; this server dies with the launch, and Prefect's heartbeat thread, joined at the
-        flow's end, sleeps in 1 s slices (the return waited ~0.5 s for it)."""
-        import contextlib
-
+        crashed; this server dies with the launch. Against a server of the user's, which
+        outlives it, the flow sends them itself (flows/run/heartbeat.py)."""
         if self.process is None:
-            return contextlib.nullcontext()
+            from flows.run.heartbeat import engine_heartbeats_off
+
+            return engine_heartbeats_off()
         from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
         return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
