@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from training.process import die_with_parent
+from training.process import die_with_parent, imports_without_gc
 
 TEMPORARY_ENV = "CAMPAIGN_PREFECT_TEMPORARY"  # the API URL of the server started here (none recorded for it)
 STARTUP_TIMEOUT_S = 60.0
@@ -48,7 +48,8 @@ CODE_ROOT = Path(__file__).resolve().parents[2]  # where `flows` is: the server 
 def server_app():
     """Prefect's server app, as `prefect server start` serves it, retrying within the server
     what its database refused as retryable (RetrySoon)."""
-    from prefect.server.api.server import create_app
+    with imports_without_gc():  # the server's modules, kept for its life (~0.55 s of its boot's 2.9 s of CPU)
+        from prefect.server.api.server import create_app
 
     return RetrySoon(create_app())
 
@@ -58,9 +59,10 @@ def serve(host: str, port: int) -> None:
     API, services and UI, settings from the environment), with server_app's retries:
     `campaign ui` and `campaign pool server` run it (`python -m flows.servers.warmup --host H --port P`),
     where a pool's segments start together on several nodes."""
-    import uvicorn
-    from prefect.server.api.server import create_app
-    from prefect.settings import get_current_settings
+    with imports_without_gc():  # as server_app's
+        import uvicorn
+        from prefect.server.api.server import create_app
+        from prefect.settings import get_current_settings
 
     settings = get_current_settings().server
     uvicorn.run(RetrySoon(create_app(final=True)), host=host, port=port, timeout_keep_alive=settings.api.keepalive_timeout,
