@@ -55,6 +55,7 @@ def launch(folder: Path, server: str, spares: str = "on") -> tuple[dict[str, flo
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "CAMPAIGN_SERVER": server,
            "CAMPAIGN_SPARES": spares, "COLUMNS": "400"}
     env.pop("PREFECT_API_URL", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # Python's default: the project's bytecode cached (some hosts set it)
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live", "--timings"], cwd=folder,
                           env=env, capture_output=True, text=True)

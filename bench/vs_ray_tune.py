@@ -255,7 +255,9 @@ def base_env(token: str, work: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", MARK_ENV: token,
            "CAMPAIGN_LEASE_DB": str(work / "leases.db"), "RAY_TMPDIR": str(work / "ray")}
-    for key in ("PREFECT_API_URL", "RAY_ADDRESS"):
+    # Python's default too: bytecode cached (PYTHONDONTWRITEBYTECODE, set on some hosts, makes every
+    # process compile the project's changed modules again; the tools' own are compiled at install).
+    for key in ("PREFECT_API_URL", "RAY_ADDRESS", "PYTHONDONTWRITEBYTECODE"):
         env.pop(key, None)
     return env
 
