@@ -161,3 +161,33 @@ def test_what_a_process_keeps_for_its_life_is_frozen_and_the_collector_back_on()
         assert gc.isenabled() and gc.get_freeze_count() >= before + len(kept)
     finally:
         gc.unfreeze()  # this test process's collector as it was
+
+
+def test_a_preload_named_with_a_function_is_imported_and_called_before_the_first_fork(tmp_path):
+    """`module:function` (the spare zygote's `training.pruning:import_storage`): the children
+    find what the call made, without making it themselves."""
+    (tmp_path / "zygote_made.py").write_text(textwrap.dedent('''
+        import os
+        made = []
+
+        def make():
+            made.append(os.getpid())
+    '''))
+    (tmp_path / "zygote_ask.py").write_text(textwrap.dedent('''
+        import json, os, sys
+        from pathlib import Path
+
+        def main(args):
+            import zygote_made
+            Path(args[0]).write_text(json.dumps({"made_by": zygote_made.made, "me": os.getpid()}))
+            return 0
+    '''))
+    zygote = start(tmp_path, ["zygote_made:make"])
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+        child = zygote.fork("zygote_ask", [str(tmp_path / "out.json")], env, tmp_path)
+        assert child.wait(timeout=60) == 0
+        seen = json.loads((tmp_path / "out.json").read_text())
+        assert seen["made_by"] == [zygote.proc.pid] != [seen["me"]]  # called once, in the zygote, before the fork
+    finally:
+        zygote.close()

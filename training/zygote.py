@@ -64,8 +64,11 @@ def serve(control: socket.socket, preload: Sequence[str]) -> None:
     for name in ("SIGTERM", "SIGINT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     with imports_without_gc():  # frozen before the first fork: the workers' collections skip it all
-        for module in preload:
-            importlib.import_module(module)
+        for name in preload:  # `module:function`: imported, then called (what its import alone leaves for first use)
+            module, _, call = name.partition(":")
+            imported = importlib.import_module(module)
+            if call:
+                getattr(imported, call)()
     # Checked once: between forks the zygote runs nothing but this loop.
     problem = _fork_problem()
     wake_read, wake_write = os.pipe()  # SIGCHLD wakes the select below
@@ -161,7 +164,8 @@ def _become(request: dict, fds: list[int], closing: list[int]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Fork worker processes from one that imported torch and the trainer once.")
     parser.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET socket requests come on")
-    parser.add_argument("--preload", action="append", default=[], help="a module to import before the first fork")
+    parser.add_argument("--preload", action="append", default=[], help="a module to import before the first fork "
+                        "(`module:function`: then call it)")
     parser.add_argument("--for", dest="serves", default="", help="what it serves (a trial's config, a campaign's folder): for ps")
     args = parser.parse_args(argv)
     serve(socket.socket(fileno=args.fd), args.preload)
