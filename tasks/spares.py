@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 from training.files import read_json, write_json_atomic
-from training.zygote import Zygote
+from training.zygote import Zygote, load
 
 FOLDER = Path(".campaign")
 ROOT = Path(__file__).resolve().parents[1]  # the repository: tasks/ is in it
@@ -581,10 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update({"OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     with imports_without_gc():
         for name in KINDS[kind]:
-            module, _, call = name.partition(":")
-            imported = importlib.import_module(module)
-            if call:
-                getattr(imported, call)()
+            load(name)
     loaded = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
     files = {path: seen for path, seen in before.items() if path in loaded or not path.endswith(".py")}
     fresh = unchanged(files)  # else a file changed while it was imported: it execs afresh once taken

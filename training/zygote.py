@@ -58,17 +58,23 @@ class ZygoteGone(RuntimeError):
 # --- the zygote's side -------------------------------------------------------------------
 
 
+def load(name: str) -> None:
+    """Import `name`; `module:function`: import the module, then call the function (what its
+    import alone leaves for the first use: a storage's first connection, pyplot's backend)."""
+    module, _, call = name.partition(":")
+    imported = importlib.import_module(module)
+    if call:
+        getattr(imported, call)()
+
+
 def serve(control: socket.socket, preload: Sequence[str]) -> None:
     """Import `preload`, then fork a child per request and report each one's exit, until the
     starter closes its end. Never returns (the children must not come back here either)."""
     for name in ("SIGTERM", "SIGINT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     with imports_without_gc():  # frozen before the first fork: the workers' collections skip it all
-        for name in preload:  # `module:function`: imported, then called (what its import alone leaves for first use)
-            module, _, call = name.partition(":")
-            imported = importlib.import_module(module)
-            if call:
-                getattr(imported, call)()
+        for name in preload:
+            load(name)
     # Checked once: between forks the zygote runs nothing but this loop.
     problem = _fork_problem()
     wake_read, wake_write = os.pipe()  # SIGCHLD wakes the select below

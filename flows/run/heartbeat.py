@@ -4,8 +4,8 @@ A server that outlives the launch (the folder's resident one, a user's own) can 
 launch's flow run crashed by its heartbeats stopping (`prefect.flow-run.heartbeat` events every
 PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds, which Prefect's zombie-flow automation watches). Prefect's
 engine sends them from a thread that sleeps in one-second slices and is joined at the flow's end:
-every launch's end waited up to a second for it (half a second on average, seen in a sampling
-profile of the launch's last moments). The launch turns the engine's off (`engine_heartbeats_off`)
+every launch's end waited up to a second for it (0.55 s of the one launch profiled; from the
+pictures drawn to the flow's return 0.30–0.37 s before, 0.09–0.10 s after, in launches timed). The launch turns the engine's off (`engine_heartbeats_off`)
 and the flow sends the same events (`heartbeats`) from a thread that stops the moment it is told.
 Where Prefect's engine still sends them (a flow run without the launch's settings), nothing is
 sent twice.
