@@ -3,8 +3,10 @@
 - MLflow: a trial's run opened and closed (`open_trial_run` + `close_trial_run`, as the
   campaign's hub makes them) on a store in WAL mode (tasks.tracking's) against SQLite's default
   rollback journal.
-- Optuna: a trial's first report and pruning check (`training.pruning.Pruning`) through the
-  study's storage kept per process against one made for each trial.
+- Optuna: a trial's first report and pruning check (`training.pruning.Pruning`, ASHA, each
+  trial told pruned before the next is asked, as a search's are) through the study's journal
+  (`training.pruning.storage`) against Optuna's SQLite storage in WAL mode, each kept per
+  process (the study's storage before the journal).
 
 Each side in a fresh process, alternating, `--rounds` times; prints the medians and their ratio.
 
@@ -48,31 +50,45 @@ def mlflow_side(wal: bool) -> float:
     return statistics.median(took[5:]) * 1e3
 
 
-def pruning_side(kept: bool) -> float:
+def pruning_side(kind: str) -> float:
     """Median ms per trial's first report and pruning check."""
+    import functools
+    import sqlite3
+
     import optuna
 
     from training import pruning
+    from training.files import commit_to_wal
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{tempfile.mkdtemp()}/search.db"
-    study = optuna.create_study(storage=pruning.storage(url), study_name="s",
+    folder = tempfile.mkdtemp()
+    if kind == "sqlite":
+        def wal_connection(path: str) -> sqlite3.Connection:
+            conn = sqlite3.connect(path, timeout=60, check_same_thread=False)
+            commit_to_wal(conn)
+            return conn
+
+        path = f"{folder}/search.db"
+        kept = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"creator": functools.partial(wal_connection, path)})
+        pruning.storage = lambda _path: kept
+    else:
+        path = f"{folder}/search.journal"
+    study = optuna.create_study(storage=pruning.storage(path), study_name="s",
                                 pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=25, reduction_factor=3))
-    ids = [study.ask()._trial_id for _ in range(TRIALS // 2)]
-    if not kept:
-        pruning.storage = lambda url: pruning._storage.__wrapped__(url, None)  # a new storage each time
     took = []
-    for i, trial_id in enumerate(ids):
-        trial = pruning.Pruning({"storage": url, "study": "s", "trial_id": trial_id, "metric": "val_loss", "rule": "asha",
+    for i in range(TRIALS // 2):
+        trial_id = study.ask()._trial_id
+        trial = pruning.Pruning({"storage": path, "study": "s", "trial_id": trial_id, "metric": "val_loss", "rule": "asha",
                                  "min_steps": 25, "reduction_factor": 3, "max_steps": 300})
         started = time.perf_counter()
         trial.should_stop(25, {"val_loss": 1.0 / (i + 1)})
         took.append(time.perf_counter() - started)
+        study.tell(trial._optuna_trial().number, state=optuna.trial.TrialState.PRUNED)
     return statistics.median(took[2:]) * 1e3
 
 
 SIDES = {"mlflow wal": lambda: mlflow_side(True), "mlflow rollback journal": lambda: mlflow_side(False),
-         "study storage kept": lambda: pruning_side(True), "study storage per trial": lambda: pruning_side(False)}
+         "study journal": lambda: pruning_side("journal"), "study sqlite": lambda: pruning_side("sqlite")}
 
 
 def main() -> None:
@@ -94,7 +110,7 @@ def main() -> None:
     for side, values in got.items():
         print(f"{side:26s} {median[side]:7.1f} ms median ({', '.join(f'{v:.1f}' for v in values)})")
     print(f"run opened and closed: WAL {median['mlflow wal'] / median['mlflow rollback journal']:.2f}x the rollback journal's time")
-    print(f"first report and check: kept {median['study storage kept'] / median['study storage per trial']:.2f}x a new storage's time")
+    print(f"first report and check: journal {median['study journal'] / median['study sqlite']:.2f}x SQLite's time")
 
 
 if __name__ == "__main__":

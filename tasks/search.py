@@ -1,8 +1,8 @@
-"""The campaign's search: an Optuna study in `<runs_dir>/<campaign>/search.db`.
+"""The campaign's search: an Optuna study in `<runs_dir>/<campaign>/search.journal`.
 
 Trials are drawn one at a time, when the campaign can start one, so a model-based sampler
 (TPE) learns from every result before the next draw. Everything lives in the study's
-SQLite file, so a campaign killed at any point continues where it was:
+journal (training.pruning.storage), so a campaign killed at any point continues where it was:
 
 - trials told (complete, pruned, failed) stay as they are;
 - trials asked but never told (running when the campaign died) are run again under the
@@ -18,16 +18,39 @@ are enqueued right after the first draw.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.errors import CampaignError
+from training.layout import CampaignFiles
 from training.spec import Choice, CampaignSpec, IntUniform, LogUniform, Uniform
 from tasks.grid import Trial, grid_points, make_trial
 from training.pruning import build_pruner, storage
 
 POINT, SEED_INDEX, TRIAL = "point", "seed_index", "trial"  # user attributes of an Optuna trial
+
+
+def study_journal(files: CampaignFiles, name: str) -> str:
+    """The campaign's study journal. A study kept in SQLite (`files.sqlite_study`, before the
+    journal) is copied into one first, whole, under another name and then renamed: a kill
+    leaves no journal or all of it, and the search goes on where it was."""
+    journal, kept = files.study, files.sqlite_study
+    if not journal.exists() and kept.exists():
+        import optuna
+
+        partial = journal.with_name(journal.name + ".partial")
+        partial.unlink(missing_ok=True)
+        try:
+            optuna.copy_study(from_study_name=name, from_storage=f"sqlite:///{kept.resolve()}", to_storage=storage(str(partial)))
+        except Exception as e:
+            partial.unlink(missing_ok=True)
+            raise CampaignError(f"{kept}: could not read the search's study {name!r} ({type(e).__name__}: {e}); "
+                                f"move the file aside to start the search afresh") from e
+        os.replace(partial, journal)
+    return str(journal.resolve())
 
 
 @dataclass(frozen=True)
@@ -45,7 +68,7 @@ class Search:
         self.spec = spec
         self.metric, self.mode = spec.objective
         root.mkdir(parents=True, exist_ok=True)
-        self.url = f"sqlite:///{(root / 'search.db').resolve()}"
+        self.path = study_journal(CampaignFiles(root), spec.campaign.name)
         self.strategy = spec.search.strategy if spec.search else "grid"
         self.seeds = spec.search.seeds if spec.search else 1
         stop = spec.early_stopping
@@ -54,7 +77,7 @@ class Search:
             "reduction_factor": stop.reduction_factor if stop else 3, "max_steps": spec.training.steps,
         }
         self.study = optuna.create_study(
-            storage=storage(self.url), study_name=spec.campaign.name, load_if_exists=True,
+            storage=storage(self.path), study_name=spec.campaign.name, load_if_exists=True,
             direction="maximize" if self.mode == "max" else "minimize", pruner=build_pruner(**self.pruning_rule),
         )
         self.study.sampler = self._sampler(len(self.study.trials))
@@ -192,5 +215,5 @@ class Search:
         """What the trial's rank 0 needs to report to the study (TrialConfig.pruning)."""
         if self.pruning_rule["rule"] is None:
             return None
-        return {"storage": self.url, "study": self.spec.campaign.name, "trial_id": drawn.storage_id,
+        return {"storage": self.path, "study": self.spec.campaign.name, "trial_id": drawn.storage_id,
                 "metric": self.metric, **self.pruning_rule}

@@ -74,8 +74,9 @@ KINDS = {
     # with the hub's first calls for its CPU.)
     "hub": ("tasks.tracking_hub", "tasks.tracking", "tasks.curves", "tasks.timeline", "tasks.system_metrics", "mlflow",
             "mlflow.store.tracking.sqlalchemy_store", "tasks.timeline:import_matplotlib"),
-    # (A pruned trial's first report loads Optuna's storage: 0.7 s of each worker's first such
-    # trial, on the way from its end to the next trial's first step, when the zygote had not.)
+    # (A pruned trial's first report loads Optuna and its study's storage: 0.4 s of each worker's
+    # first such trial, on the way from its end to the next trial's first step, when the zygote
+    # had not; 0.7 s with the study in SQLite.)
     "zygote": ("tasks.warm_worker", "training.pruning:import_storage"),
     # `campaign launch` itself (Prefect, the flow, the checks, the live view, a search's study): not flows.cli,
     # whose consoles look at the terminal as they are made, imported once the launch's are its own.

@@ -27,7 +27,8 @@ from conftest import campaign_cli, wait_for
 from training.config import TrialConfig
 from training.files import read_json
 from training.function import FunctionError, TrialContext, check_function
-from training.layout import trial_files
+from training.layout import CampaignFiles, trial_files
+from training.pruning import storage
 from training.spec import SpecError, parse_spec
 
 USER_LOOP = '''
@@ -352,7 +353,7 @@ def test_function_trials_report_to_mlflow_and_the_study_and_a_raising_one_fails_
     (good,) = [r for r in runs if r.data.tags.get("campaign.state") == "finished"]
     history = client.get_metric_history(good.info.run_id, "val_loss")
     assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(10, 101, 10))
-    study = optuna.load_study(study_name="fn", storage=f"sqlite:///{root / 'search.db'}")
+    study = optuna.load_study(study_name="fn", storage=storage(str(CampaignFiles(root).study)))
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
     assert len(complete) == 1 and complete[0].value == pytest.approx(result["metrics"]["val_loss"])
 

@@ -16,7 +16,8 @@ import yaml
 from conftest import campaign_cli
 from training.spec import parse_spec
 from tasks.search import Search
-from training.layout import trial_files
+from training.layout import CampaignFiles, trial_files
+from training.pruning import storage
 
 BASE = {"campaign": {"name": "s"}, "model": {"name": "mlp", "width": 16},
         "training": {"steps": 100, "batch_size": 16, "lr": 0.1, "eval_every": 20}}
@@ -28,25 +29,103 @@ def spec(**sections):
 
 # --- the study, alone ---------------------------------------------------------------------
 
-def test_the_study_is_kept_in_wal_mode_and_a_new_one_never_inherits_a_deleted_ones_log(tmp_path):
-    import sqlite3
+def test_a_new_study_file_never_inherits_what_this_process_replayed_of_a_deleted_one(tmp_path):
+    import optuna
+
+    from training.pruning import storage
+
+    journal = str(tmp_path / "search.journal")
+    study = optuna.create_study(storage=storage(journal), study_name="s")
+    study.tell(study.ask(), 1.0)
+    assert storage(journal) is storage(journal)  # one per process and file
+    os.unlink(journal)  # deleted by hand: the same path, a new file
+    fresh = optuna.create_study(storage=storage(journal), study_name="s")
+    assert len(fresh.trials) == 0
+    assert len(optuna.load_study(study_name="s", storage=storage(journal)).trials) == 0
+
+
+HOLD_AND_WAIT = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from training.pruning import _FileLock
+lock = _FileLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()  # killed here, the lock held
+"""
+
+
+def test_a_writer_killed_while_it_holds_the_studys_lock_does_not_hold_up_the_next(tmp_path):
+    """Optuna's own file locks, left behind by a kill, kept every later writer waiting for
+    their grace period (30 s); the study's flock is let go of by the kernel."""
+    import threading
 
     import optuna
 
     from training.pruning import storage
 
-    db = tmp_path / "search.db"
-    url = f"sqlite:///{db}"
-    study = optuna.create_study(storage=storage(url), study_name="s")
+    journal = str(tmp_path / "search.journal")
+    study = optuna.create_study(storage=storage(journal), study_name="s")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_WAIT, journal, str(Path(__file__).resolve().parents[1])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    told = threading.Event()
+    writer = threading.Thread(target=lambda: (study.tell(study.ask(), 2.0), told.set()), daemon=True)
+    writer.start()
+    assert not told.wait(timeout=0.5)  # waits while the holder lives
+    holder.kill()
+    holder.wait()
+    assert told.wait(timeout=20)  # not the 30 s of a stale lock file
+    assert [t.value for t in optuna.load_study(study_name="s", storage=storage(journal)).trials] == [2.0]
+
+
+def test_a_journal_whose_last_entry_was_cut_off_loses_that_entry_alone(tmp_path):
+    import optuna
+
+    from training import pruning
+
+    journal = tmp_path / "search.journal"
+    study = optuna.create_study(storage=pruning.storage(str(journal)), study_name="s")
     study.tell(study.ask(), 1.0)
-    with sqlite3.connect(db) as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    storage(url).engine.dispose()  # (as the process that made it ends)
-    db.unlink()  # deleted by hand: its -wal and -shm stay behind
-    Path(f"{db}-wal").write_bytes(b"an old log")
-    fresh = optuna.create_study(storage=storage(url), study_name="s")  # a new file: a storage of its own
-    assert len(fresh.trials) == 0 and Path(f"{db}-wal").stat().st_size != len(b"an old log")
-    assert storage(url) is storage(url)  # one per process and file
+    with open(journal, "ab") as f:
+        f.write(b'{"op_code":4,"worker_id":"cut off by a crash')
+    pruning._storage.cache_clear()  # a process that opens it after the crash
+    again = optuna.load_study(study_name="s", storage=pruning.storage(str(journal)))
+    again.tell(again.ask(), 2.0)
+    pruning._storage.cache_clear()
+    assert [t.value for t in optuna.load_study(study_name="s", storage=pruning.storage(str(journal))).trials] == [1.0, 2.0]
+
+
+def test_a_study_kept_in_sqlite_before_the_journal_goes_on_where_it_was(tmp_path):
+    """A search begun before the study's journal: its SQLite study is copied into one whole,
+    trials told stay told (a pruned one's rungs with it), one running runs again."""
+    import optuna
+
+    from training.layout import CampaignFiles
+
+    files = CampaignFiles(tmp_path)
+    old = optuna.create_study(storage=f"sqlite:///{files.sqlite_study}", study_name="s", pruner=optuna.pruners.SuccessiveHalvingPruner())
+    search_spec = spec(grid={"training.lr": [0.3, 0.1, 0.03]}, early_stopping={"rule": "asha", "min_steps": 20})
+    for lr in (0.3, 0.1, 0.03):
+        old.enqueue_trial({}, user_attrs={"point": {"training.lr": lr}, "seed_index": 0})
+    done, pruned, running = old.ask(), old.ask(), old.ask()
+    for trial in (done, pruned, running):
+        trial.set_user_attr("trial", "drawn")
+    old.tell(done, 0.5)
+    pruned.report(2.0, 20)
+    old._storage.set_trial_system_attr(pruned._trial_id, "completed_rung_0", 2.0)
+    old.tell(pruned, state=optuna.trial.TrialState.PRUNED)
+
+    search = Search(search_spec, tmp_path)
+    assert Path(search.path) == files.study.resolve() and files.sqlite_study.exists()
+    trials = search.study.trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "RUNNING"]
+    assert trials[1].system_attrs["completed_rung_0"] == 2.0 and trials[1].intermediate_values == {20: 2.0}
+    assert [d.trial.overrides["training.lr"] for d in search.unfinished()] == [0.03]
+    assert not list(tmp_path.glob("*.partial"))
+    files.study.write_text(files.study.read_text())  # taken over once: the journal is the study from then on
+    files.sqlite_study.unlink()
+    assert [t.state.name for t in Search(search_spec, tmp_path).study.trials] == ["COMPLETE", "PRUNED", "RUNNING"]
 
 
 def test_under_the_median_rule_a_finished_trial_is_told_by_its_trainer_before_the_next_is_judged(tmp_path, capsys):
@@ -271,6 +350,6 @@ def test_a_search_killed_outright_goes_on_to_n_without_rerunning(tmp_path, digit
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("campaigns").experiment_id], f"tags.`campaign.trial_id` = '{resumed}'")
     assert Path(run.data.tags[f"resume.step-{resumed_from}"]).name == f"step-{resumed_from:08d}"  # which checkpoint it used
-    study = optuna.load_study(study_name="killed", storage=f"sqlite:///{root / 'search.db'}")
+    study = optuna.load_study(study_name="killed", storage=storage(str(CampaignFiles(root).study)))
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE"] * 4
     assert len({t.params["training.lr"] for t in study.trials}) == 4

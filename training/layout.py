@@ -126,6 +126,16 @@ class CampaignFiles:
     def allocations(self) -> Path:
         return self.root / "allocations.jsonl"
 
+    @property
+    def study(self) -> Path:
+        """A search's Optuna study (tasks/search.py), a journal of its changes."""
+        return self.root / "search.journal"
+
+    @property
+    def sqlite_study(self) -> Path:
+        """Where a search's study was kept before the journal (SQLite): taken over once."""
+        return self.root / "search.db"
+
     def trial(self, trial_id: str) -> TrialFiles:
         return TrialFiles(self.root / one_component(trial_id))
 
@@ -202,4 +212,5 @@ def latest_pointer(runs_dir: str | Path) -> Path:
 
 # Every file name above: no other module may spell one (tests/test_layout.py).
 FILE_NAMES = ("trial.json", "train.log", "record.json", "progress.json", "result.json", "metrics.jsonl", "failure.json", "batch.json", "resizes.jsonl",
-              "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl", "agent-store.json")
+              "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl", "agent-store.json",
+              "search.journal", "search.db")
