@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from flows.servers.prefect_template import prepare_database
 from training.process import die_with_parent, imports_without_gc
 
 TEMPORARY_ENV = "CAMPAIGN_PREFECT_TEMPORARY"  # the API URL of the server started here (none recorded for it)
@@ -48,6 +49,7 @@ CODE_ROOT = Path(__file__).resolve().parents[2]  # where `flows` is: the server 
 def server_app():
     """Prefect's server app, as `prefect server start` serves it, retrying within the server
     what its database refused as retryable (RetrySoon)."""
+    prepare_database()  # before Prefect reads its settings
     with imports_without_gc():  # the server's modules, kept for its life (~0.55 s of its boot's 2.9 s of CPU)
         from prefect.server.api.server import create_app
 
@@ -59,6 +61,7 @@ def serve(host: str, port: int) -> None:
     API, services and UI, settings from the environment), with server_app's retries:
     `campaign ui` and `campaign pool server` run it (`python -m flows.servers.warmup --host H --port P`),
     where a pool's segments start together on several nodes."""
+    prepare_database()  # before Prefect reads its settings
     with imports_without_gc():  # as server_app's
         import uvicorn
         from prefect.server.api.server import create_app
