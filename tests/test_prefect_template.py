@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from flows.servers.prefect_db import URL_ENV
 from flows.servers.prefect_template import MIGRATE_ENV, prepare_database, revisions, template
 
@@ -23,23 +24,43 @@ def url(path: Path) -> str:
     return f"sqlite+aiosqlite:///{path}"
 
 
+def answers(health: str) -> bool:
+    try:
+        with urllib.request.urlopen(health, timeout=1) as response:
+            return response.status == 200
+    except OSError:  # not listening yet
+        return False
+
+
 def test_a_new_database_is_the_template_and_its_server_answers_without_migrating(tmp_path, migrated):
-    from flows.servers.warmup import WarmUp
+    import os
+    import subprocess
+    import sys
+
+    from flows.servers.warmup import free_port
 
     database = tmp_path / "folder" / ".campaign" / "prefect" / "prefect.db"
     env = {URL_ENV: url(database)}
     assert prepare_database(env) is True
     assert env[MIGRATE_ENV] == "false" and revisions(database) == revisions(migrated) != set()
-    # A real server on it: it skips the migrations (the environment above) and serves Prefect's API.
-    warm = WarmUp(server_env=env)
+    # A real server on it, as the folder's resident server runs one (it prepares its database
+    # itself, finds it made, and skips the migrations): it serves Prefect's API on that file.
+    port = free_port()
+    own = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_API_")}  # no other server's
+    server = subprocess.Popen([sys.executable, "-m", "flows.servers.warmup", "--host", "127.0.0.1", "--port", str(port)],
+                              env={**own, URL_ENV: url(database), "PREFECT_HOME": str(tmp_path / "home")},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        warm._wait_for_server()
-        request = urllib.request.Request(f"{warm.api_url}/flows/", data=json.dumps({"name": "made-here"}).encode(),
+        api = f"http://127.0.0.1:{port}/api"
+        wait_for(lambda: server.poll() is not None or answers(f"{api}/health"), 120, "the server's first answer")
+        assert server.poll() is None
+        request = urllib.request.Request(f"{api}/flows/", data=json.dumps({"name": "made-here"}).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status in (200, 201) and json.load(response)["name"] == "made-here"
     finally:
-        warm.stop()
+        server.terminate()
+        server.wait(timeout=30)
     with sqlite3.connect(database) as db:
         assert [row[0] for row in db.execute("SELECT name FROM flow")] == ["made-here"]
 
