@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
 
-from training.files import drop_sqlite_companions
+from training.files import copy_as_new, drop_sqlite_companions
 
 CACHE_ENV = "CAMPAIGN_CACHE_DIR"  # the folder of the campaign's caches (default ~/.cache/campaign)
 
@@ -46,16 +45,7 @@ def make_from_template(uri: str) -> bool:
         return False
     try:
         drop_sqlite_companions(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.close(fd)
-        try:
-            shutil.copyfile(_template(), tmp)
-            os.link(tmp, path)  # never over a store another process made meanwhile
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        return True
+        return copy_as_new(_template(), path)  # never over a store another process made meanwhile
     except (OSError, sqlite3.Error):
         return False
 

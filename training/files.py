@@ -417,6 +417,22 @@ def _process_exists(pid: int) -> bool:
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a store: its write-ahead log and its index, a rollback journal
 
 
+def copy_as_new(source: Path, path: Path) -> bool:
+    """`path` made a copy of `source` where there is no file yet: copied under another name in
+    its folder (which must exist), then linked in, never over a file another process made
+    meanwhile. True when it was made here."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
 def drop_sqlite_companions(path: str | Path) -> None:
     """Before a new store is made at `path`: what one deleted by hand left beside it goes, so
     SQLite never replays an old write-ahead log into the new file."""

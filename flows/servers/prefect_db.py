@@ -22,6 +22,7 @@ from typing import Mapping
 
 DB_ENV = "CAMPAIGN_PREFECT_DB"
 URL_ENV = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+URL_NAMES = (URL_ENV, "PREFECT_API_DATABASE_CONNECTION_URL")  # the second: the setting's older name
 # Where a user said Prefect lives: left as it is (the first is also PREFECT_SERVER_DATABASE_CONNECTION_URL's older name).
 USERS_OWN = ("PREFECT_API_URL", "PREFECT_HOME", URL_ENV, "PREFECT_API_DATABASE_CONNECTION_URL")
 FOLDER_DB = Path(".campaign") / "prefect" / "prefect.db"  # where the resident server's PREFECT_HOME puts it too
@@ -44,11 +45,22 @@ def use_folder_database(folder: Path, chosen: Path | None = None) -> None:
     os.environ.update(database_settings(folder, os.environ, chosen))
 
 
+def database_file(environ: Mapping[str, str]) -> Path | None:
+    """The SQLite file the environment names for Prefect's database; None for any other
+    database, an in-memory one, or none named (Prefect's default, or a user's profile)."""
+    for name in URL_NAMES:
+        url = environ.get(name, "")
+        if url:
+            if not (url.startswith("sqlite") and ":///" in url):
+                return None
+            path = url.split(":///", 1)[1].split("?", 1)[0]
+            return Path(path) if path and path != ":memory:" else None
+    return None
+
+
 def make_database_folder() -> None:
     """The folder of the SQLite database the environment names, made before a server opens it
     (SQLite makes the file, not its folder); written only by a command that starts a server."""
-    for name in (URL_ENV, "PREFECT_API_DATABASE_CONNECTION_URL"):
-        url = os.environ.get(name, "")
-        if url.startswith("sqlite") and ":///" in url:
-            Path(url.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-            return
+    path = database_file(os.environ)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,33 +24,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping, MutableMapping
+from typing import MutableMapping
 
-from flows.servers.prefect_db import URL_ENV
+from flows.servers.prefect_db import URL_ENV, URL_NAMES, database_file
+from training.files import copy_as_new, drop_sqlite_companions
 
-URL_NAMES = (URL_ENV, "PREFECT_API_DATABASE_CONNECTION_URL")  # the second: the setting's older name
 MIGRATE_ENV = "PREFECT_SERVER_DATABASE_MIGRATE_ON_START"
 MIGRATE_NAMES = (MIGRATE_ENV, "PREFECT_API_DATABASE_MIGRATE_ON_START")
 UPGRADE_TIMEOUT_S = 300
-
-
-def database_file(environ: Mapping[str, str]) -> Path | None:
-    """The SQLite file the environment names for Prefect's database; None for any other
-    database, an in-memory one, or none named (Prefect's default, or a user's profile)."""
-    for name in URL_NAMES:
-        url = environ.get(name, "")
-        if url:
-            if not (url.startswith("sqlite") and ":///" in url):
-                return None
-            path = url.split(":///", 1)[1].split("?", 1)[0]
-            return Path(path) if path and path != ":memory:" else None
-    return None
 
 
 def prepare_database(environ: MutableMapping[str, str] = os.environ) -> bool:
@@ -63,7 +49,8 @@ def prepare_database(environ: MutableMapping[str, str] = os.environ) -> bool:
     try:
         migrated = template()
         if not path.exists():
-            _copy_new(migrated, path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            copy_as_new(migrated, path)  # never over a database another process made meanwhile
         if not path.exists() or revisions(path) != revisions(migrated):
             return False
     except (OSError, sqlite3.Error, subprocess.SubprocessError):
@@ -81,19 +68,6 @@ def revisions(path: Path) -> set[str]:
             return set()
 
 
-def _copy_new(template: Path, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        shutil.copyfile(template, tmp)
-        os.link(tmp, path)  # never over a database another process made meanwhile
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
-
-
 def template() -> Path:
     """The migrated empty database of this Prefect version, made by Prefect's own command the
     first time (one process at a time: the others wait for it, then copy it)."""
@@ -101,15 +75,15 @@ def template() -> Path:
 
     from tasks.mlflow_store import cache_dir
 
-    template = cache_dir() / f"prefect-{version('prefect')}-migrated.db"
-    if template.exists():
-        return template
-    template.parent.mkdir(parents=True, exist_ok=True)
-    with open(template.parent / f".{template.name}.lock", "w") as lock:
+    made = cache_dir() / f"prefect-{version('prefect')}-migrated.db"
+    if made.exists():
+        return made
+    made.parent.mkdir(parents=True, exist_ok=True)
+    with open(made.parent / f".{made.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if template.exists():
-            return template
-        fd, tmp = tempfile.mkstemp(dir=template.parent, prefix=".prefect-template-", suffix=".db")
+        if made.exists():
+            return made
+        fd, tmp = tempfile.mkstemp(dir=made.parent, prefix=".prefect-template-", suffix=".db")
         os.close(fd)
         os.unlink(tmp)  # Prefect creates the file itself
         try:
@@ -121,9 +95,9 @@ def template() -> Path:
                 db.execute("PRAGMA journal_mode = DELETE")  # one file: its log folded in
             if not revisions(Path(tmp)):
                 raise sqlite3.DatabaseError(f"{tmp}: Prefect's upgrade left no alembic revision")
-            os.replace(tmp, template)
+            os.replace(tmp, made)
         finally:
-            for leftover in (tmp, f"{tmp}-wal", f"{tmp}-shm", f"{tmp}-journal"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-    return template
+            drop_sqlite_companions(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return made
