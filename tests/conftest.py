@@ -188,6 +188,7 @@ def prefect_database(tmp_path_factory, worker_id):
     import shutil
     from unittest import mock
 
+    from flows.servers.prefect_template import blocks_mark_file
     from flows.servers.prefect_template import template as migrated
 
     root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
@@ -196,6 +197,7 @@ def prefect_database(tmp_path_factory, worker_id):
     own = Path(os.environ["CAMPAIGN_CACHE_DIR"]) / template.name
     if not own.exists():
         own.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(blocks_mark_file(template), blocks_mark_file(own))  # first, as template() writes them
         shutil.copyfile(template, own)
 
     def copy(where: Path) -> Path:

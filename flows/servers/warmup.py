@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from flows.servers.prefect_template import prepare_database
+from flows.servers.prefect_template import CODE_ROOT, prepare_database, seed_block_memo
 from training.process import die_with_parent, imports_without_gc
 
 TEMPORARY_ENV = "CAMPAIGN_PREFECT_TEMPORARY"  # the API URL of the server started here (none recorded for it)
@@ -43,9 +43,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-CODE_ROOT = Path(__file__).resolve().parents[2]  # where `flows` is: the server process imports server_app from it
-
-
 def server_app():
     """Prefect's server app, as `prefect server start` serves it, retrying within the server
     what its database refused as retryable (RetrySoon)."""
@@ -53,6 +50,7 @@ def server_app():
     with imports_without_gc():  # the server's modules, kept for its life (~0.55 s of its boot's 2.9 s of CPU)
         from prefect.server.api.server import create_app
 
+    seed_block_memo()  # before the app's start writes the block types
     return RetrySoon(create_app())
 
 
@@ -67,6 +65,7 @@ def serve(host: str, port: int) -> None:
         from prefect.server.api.server import create_app
         from prefect.settings import get_current_settings
 
+    seed_block_memo()  # before the app's start writes the block types
     settings = get_current_settings().server
     uvicorn.run(RetrySoon(create_app(final=True)), host=host, port=port, timeout_keep_alive=settings.api.keepalive_timeout,
                 ws_ping_interval=settings.api.websocket_ping_interval, ws_ping_timeout=settings.api.websocket_ping_timeout,
