@@ -58,8 +58,9 @@ def import_matplotlib():
 @in_hub
 def import_drawing_early() -> None:
     """Import matplotlib (~0.4 s here) on a thread while the trials train, where the pictures
-    will be drawn (the campaign's hub, when it has one): a campaign draws them after its last
-    trial ends, and the user waits for that."""
+    will be drawn: a campaign draws them after its last trial ends, and the user waits for
+    that. (A campaign's hub has it imported before its first call, tasks/tracking_hub.py: this
+    is for a campaign without one, a pool's.)"""
     threading.Thread(target=import_matplotlib, name="import-matplotlib", daemon=True).start()
 
 
