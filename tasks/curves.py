@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.hub_calls import in_hub
+from tasks.timeline import FAST_PNG
 
 CURVES = ("train_loss", "val_loss", "val_accuracy")
 
@@ -41,7 +42,7 @@ def draw_curves(histories: dict[str, dict[str, list[tuple[int, float]]]], title:
     width = 5 * len(metrics)
     fig.subplots_adjust(left=0.8 / width, right=1 - 0.3 / width, bottom=0.55 / 4, top=1 - 0.75 / 4, wspace=0.25)
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, pil_kwargs=FAST_PNG)
     plt.close(fig)
     return png
 

@@ -46,6 +46,11 @@ def intervals(events: Iterable[Allocation], now: float | None = None) -> list[Ba
     return bars
 
 
+# zlib's fastest level for the pictures' PNGs: drawn after the campaign's last trial, while
+# its user waits; a 32-trial figure saved in 154-167 ms against 223-248 ms, 8 % larger.
+FAST_PNG = {"compress_level": 1}
+
+
 def import_matplotlib():
     import matplotlib
 
@@ -102,7 +107,7 @@ def draw(bars: list[Bar], title: str, png: Path, html: Path) -> None:
     plt = import_matplotlib()
     fig = figure(bars, title)
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=120, pil_kwargs=FAST_PNG)
     svg = io.StringIO()
     fig.savefig(svg, format="svg")
     plt.close(fig)
