@@ -328,11 +328,13 @@ def serve_calls(hub: Hub, sender: threading.Thread, answers, store: str | None =
             from tasks.tracking import open_store
 
             open_store(store)
+        from tasks.timeline import import_matplotlib
+
         # The pictures' matplotlib too, before the first call, as the resident server's spare
         # hub has it (tasks/spares.py): imported while trials ran (~0.4 s of CPU), it held the
         # calls that start a short trial's successor back 0.1-0.35 s each, and a campaign of
         # short trials, cold, had gaps of 0.06-0.09 s between them instead of 0.03.
-        importlib.import_module("tasks.timeline").import_matplotlib()
+        import_matplotlib()
     ending: threading.Thread | None = None
 
     def end_input() -> threading.Thread:

@@ -87,9 +87,10 @@ def blocks_mark_file(template_path: Path) -> Path:
     return template_path.with_name(f"{template_path.name}.blocks")
 
 
-def block_types_mark(database_url: str) -> str | None:
-    """Prefect's mark of the block types its server would write into `database_url` (as its
-    memo computes it: the registered Block classes, the collections' block data, the URL)."""
+def block_types_marks(*database_urls: str) -> list[str | None]:
+    """Prefect's mark of the block types its server would write into each of `database_urls`
+    (as its memo computes it: the registered Block classes, the collections' block data, the
+    URL), the classes and data read once."""
     import json
     from hashlib import sha256
 
@@ -101,7 +102,8 @@ def block_types_mark(database_url: str) -> str | None:
 
     prefect.plugins.load_prefect_collections()  # as Prefect's memo does, before it reads the registry
     data = json.loads(Path(COLLECTIONS_BLOCKS_DATA_PATH).read_text(encoding="utf-8"))
-    return hash_objects(get_registry_for_type(Block), data, database_url, hash_algo=sha256)
+    registry = get_registry_for_type(Block)
+    return [hash_objects(registry, data, url, hash_algo=sha256) for url in database_urls]
 
 
 def seed_block_memo() -> bool:
@@ -117,10 +119,10 @@ def seed_block_memo() -> bool:
             return False
         made = template()
         registered = blocks_mark_file(made).read_text(encoding="utf-8").strip()
-        if not registered or block_types(database) != block_types(made) or block_types_mark("") != registered:
+        if not registered or block_types(database) != block_types(made):
             return False
-        mark = block_types_mark(PREFECT_API_DATABASE_CONNECTION_URL.value())
-        if mark is None:
+        unbound, mark = block_types_marks("", PREFECT_API_DATABASE_CONNECTION_URL.value())
+        if unbound != registered or mark is None:
             return False
         memo.write_text(f'{MEMO_KEY} = "{mark}"\n', encoding="utf-8")
         memo.chmod(0o600)  # as Prefect makes it
@@ -189,7 +191,7 @@ def template() -> Path:
 
 def register_block_types(database: str) -> str | None:
     """Prefect's block types written into the template at `database`, as its server writes them
-    at start; their mark (block_types_mark, no URL) returned."""
+    at start; their mark (block_types_marks, no URL) returned."""
     import asyncio
 
     os.environ[URL_ENV] = f"sqlite+aiosqlite:///{database}"
@@ -202,7 +204,7 @@ def register_block_types(database: str) -> str | None:
             await run_block_auto_registration(session=session)
 
     asyncio.run(register())
-    return block_types_mark("")
+    return block_types_marks("")[0]
 
 
 if __name__ == "__main__":  # template(): python -m flows.servers.prefect_template DATABASE
