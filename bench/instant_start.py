@@ -10,9 +10,9 @@ campaign (params.yaml, a fresh runs folder and MLflow store each round) launched
 - again with nothing left to train (every trial finished): the no-op relaunch.
 
 Rounds alternate the order of the cases. Before each launch the bench waits until the warm
-folder's resident server has its spares ready (tasks/spares.py: it makes them while no
-launch of the folder runs, ~3 s of CPU after each warm launch), so that no launch shares the
-host with their imports. The times are the launch's own `--timings` marks (seconds since
+folder's resident server has its spares ready (tasks/spares.py: it makes them once, while no
+launch of the folder runs; each launch is served by forked copies of them), so that no launch
+shares the host with their imports. The times are the launch's own `--timings` marks (seconds since
 the command's process started): "first training step" is the first step of any trial, seen in
 its progress file. Goals (issue 61): first step <= 2 s warm, <= 6 s cold; no-op relaunch <= 1 s.
 

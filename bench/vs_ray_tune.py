@@ -25,7 +25,7 @@ running: the campaign's launch starts its folder's resident Prefect server (stop
 run, not counted), Tune starts Ray's cluster itself; `warm`, the servers already up: the
 folder's resident Prefect server (started by a launch that is not counted; each counted
 command is run by the server's spare launch and takes its spare MLflow hub and workers' zygote,
-which each counted launch waits for the server to have made again after the launch before it) and Ray's cluster (`ray start --head`,
+forked copies of them: the first counted launch waits for the server to have made them) and Ray's cluster (`ray start --head`,
 each driver connects to it). Each tool's warm server runs only during its own runs. Each
 mode's campaigns share one project folder (its Prefect and MLflow databases), as a user's do.
 
@@ -513,9 +513,9 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 15) -> None:
 
 
 def spares_ready(folder: Path, timeout_s: float = 60.0) -> float:
-    """Warm: wait until the folder's resident server has made its spares again after the last
-    launch took them (imported, not taken: tasks/spares.py), as a launch a minute later finds
-    them (the server makes them once no launch runs: seconds of CPU); the seconds waited."""
+    """Warm: wait until the folder's resident server has its spares ready (imported, offered:
+    tasks/spares.py; made once no launch runs, seconds of CPU, and offered again as soon as a
+    copy of each serves a launch); the seconds waited."""
     from tasks.spares import KINDS, ready, state_path
     from training.files import read_json
 

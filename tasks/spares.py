@@ -12,6 +12,12 @@ folder runs, it imports what the process it will become imports, then waits on a
 `.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
 its imports are done: the project's files it imported, with their size and time before it did).
 
+A spare is never used up: each claim is served by a copy of it, forked (a grandchild whose
+parent exits at once, so that it is nobody's child here), its imports shared with the spare's
+pages, and the spare offers itself again at once. So a launch right after another (a `resume`
+right after a killed launch, a relaunch after an edit of the spec) finds all three ready, and
+no launch costs the CPU of making them again. Below, "the spare" that serves a claim is that copy.
+
 The spare launch is taken by the `campaign launch` (or `resume`) command as it starts
 (`run_command`): the command's process hands it its terminal (stdin, stdout, stderr), its
 arguments, environment and start time, and stays as the command's face, passing Ctrl-C and
@@ -21,25 +27,28 @@ command as `flows.cli` would, Prefect's settings and logging made again from the
 environment and terminal (`in_spare`).
 
 A launch that reports to the resident server takes a spare (`claim`): it renames that record
-(one launch wins), checks that the spare runs its interpreter, the project's code as it is on
+(one launch at a time: the spare writes it again once it has forked), checks that the spare runs its interpreter, the project's code as it is on
 disk now (the files it imported, by size and time, and the site folders'; the whole project's
 while it still imports) and its environment (`env_digest`, but for what differs between any two
 launches), and hands it the descriptors the process it replaces would have been started with,
-that process's environment and the launch's folder and cores.
-The spare then leaves the server's session (a server that stops does not take a campaign's
+that process's environment and the launch's folder and cores, and is told the pid of the copy
+that serves it. That copy then leaves the server's session (a server that stops does not take a campaign's
 hub with it) and becomes that process: `python -m tasks.tracking_hub` or `python -m
 training.zygote`, exactly, on those descriptors. A spare still importing is taken all the
-same (the launch's requests wait in its socket, as they would for a process just started); one
-whose code changed while it imported becomes the process by exec instead, importing afresh.
+same (the claim waits for its imports to end, as it would for a process just started); where
+the code changed while it imported, its copy becomes the process by exec instead, importing
+afresh, and the spare ends.
 
 The zygote's workers are found by the marks in their environment as the kernel shows it
 (/proc/<pid>/environ: the process's environment at its start, inherited by a fork), which a
 spare started before the launch cannot have: it is started with placeholders of the marks'
-length, written over with the launch's marks before its first fork (else it execs, as above).
+length, which the copy that serves a launch writes over with the launch's marks (its own pages:
+the spare keeps its placeholders) before its first fork (else it execs, as above).
 
 While they wait the three hold ~0.9 GB of memory (resident: ~390 MB the launch, ~220 MB the
-hub, ~310 MB the zygote), and each warm launch costs ~7 s of CPU to make them again, once it has ended
-(`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
+hub, ~310 MB the zygote), most of it shared with the copies serving a launch; they are made
+once, while no launch runs (~7 s of CPU), and again only when a launch finds one stale or it
+dies (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
 
 Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
 workers start on their own (ZygoteGone), as when their own processes die.
@@ -96,6 +105,9 @@ VOLATILE = {"PREFECT_API_URL", "CAMPAIGN_METRICS_SOCKET", "CAMPAIGN_SERVER", "CA
             "TORCHINDUCTOR_CACHE_DIR", "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", *MARKS}
 SPARES_ENV = "CAMPAIGN_SPARES"  # "off": the resident server keeps none
 STATE, READY = "spare-{}.json", "spare-{}.ready"
+# How long a claim waits for the spare to say which process serves it (a fork: milliseconds; a
+# spare still importing answers once its imports are done).
+CLAIM_ANSWER_S = 120.0
 
 
 def enabled() -> bool:
@@ -173,8 +185,9 @@ def start(folder: Path, kind: str) -> subprocess.Popen:
 
 
 class Spares:
-    """The resident server's spares: one of each kind, started again (while no launch runs)
-    once the last was taken and has ended, given up on after repeated failures to start."""
+    """The resident server's spares: one of each kind, started (while no launch runs) where
+    there is none (never made, ended by a launch as stale, or died), given up on after
+    repeated failures to start."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -186,7 +199,7 @@ class Spares:
             proc = self.procs.get(kind)
             if proc is not None and proc.poll() is None:
                 continue
-            if proc is not None:  # ended: its campaign's, or killed by a launch as stale (not a failure), or failed
+            if proc is not None:  # ended: stale (killed by a launch, or exited once it had served), or failed
                 self.failures[kind] = 0 if proc.returncode in (0, -signal.SIGKILL) else self.failures[kind] + 1
                 del self.procs[kind]
                 _remove_state(self.folder, kind, proc.pid)
@@ -194,9 +207,9 @@ class Spares:
                 self.procs[kind] = start(self.folder, kind)
 
     def stop(self) -> None:
-        """The spares not taken end (those taken are their launches' now)."""
+        """The spares end (what they served runs on: its processes are not theirs)."""
         for kind, proc in self.procs.items():
-            if proc.poll() is None and (_state(self.folder, kind) or {}).get("pid") == proc.pid:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             _remove_state(self.folder, kind, proc.pid)
@@ -278,12 +291,14 @@ def claim(kind: str, fds: list[int], request: dict) -> int | None:
                 raise OSError(f"the socket {state['socket']} is not the spare's")
             socket.send_fds(s, [json.dumps({**request, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}).encode()],
                             fds)
-    except (OSError, KeyError, TypeError) as e:
+            s.settimeout(CLAIM_ANSWER_S)
+            pid = json.loads(s.recv(1 << 10))["pid"]  # the process forked to serve it (nothing: the spare died)
+    except (OSError, KeyError, TypeError, ValueError) as e:
         _end(state)
         timings.mark(f"the resident server's spare {kind} not taken: {e.__class__.__name__}: {e}")
         return None
     timings.mark(f"the resident server's spare {kind} taken ({'its imports done' if done else 'still importing'})")
-    return state["pid"]
+    return pid
 
 
 def run_command(folder: Path, argv: list[str]) -> int | None:
@@ -356,7 +371,7 @@ def _end(state: dict) -> None:
 
 class Adopted:
     """A spare this process took, seen as much like a `subprocess.Popen` as its users need
-    (pid, stdin, poll, wait, kill): it is the resident server's child, so its exit is seen
+    (pid, stdin, poll, wait, kill): it is not this process's child, so its exit is seen
     through a pidfd and its code is not known (0)."""
 
     def __init__(self, pid: int, stdin=None):
@@ -446,18 +461,43 @@ def _write_marks(env: dict[str, str]) -> bool:
         return False
 
 
-def _take_claim(listener: socket.socket) -> tuple[dict, list[int]]:
-    """The first request of a process of this user (another's connection is closed unread)."""
+def _take_claim(listener: socket.socket) -> tuple[dict, list[int], socket.socket]:
+    """The next request of a process of this user, and its connection, on which the pid of the
+    process that serves it is said (another user's connection is closed unread)."""
     while True:
         conn, _ = listener.accept()
-        with conn:
-            if _peer(conn)[1] != os.getuid():  # any user may connect to an abstract socket: only ours are heard
-                continue
+        if _peer(conn)[1] != os.getuid():  # any user may connect to an abstract socket: only ours are heard
+            conn.close()
+            continue
+        try:
             message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 8)
-            if message:
-                return json.loads(message), fds
-            for fd in fds:
-                os.close(fd)
+        except OSError:
+            message, fds = b"", []
+        if message:
+            return json.loads(message), fds, conn
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _fork_served() -> bool:
+    """Fork the process that serves a claim: True in it, False in the spare, which goes on
+    offering itself. The served process is a grandchild whose parent exits at once, so that
+    nothing here waits on it (its parent is then the host's reaper, as a daemon's is); a spare
+    that cannot fork serves the claim itself (the server makes another)."""
+    try:
+        middle = os.fork()
+    except OSError:
+        return True
+    if middle == 0:
+        try:
+            if os.fork() == 0:
+                return True
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(middle, 0)
+    return False
 
 
 def _exec(argv: list[str], env: dict[str, str], fds: list[int]) -> None:
@@ -587,8 +627,22 @@ def main(argv: list[str] | None = None) -> None:
     files = {path: seen for path, seen in before.items() if path in loaded or not path.endswith(".py")}
     fresh = unchanged(files)  # else a file changed while it was imported: it execs afresh once taken
     write_json_atomic(folder / FOLDER / READY.format(kind), {"pid": os.getpid(), "files": files}, durable=False)
-    request, fds = _take_claim(listener)
+    while True:  # each claim served by a forked copy of this process, its imports shared; this one stays a spare
+        request, fds, conn = _take_claim(listener)
+        if _fork_served():
+            break
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        if not fresh:  # its imports are stale: the copy it forked execs afresh, and the server makes another spare
+            os._exit(0)
+        write_json_atomic(state_path(folder, kind), state, durable=False)  # offered again (the claim took the record)
     listener.close()
+    with conn:  # the claimant's to watch: this process's pid (a launch's face waits on it, a hub's and a zygote's are adopted)
+        try:
+            conn.send(json.dumps({"pid": os.getpid()}).encode())
+        except OSError:
+            os._exit(1)  # the claimant is gone: nothing to serve
     # The launch's now: out of the server's session (its stop must not end a campaign's hub or
     # zygote), not dying with it, in the launch's folder, on the launch's cores.
     os.setsid()

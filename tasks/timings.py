@@ -45,7 +45,7 @@ class Phases:
             started_at = _handed_over[0] if _handed_over is not None else process_started_at()
         self.started_at = started_at
         self.marks: list[tuple[str, float]] = []
-        self.kinds_seen: set[str] = set()  # mark_first's
+        self.firsts: dict[str, float] = {}  # mark_first's: when each kind was first marked
         self._lock = threading.Lock()
         for phase, at in _handed_over[1] if _handed_over is not None else ():
             self.mark(phase, at)
@@ -63,7 +63,9 @@ class Phases:
 
 class FirstStepWatch:
     """Marks "first training step" once any of `trial_dirs` reports a step beyond where it
-    stood when the launch began (its checkpoint's step: a resumed trial starts there)."""
+    stood when the launch began (its checkpoint's step: a resumed trial starts there), written
+    after the launch submitted its first trial (a worker of a launch just killed may still be
+    writing its last steps when a `resume` begins)."""
 
     def __init__(self, phases: Phases, baselines: dict[Path, int]):
         self.phases, self.baselines = phases, baselines
@@ -78,14 +80,21 @@ class FirstStepWatch:
         self._stop.set()
 
     def _watch(self) -> None:
+        while not self._stop.wait(WATCH_EVERY_S):
+            if self.check():
+                return
+
+    def check(self) -> bool:
+        """Mark the first step if a trial reports one now: whether it did."""
         from training.progress import read_progress
 
-        while not self._stop.wait(WATCH_EVERY_S):
-            for trial_dir, baseline in self.baselines.items():
-                progress = read_progress(trial_dir)
-                if progress is not None and progress.updated >= self.phases.started_at and progress.step > baseline:
-                    self.phases.mark(f"first training step (trial {trial_dir.name}, step {progress.step})", progress.updated)
-                    return
+        submitted = self.phases.firsts.get("submitted")
+        for trial_dir, baseline in self.baselines.items() if submitted is not None else ():
+            progress = read_progress(trial_dir)
+            if progress is not None and progress.updated >= submitted and progress.step > baseline:
+                self.phases.mark(f"first training step (trial {trial_dir.name}, step {progress.step})", progress.updated)
+                return True
+        return False
 
 
 # The launch's phases, where --timings asked for them: the flow and the trial launches mark
@@ -105,6 +114,6 @@ def mark(phase: str) -> None:
 
 def mark_first(kind: str, phase: str) -> None:
     """Mark `phase` if it is the first of its `kind` (the first trial submitted, launched, ...)."""
-    if _current is not None and kind not in _current.kinds_seen:
-        _current.kinds_seen.add(kind)
-        _current.mark(phase)
+    if _current is not None and kind not in _current.firsts:
+        _current.firsts[kind] = time.time()
+        _current.mark(phase, _current.firsts[kind])

@@ -4,9 +4,11 @@ when the records say so for every trial; `--timings` says each phase as it is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,25 @@ def test_phases_are_said_as_they_are_reached_with_their_time_since_the_process_s
     phases.mark("checked", at=101.75)
     assert said == ["  0.50 s  (+0.50 s)  spec read", "  1.75 s  (+1.25 s)  checked"]
     assert phases.since_start("checked") == 1.75
+
+
+def test_the_first_step_is_this_launchs_not_the_last_steps_of_a_launch_just_killed(tmp_path, monkeypatch):
+    """A `resume` begun as a killed launch's worker writes its last steps: those are not the
+    resume's first step (its trials start from their checkpoint, once submitted)."""
+    from tasks import timings
+    from training.progress import progress_now
+
+    said: list[str] = []
+    phases = timings.Phases(said.append, started_at=time.time() - 1)
+    monkeypatch.setattr(timings, "_current", phases)
+    watch = timings.FirstStepWatch(phases, {tmp_path: 200})  # its checkpoint's step
+    stale = dataclasses.replace(progress_now("running", 250, 300, 1, 128, {}), updated=time.time() - 0.5)
+    stale.write(tmp_path)  # the killed launch's worker, after this one began
+    assert not watch.check()
+    timings.mark_first("submitted", "the first trial submitted (t)")
+    assert not watch.check()  # written before: not this launch's
+    progress_now("running", 201, 300, 1, 128, {}).write(tmp_path)
+    assert watch.check() and said[-1].endswith("first training step (trial " + tmp_path.name + ", step 201)")
 
 
 def test_the_workload_checks_cache_is_kept_across_edits_a_check_never_runs(tmp_path, monkeypatch):

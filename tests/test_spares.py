@@ -1,6 +1,7 @@
 """The resident server's spares (tasks/spares.py): a launch that reports to the folder's
 resident server takes its MLflow hub and its warm workers' zygote with their imports done, and
-its campaign's runs, metrics and pictures are all there; the zygote's workers carry the launch's
+its campaign's runs, metrics and pictures are all there; each is served by a copy of the spare,
+which offers itself again for the next launch; the zygote's workers carry the launch's
 marks where the warden and the trials' stop look for them; a spare of another environment or of
 code that changed since it imported is not taken; the spares not taken end with the server."""
 
@@ -37,6 +38,29 @@ def spare_pids(folder: Path) -> dict[str, int] | None:
     return pids
 
 
+def offered(folder: Path, kind: str) -> int | None:
+    """The pid in the spare's record, if it offers itself now."""
+    from tasks.spares import state_path
+
+    try:
+        return json.loads(state_path(folder, kind).read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def copies(folder: Path, kind: str, spare: int) -> list[int]:
+    """The running processes forked from the folder's spare of `kind` (pid `spare`): they keep its command line."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            words = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if words[-4:-1] == [b"tasks.spares", kind.encode(), str(folder.resolve()).encode()] and int(proc.name) != spare:
+            found.append(int(proc.name))
+    return found
+
+
 def spares_ready(folder: Path) -> dict[str, int]:
     wait_until(lambda: spare_pids(folder) is not None, 120, "the resident server's spares were not ready")
     return spare_pids(folder)
@@ -70,13 +94,18 @@ def test_a_launch_takes_the_servers_spares_and_its_runs_metrics_and_pictures_are
         assert "finished 2/2 trials" in done.stdout  # the spare launch wrote to the command's own output
 
         two_trials_whole(uri, "spared")  # the trainers' metrics through the spare hub's socket among them
-        # The spares it took ended with the campaign; the server makes new ones, and ends them when it stops.
-        wait_until(lambda: not any(process_running(pid) for pid in taken.values()), 60, "a spare the launch took outlived it")
+        # The copies that served it ended with the campaign; the spares offer themselves again, made once.
+        wait_until(lambda: not any(copies(tmp_path, kind, pid) for kind, pid in taken.items()), 60,
+                   "a process forked from a spare outlived the launch")
         again = spares_ready(tmp_path)
-        assert set(again.values()).isdisjoint(taken.values())
+        assert again == taken
+        again_done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live", "--timings"], cwd=tmp_path,
+                                    env={**env, "COLUMNS": "300"}, capture_output=True, text=True, timeout=300)
+        assert again_done.returncode == 0, again_done.stdout[-3000:] + again_done.stderr[-3000:]
+        assert "the resident server's spare launch taken (its imports done)" in again_done.stdout  # at once: nothing made again
     finally:
         subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
-    wait_until(lambda: not any(process_running(pid) for pid in again.values()), 60, "a spare outlived its server")
+    wait_until(lambda: not any(process_running(pid) for pid in again.values()), 60, "a spare outlived its server")  # (they die with it)
     assert not list((tmp_path / ".campaign").glob("spare-*"))
 
 
@@ -106,7 +135,9 @@ def test_a_spare_is_taken_only_in_its_environment_with_its_code_and_its_zygote_c
         monkeypatch.setenv("CAMPAIGN_WARDEN_MARK", "0123456789abcdef")
         assert spares.adopt_zygote(tmp_path)
         zygote = trial._zygotes[(sys.executable, str(tmp_path))]
-        assert zygote.proc.pid == made[1].pid
+        served = zygote.proc.pid
+        assert served != made[1].pid and made[1].poll() is None  # a copy of the spare serves the launch; the spare stays
+        wait_until(lambda: offered(tmp_path, "zygote") == made[1].pid, 30, "the spare did not offer itself again")
         stdin_read, stdin_write = os.pipe()
         reply_read, reply_write = os.pipe()
         worker = zygote.fork("training.worker", ["--reply-fd", "{fd1}"], dict(os.environ), tmp_path, fds=[stdin_read, reply_write],
@@ -116,12 +147,19 @@ def test_a_spare_is_taken_only_in_its_environment_with_its_code_and_its_zygote_c
         shown = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
         assert b"CAMPAIGN_WARDEN_MARK=0123456789abcdef" in shown
         assert f"{trial.TRIAL_MARK}={trial._trial_mark}".encode() in shown
+        # The copy wrote the marks over its own pages: the spare keeps its placeholders for the next launch.
+        assert f"CAMPAIGN_WARDEN_MARK={spares.PLACEHOLDER}".encode() in Path(f"/proc/{made[1].pid}/environ").read_bytes().split(b"\0")
         os.close(stdin_write)  # no trial: the worker exits
         assert worker.wait(timeout=60) == 0
         os.close(reply_read)
+        trial.close_warm_workers()  # the zygote ends once its socket closes
+        wait_until(lambda: not process_running(served), 60, "the zygote that served the launch outlived its socket")
+
+        assert spares.adopt_zygote(tmp_path)  # the next launch's: served by another copy, the spare's imports done once
+        assert trial._zygotes[(sys.executable, str(tmp_path))].proc.pid not in (served, made[1].pid)
     finally:
         spares.offered_by(None)
-        trial.close_warm_workers()  # the zygote ends once its socket closes
+        trial.close_warm_workers()
         for proc in made:
             proc.kill()
             proc.wait()
@@ -162,29 +200,33 @@ def test_the_spare_launch_is_the_command_its_exit_code_its_stop_and_its_death(tm
         spare = spares_ready(tmp_path)["launch"]
         refused = subprocess.run([*launch, "bad.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and "stepz" in refused.stderr, refused.stdout + refused.stderr
-        assert not process_running(spare)  # it ran the command (and ended with it)
+        assert "stepz" not in refused.stdout  # its error on the command's own stderr
+        assert not copies(tmp_path, "launch", spare)  # the copy that ran the command ended with it
 
-        spare = spares_ready(tmp_path)["launch"]
+        assert spares_ready(tmp_path)["launch"] == spare  # the spare offers itself again
         since = time.time()
         proc = subprocess.Popen([*launch, "params.yaml"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_until(lambda: trained_since(tmp_path / "runs", since) or proc.poll() is not None, 240, "the trial's first step")
-        assert process_running(spare) and proc.poll() is None
+        running = copies(tmp_path, "launch", spare)
+        assert len(running) == 1 and proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=120)[0]
         assert proc.returncode == 143 and "stopped by SIGTERM" in output, output[-3000:]
-        assert not process_running(spare)  # the command ended when its process did
+        assert not process_running(running[0])  # the command ended when its process did
 
-        spare = spares_ready(tmp_path)["launch"]
+        assert spares_ready(tmp_path)["launch"] == spare
         since = time.time()
         proc = subprocess.Popen([*launch, "params.yaml"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(lambda: trained_since(tmp_path / "runs", since) or proc.poll() is not None, 240, "the trial's first step")
-        assert process_running(spare)
+        running = copies(tmp_path, "launch", spare)
+        assert len(running) == 1
         proc.kill()
         proc.wait()
-        wait_until(lambda: not process_running(spare), 60, "the spare launch outlived its command's process")
+        wait_until(lambda: not process_running(running[0]), 60, "the spare launch's copy outlived its command's process")
+        assert process_running(spare)
     finally:
-        if spare and process_running(spare):
-            os.kill(spare, signal.SIGKILL)
+        for pid in copies(tmp_path, "launch", spare):
+            os.kill(pid, signal.SIGKILL)
         subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
 
 

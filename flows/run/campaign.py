@@ -306,6 +306,7 @@ class CampaignRun:
         started = f" (in the warm worker of {running}, as it ended)" if running else ""
         self.logger.info(f"trial {trial.id} ({trial.label}) starts on {', '.join(placement.device_ids)}{started}")
         warm = self.spec.cluster.warm_workers and not elastic and len(devices) == 1
+        timings.mark_first("submitted", f"the first trial submitted ({trial.id})")  # before any process of it can step
         if self.pool is not None:
             nodes = ", ".join(dict.fromkeys(d.node for d in devices))
             node_devices = [d for d in self.inventory.devices if d.node == devices[0].node] if elastic else []
@@ -317,7 +318,6 @@ class CampaignRun:
         else:
             if warm and not running:
                 start_in_idle_worker(plan_launch(config, devices, Path.cwd(), warm=True), config)
-            timings.mark_first("submitted", f"the first trial submitted ({trial.id})")
             future = run_trial.with_options(name=f"trial {trial.label}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), elastic, warm)
         job = Running(trial, request, devices, holder, run_id, self.root / trial.id, elastic, warm=warm)
