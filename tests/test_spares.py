@@ -49,14 +49,17 @@ def offered(folder: Path, kind: str) -> int | None:
 
 
 def copies(folder: Path, kind: str, spare: int) -> list[int]:
-    """The running processes forked from the folder's spare of `kind` (pid `spare`): they keep its command line."""
+    """The running processes the folder's spare of `kind` (pid `spare`) forked to serve launches:
+    its children that keep its command line (not yet their own children, which a fork to start
+    a program shows with it for a moment)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             words = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-        except OSError:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) if words else 0
+        except (OSError, ValueError, IndexError):
             continue
-        if words[-4:-1] == [b"tasks.spares", kind.encode(), str(folder.resolve()).encode()] and int(proc.name) != spare:
+        if parent == spare and words[-4:-1] == [b"tasks.spares", kind.encode(), str(folder.resolve()).encode()]:
             found.append(int(proc.name))
     return found
 
