@@ -7,7 +7,7 @@ campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zyg
 workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the launch's
 own work that is more CPU than two cores have in two seconds. So the resident server
 (flows/servers/resident.py) keeps one of each ready, a *spare*: started while no launch of the
-folder runs, it imports what the process it will become imports, then waits on a Unix socket
+folder runs (or while one does, on a host with cores to spare: `may_make`), it imports what the process it will become imports, then waits on a Unix socket
 (an abstract one, of a random name: nothing on disk to leave behind) named by
 `.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
 its imports are done: the project's files it imported, with their size and time before it did).
@@ -47,8 +47,7 @@ the spare keeps its placeholders) before its first fork (else it execs, as above
 
 While they wait the three hold ~0.9 GB of memory (resident: ~390 MB the launch, ~220 MB the
 hub, ~310 MB the zygote), most of it shared with the copies serving a launch; they are made
-once, while no launch runs (~7 s of CPU), and again only when a launch finds one stale or it
-dies (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
+once (~7 s of CPU), and again only when a launch finds one stale or it dies (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
 
 Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
 workers start on their own (ZygoteGone), as when their own processes die.
@@ -184,9 +183,19 @@ def start(folder: Path, kind: str) -> subprocess.Popen:
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
 
+def may_make(launch_running: bool, cores: int, load: float) -> bool:
+    """Whether the server makes a missing spare now: while no launch of the folder runs, or
+    while one does on a host with cores to spare for their imports (each is a process importing
+    for seconds): the cores the server may use, less the host's load average, leave one more
+    than there are spares. So the first launch of a folder on a GPU host (its server started
+    by it) is followed by spares even if it is stopped and resumed at once; on a small host,
+    where they would slow the campaign's own processes, they wait for it to end."""
+    return not launch_running or cores - load >= len(KINDS) + 1
+
+
 class Spares:
-    """The resident server's spares: one of each kind, started (while no launch runs) where
-    there is none (never made, ended by a launch as stale, or died), given up on after
+    """The resident server's spares: one of each kind, started where there is none (never
+    made, ended by a launch as stale, or died) when `may_make` says so, given up on after
     repeated failures to start."""
 
     def __init__(self, folder: Path):
@@ -194,7 +203,8 @@ class Spares:
         self.procs: dict[str, subprocess.Popen] = {}
         self.failures = dict.fromkeys(KINDS, 0)
 
-    def tend(self, idle: bool) -> None:
+    def tend(self, launch_running: bool) -> None:
+        make = None  # decided once per call, where a spare is missing
         for kind in KINDS:
             proc = self.procs.get(kind)
             if proc is not None and proc.poll() is None:
@@ -203,7 +213,9 @@ class Spares:
                 self.failures[kind] = 0 if proc.returncode in (0, -signal.SIGKILL) else self.failures[kind] + 1
                 del self.procs[kind]
                 _remove_state(self.folder, kind, proc.pid)
-            if idle and self.failures[kind] < 3 and enabled():
+            if make is None:
+                make = may_make(launch_running, len(os.sched_getaffinity(0)), os.getloadavg()[0])
+            if make and self.failures[kind] < 3 and enabled():
                 self.procs[kind] = start(self.folder, kind)
 
     def stop(self) -> None:

@@ -241,3 +241,12 @@ def test_a_spare_watches_the_projects_own_files_for_changes():
     files = spares.code_files()
     for module in ("tasks/spares.py", "flows/cli.py", "flows/run/campaign.py", "training/zygote.py", "cluster/leases.py"):
         assert str(REPO / module) in files, module
+
+
+def test_spares_are_made_while_a_launch_runs_only_where_the_host_has_cores_to_spare():
+    from tasks.spares import KINDS, may_make
+
+    assert may_make(False, 2, 7.5)  # nothing of the folder runs: whatever the load
+    assert not may_make(True, 2, 0.0)  # a small host: its cores are the campaign's
+    assert may_make(True, 16, 4.0)  # a GPU host whose trials leave most cores idle
+    assert not may_make(True, 16, 16 - len(KINDS) - 0.5)  # the same host busy

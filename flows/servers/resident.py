@@ -243,7 +243,7 @@ def serve(folder: Path, port: int) -> int:
             clients = live_clients(folder)
             if not clients and _idle_for(folder) > limit:
                 break
-            spares.tend(idle=not clients)
+            spares.tend(launch_running=bool(clients))
             time.sleep(CHECK_EVERY_S)
     finally:
         (root / STATE).unlink(missing_ok=True)  # before the server goes: no command is sent to a dying one
