@@ -78,8 +78,11 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "CAMPAIGN_LEASE_DB": str(folder / "leases.db"),
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live"], cwd=folder, env=env,
-                              capture_output=True, text=True)
+        try:
+            done = subprocess.run([sys.executable, "-m", "flows.cli", "launch", "params.yaml", "--no-live"], cwd=folder, env=env,
+                                  capture_output=True, text=True)
+        finally:  # the folder's resident server the launch started (it writes there until stopped)
+            subprocess.run([sys.executable, "-m", "flows.cli", "stop-server"], cwd=folder, env=env, capture_output=True)
         if done.returncode != 0:
             raise SystemExit(f"campaign failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         print(f"{args.trials} trials of {args.steps} steps on {args.slots} CPU slots: {time.perf_counter() - started:.1f} s")
