@@ -7,16 +7,18 @@ campaign's MLflow hub (tasks/tracking_hub.py: MLflow, ~1.5 s of CPU) and the zyg
 workers are forked from (training/zygote.py: torch and the trainer, ~2.3 s). With the launch's
 own work that is more CPU than two cores have in two seconds. So the resident server
 (flows/servers/resident.py) keeps one of each ready, a *spare*: started while no launch of the
-folder runs (or while one does, on a host with cores to spare: `may_make`), it imports what the process it will become imports, then waits on a Unix socket
-(an abstract one, of a random name: nothing on disk to leave behind) named by
-`.campaign/spare-<kind>.json` (and `spare-<kind>.ready` once
-its imports are done: the project's files it imported, with their size and time before it did).
+folder runs (or while one does, on a host with cores to spare: `may_make`), it imports what the
+process it will become imports, then waits on a Unix socket (an abstract one, of a random name:
+nothing on disk to leave behind) named by `.campaign/spare-<kind>.json` (and
+`spare-<kind>.ready` once its imports are done: the project's files it imported, with their
+size and time before it did).
 
 A spare is never used up: each claim is served by a copy of it, forked (~15 ms here), its
 imports shared with the spare's pages (each page the copy writes is copied then: ~0.1 s more
-of a launch's CPU than the spare itself serving it), and the spare offers itself again at once. So a launch right after another (a `resume`
-right after a killed launch, a relaunch after an edit of the spec) finds all three ready, and
-no launch costs the CPU of making them again. Below, "the spare" that serves a claim is that copy.
+of a launch's CPU than the spare itself serving it), and the spare offers itself again at
+once. So a launch right after another (a `resume` right after a killed launch, a relaunch
+after an edit of the spec) finds all three ready, and no launch costs the CPU of making them
+again. Below, "the spare" that serves a claim is that copy.
 
 The spare launch is taken by the `campaign launch` (or `resume`) command as it starts
 (`run_command`): the command's process hands it its terminal (stdin, stdout, stderr), its
@@ -27,13 +29,14 @@ command as `flows.cli` would, Prefect's settings and logging made again from the
 environment and terminal (`in_spare`).
 
 A launch that reports to the resident server takes a spare (`claim`): it renames that record
-(one launch at a time: the spare writes it again once it has forked), checks that the spare runs its interpreter, the project's code as it is on
-disk now (the files it imported, by size and time, and the site folders'; the whole project's
-while it still imports) and its environment (`env_digest`, but for what differs between any two
-launches), and hands it the descriptors the process it replaces would have been started with,
-that process's environment and the launch's folder and cores, and is told the pid of the copy
-that serves it. That copy then leaves the server's session (a server that stops does not take a campaign's
-hub with it) and becomes that process: `python -m tasks.tracking_hub` or `python -m
+(one launch at a time: the spare writes it again once it has forked), checks that the spare
+runs its interpreter, the project's code as it is on disk now (the files it imported, by size
+and time, and the site folders'; the whole project's while it still imports) and its
+environment (`env_digest`, but for what differs between any two launches), hands it the
+descriptors the process it replaces would have been started with, that process's environment
+and the launch's folder and cores, and is told the pid of the copy that serves it. That copy
+then leaves the server's session (a server that stops does not take a campaign's hub with it)
+and becomes that process: `python -m tasks.tracking_hub` or `python -m
 training.zygote`, exactly, on those descriptors. A spare still importing is taken all the
 same (the claim waits for its imports to end, as it would for a process just started); where
 the code changed while it imported, its copy becomes the process by exec instead, importing
@@ -47,7 +50,8 @@ the spare keeps its placeholders) before its first fork (else it execs, as above
 
 While they wait the three hold ~0.9 GB of memory (resident: ~390 MB the launch, ~220 MB the
 hub, ~310 MB the zygote), most of it shared with the copies serving a launch; they are made
-once (~7 s of CPU), and again only when a launch finds one stale or it dies (`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
+once (~7 s of CPU), and again only when a launch finds one stale or it dies
+(`CAMPAIGN_SPARES=off`: the server keeps none; a launch with it set takes none).
 
 Nothing is lost if a spare dies: the launch's hub calls then run in the launch (HubGone), its
 workers start on their own (ZygoteGone), as when their own processes die.
@@ -219,9 +223,11 @@ class Spares:
                 self.procs[kind] = start(self.folder, kind)
 
     def stop(self) -> None:
-        """The spares end (what they served runs on: its processes are not theirs)."""
+        """The spares end. What they served runs on: the copies are not theirs, nor a spare that
+        could not fork and served a launch itself (its record no longer names it; a spare caught
+        between a claim and its record dies with the server all the same, its parent-death signal)."""
         for kind, proc in self.procs.items():
-            if proc.poll() is None:
+            if proc.poll() is None and (_state(self.folder, kind) or {}).get("pid") == proc.pid:
                 proc.kill()
                 proc.wait()
             _remove_state(self.folder, kind, proc.pid)
