@@ -14,9 +14,9 @@ nothing on disk to leave behind) named by `.campaign/spare-<kind>.json` (and
 size and time before it did).
 
 A spare is never used up: each claim is served by a copy of it, forked (~15 ms here), its
-imports shared with the spare's pages (each page the copy writes is copied then: ~0.1 s more
-of a launch's CPU than the spare itself serving it), and the spare offers itself again at
-once. So a launch right after another (a `resume` right after a killed launch, a relaunch
+imports shared with the spare's pages (each page the copy writes is copied then: a warm
+launch's first step ~0.04-0.1 s later here than with the spare itself serving it), and the
+spare offers itself again at once. So a launch right after another (a `resume` right after a killed launch, a relaunch
 after an edit of the spec) finds all three ready, and no launch costs the CPU of making them
 again. Below, "the spare" that serves a claim is that copy.
 
@@ -208,7 +208,7 @@ class Spares:
         self.failures = dict.fromkeys(KINDS, 0)
 
     def tend(self, launch_running: bool) -> None:
-        make = None  # decided once per call, where a spare is missing
+        make = may_make(launch_running, len(os.sched_getaffinity(0)), os.getloadavg()[0])
         for kind in KINDS:
             proc = self.procs.get(kind)
             if proc is not None and proc.poll() is None:
@@ -217,8 +217,6 @@ class Spares:
                 self.failures[kind] = 0 if proc.returncode in (0, -signal.SIGKILL) else self.failures[kind] + 1
                 del self.procs[kind]
                 _remove_state(self.folder, kind, proc.pid)
-            if make is None:
-                make = may_make(launch_running, len(os.sched_getaffinity(0)), os.getloadavg()[0])
             if make and self.failures[kind] < 3 and enabled():
                 self.procs[kind] = start(self.folder, kind)
 

@@ -20,22 +20,9 @@ import yaml
 
 from test_faults import wait_until
 from test_tracking_hub import two_trials_whole
-from training.process import process_running
+from training.process import process_running, process_table
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def spare_pids(folder: Path) -> dict[str, int] | None:
-    """The pid of each spare, once every one is ready and not taken."""
-    from tasks.spares import KINDS, ready, state_path
-
-    pids = {}
-    for kind in KINDS:
-        state = json.loads(state_path(folder, kind).read_text()) if state_path(folder, kind).exists() else None
-        if state is None or ready(folder, kind) != state["pid"]:
-            return None
-        pids[kind] = state["pid"]
-    return pids
 
 
 def offered(folder: Path, kind: str) -> int | None:
@@ -48,19 +35,26 @@ def offered(folder: Path, kind: str) -> int | None:
         return None
 
 
+def spare_pids(folder: Path) -> dict[str, int] | None:
+    """The pid of each spare, once every one is ready and offers itself."""
+    from tasks.spares import KINDS, ready
+
+    pids = {kind: offered(folder, kind) for kind in KINDS}
+    return pids if all(pid is not None and ready(folder, kind) == pid for kind, pid in pids.items()) else None
+
+
 def copies(folder: Path, kind: str, spare: int) -> list[int]:
     """The running processes the folder's spare of `kind` (pid `spare`) forked to serve launches:
     its children that keep its command line (not yet their own children, which a fork to start
     a program shows with it for a moment)."""
     found = []
-    for proc in Path("/proc").iterdir():
+    for pid, (parent, _) in process_table().items():
         try:
-            words = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) if words else 0
-        except (OSError, ValueError, IndexError):
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if parent == spare else []
+        except OSError:
             continue
-        if parent == spare and words[-4:-1] == [b"tasks.spares", kind.encode(), str(folder.resolve()).encode()]:
-            found.append(int(proc.name))
+        if words[-4:-1] == [b"tasks.spares", kind.encode(), str(folder.resolve()).encode()]:
+            found.append(pid)
     return found
 
 
