@@ -107,6 +107,8 @@ class Job:
     long enough to report a step time: its model has seen no wider spread. `preemptions`
     counts the times it was taken off all its devices before finishing, `restarts` every
     stop of its processes (resizes too), `explored_devices` the most devices it ran on.
+    `pause_s` is what its last stop and restart cost it in training time, as measured (a
+    campaign's trainer times each resize); None until it has restarted once.
     """
 
     id: str
@@ -125,6 +127,7 @@ class Job:
     # Reference steps still to run, when known (a trial declares its steps; a cluster job
     # does not): None leaves the policy to guess from attained service.
     remaining_steps: float | None = None
+    pause_s: float | None = None  # measured cost of one stop and restart; None: the policy's estimate
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_devices <= self.max_devices:

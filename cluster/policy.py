@@ -365,7 +365,8 @@ class ElasticPolicy:
       grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
       not bounce back at once: each bounce is a stop and a restart);
     - resize cost: a running job grows only if the gain, over a horizon of its run time so
-      far, pays for a `pause_s` pause by at least `min_gain`;
+      far, pays for a pause by at least `min_gain`: its own measured restart cost
+      (`Job.pause_s`: a campaign times each resize) once it has one, else `pause_s`;
     - arrivals (`arrival_window_s`, off by default): the horizon over which a growth past
       the job's request must pay for its pause is cut to how soon the devices free now will
       be wanted again, at the rate the last `arrival_window_s` of arrivals requested devices
@@ -557,7 +558,7 @@ class ElasticPolicy:
                     continue
                 job = lender.job
                 slower = 1.0 - _speedup_packed(cluster, job, job.devices - need) / speedup(job.model, job.devices, nodes_of(job.placement))
-                delay = 2 * self.pause_s + run_s * max(slower, 0.0)
+                delay = 2 * self._pause_s(job) + run_s * max(slower, 0.0)
                 if delay < soonest and (best is None or delay < best[0]):
                     best = (delay, lender)
             if best is None:
@@ -704,13 +705,20 @@ class ElasticPolicy:
             else:
                 pool.take(held)
 
-    def _pays(self, job: Job, before: float, after: float, reclaim_s: float = math.inf) -> bool:
+    def _pays(self, job: Job, before: float, after: float, reclaim_s: float = math.inf, min_gain: float | None = None) -> bool:
         """Going from speed-up `before` to `after` pays for a pause, over a horizon of the
         running job's run so far (its expected remaining run), by at least `min_gain`."""
         horizon = min(max(self.min_horizon_s, job.attained / job.devices), reclaim_s)
-        if horizon <= self.pause_s:
+        pause_s = self._pause_s(job)
+        if horizon <= pause_s:
             return False
-        return after * (horizon - self.pause_s) >= before * horizon * (1.0 + self.min_gain)
+        return after * (horizon - pause_s) >= before * horizon * (1.0 + (self.min_gain if min_gain is None else min_gain))
+
+    def _pause_s(self, job: Job) -> float:
+        """What stopping and restarting the job costs it: what its last restart took, where
+        measured (a large model's checkpoint and restore take far longer than a small one's),
+        else the policy's estimate."""
+        return self.pause_s if job.pause_s is None else job.pause_s
 
     def _grow(self, pool: NodePool, job: Job, size: int, exploring: bool = False) -> Placement:
         """Extend in place or move whole, whichever spans fewer nodes; keep it if no better
@@ -804,6 +812,8 @@ class ElasticPolicy:
                         continue  # a batch split (or grown) this thin gains little, and the job would hold these devices
                     if job.running and n > job.requested and not self._pays(job, before, after, reclaim_s):
                         continue
+                    if job.running and not self._pays(job, before, after, min_gain=0.0):
+                        continue  # even toward its request, a growth must win back its own pause
                     gain = plan.weight * (after - before) / (n - current)
                     if best is None or gain > best[0]:
                         best = (gain, i, dict(placed))

@@ -298,6 +298,8 @@ class _Simulation:
                 restarts=live.resizes + live.preemptions,
                 explored_devices=live.most_devices,
                 remaining_steps=live.work - live.done,  # as a campaign's trials tell it: the policy may ignore it
+                # What a restart cost it, as a campaign's trainer measures each resize.
+                pause_s=self.config.pause_s if live.resizes + live.preemptions else None,
             )
             for live in self.active.values()
         ]

@@ -137,3 +137,33 @@ def test_in_a_pool_a_trial_grows_onto_another_node_and_elsewhere_stays_on_its_ow
     s.pin("t", 2)
     s.arrive("u", 1, 1, now=1.0)
     assert s.decide(two, now=100.0).start == {}
+
+
+def _half_grown(s: LiveScheduler, trial: str) -> None:
+    """`trial` runs on 2 of the node's 4 devices, the other 2 idle: whether it grows to 4 is
+    whether the growth wins back a pause over its 100 s run so far (at the prior's speed-up)."""
+    s.arrive(trial, 1, 4, now=0.0)
+    s.running(trial, "n", 2, now=0.0)
+
+
+def test_a_growth_must_win_back_the_trials_own_timed_pause():
+    cheap, dear = scheduler(), scheduler()
+    for s in (cheap, dear):
+        _half_grown(s, "a")
+    cheap.observe_pause("a", 2.0)
+    dear.observe_pause("a", 90.0)  # its last resize stood it still 90 s: two more devices for 100 s do not pay that back
+    assert cheap.decide(NODE, now=100.0).resize == {"a": 4}
+    assert dear.decide(NODE, now=100.0).resize == {}
+
+
+def test_a_trial_never_resized_is_priced_at_the_campaigns_median_pause_finished_trials_included():
+    s = scheduler()
+    for trial, pause in (("x", 80.0), ("y", 90.0), ("z", 0.5)):
+        s.arrive(trial, 1, 4, now=0.0)
+        s.observe_pause(trial, pause)
+        s.finish(trial)
+    _half_grown(s, "a")
+    assert s.restart_cost_s("a") == 80.0
+    assert s.decide(NODE, now=100.0).resize == {}
+    s.observe_pause("a", 1.0)  # its own, once timed, over the others'
+    assert s.decide(NODE, now=100.0).resize == {"a": 4}

@@ -278,6 +278,18 @@ def test_a_line_that_is_not_a_resize_is_skipped_naming_the_file_and_line(tmp_pat
         assert [e.step for e in read_resizes(tmp_path)] == [10, 30]
 
 
+def test_the_latest_pause_is_read_once_per_resize_for_the_scheduler(tmp_path):
+    from training.resize_log import NewPauses, append_resize
+
+    pauses = NewPauses()
+    assert pauses.latest(tmp_path) is None  # no resize yet: the spec's estimate stands
+    append_resize(tmp_path, _resize(10, pause_s=3.5))
+    assert pauses.latest(tmp_path) == 3.5
+    assert pauses.latest(tmp_path) is None  # nothing new since: not read again
+    append_resize(tmp_path, _resize(20, pause_s=0.75))
+    assert pauses.latest(tmp_path) == 0.75  # the last resize's, not a mean of them
+
+
 def test_allocations_read_back_and_feed_the_timeline(tmp_path):
     from tasks.records import log_allocation, read_allocations
     from tasks.timeline import intervals

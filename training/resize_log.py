@@ -86,3 +86,25 @@ def read_resizes(trial_dir: str | Path) -> list[ResizeEvent]:
         events.append(ResizeEvent(**{**raw, "before": before, "after": after, "goodput": bool(raw.get("goodput", False)),
                                      "pause_breakdown_s": dict(raw.get("pause_breakdown_s") or {}), "schema": SCHEMA}))
     return events
+
+
+class NewPauses:
+    """What each trial's latest resize cost it (`pause_s`), read from its log only when that has
+    grown since the last look: the campaign asks every scheduling round, a trial resizes
+    rarely."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[Path, int] = {}
+
+    def latest(self, trial_dir: str | Path) -> float | None:
+        """The pause of the trial's last resize if its log grew since the last call, else None."""
+        path = Path(trial_files(trial_dir).resizes)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if self._sizes.get(path) == size:
+            return None
+        self._sizes[path] = size
+        events = read_resizes(trial_dir)
+        return events[-1].pause_s if events else None

@@ -63,6 +63,7 @@ from training.errors import CampaignError
 from training.host_records import read_agent_store
 from training.metrics import feed_journal, format_metrics
 from training.progress import read_progress
+from training.resize_log import NewPauses
 from training.layout import trial_files
 from prefect.runtime import flow_run as prefect_flow_run
 
@@ -207,6 +208,7 @@ class CampaignRun:
         self.run_ids: dict[str, str] = {}  # trial -> its MLflow run, for the summary artifact
         self.opener = RunOpener(lambda trial, scheduled: open_trial_run(self.uri, self.parent_run_id, self.name, trial, scheduled))
         self.began: dict[str, float] = {}  # a started trial -> when, until its wall time is counted in finished_s
+        self.resize_pauses = NewPauses()  # what each elastic trial's resizes cost it: the policy prices the next by it
         every = spec.tracking.system_metrics_every_s
         self.sampler = SystemSampler(self.uri, every, processes_of=trial_process_groups) if every > 0 else None
         accept_launches()
@@ -573,6 +575,8 @@ class CampaignRun:
                 self.scheduler.progressed(job.trial.id, job.trial.spec.training.steps - progress.step)
             if noise := metrics.get("grad_noise_scale"):  # samples, measured by the trainer
                 self.scheduler.observe_noise(job.trial.id, noise / job.trial.spec.training.batch_size)
+            if (pause := self.resize_pauses.latest(job.trial_dir)) is not None:  # as its trainer timed it
+                self.scheduler.observe_pause(job.trial.id, pause)
             self.scheduler.running(job.trial.id, per_node_counts(job.devices), len(job.devices), now)
             if job.pinned_by_person:
                 self.scheduler.pin(job.trial.id, len(job.devices))

@@ -61,6 +61,9 @@ class LiveScheduler:
         self.devices_per_node = devices_per_node
         self.multi_node = multi_node
         self.tracked: dict[str, Tracked] = {}
+        # trial -> what its last resize cost it, kept after it finishes: the campaign's other
+        # trials' estimate until they have resized themselves.
+        self.pauses: dict[str, float] = {}
 
     def arrive(self, trial_id: str, min_devices: int, max_devices: int, now: float, prior: StepTimeModel | None = None,
                max_batch_scale: float = 1.0, steps: int | None = None) -> None:
@@ -111,6 +114,26 @@ class LiveScheduler:
         if noise_scale > 0:
             self.tracked[trial_id].noise_scale = noise_scale
 
+    def observe_pause(self, trial_id: str, pause_s: float) -> None:
+        """What the trial's last resize cost it: no step from its old size's last to its new
+        size's first (its trainer's `resize_pause_s`)."""
+        if pause_s >= 0:
+            self.pauses[trial_id] = pause_s
+
+    def restart_cost_s(self, trial_id: str) -> float | None:
+        """What stopping and restarting the trial costs: its own last resize's pause once it
+        has one; before that, the median of the campaign's other trials' (finished ones too:
+        one campaign's trials share their model family, loader and checkpoint size far more
+        than any default does); None while no trial has resized (then the policy's `pause_s`,
+        the spec's `resize_pause_s`)."""
+        if (own := self.pauses.get(trial_id)) is not None:
+            return own
+        measured = sorted(self.pauses.values())
+        if not measured:
+            return None
+        middle = len(measured) // 2
+        return measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
+
     def progressed(self, trial_id: str, steps_left: float) -> None:
         """The trial has `steps_left` reference steps to go (from its progress)."""
         self.tracked[trial_id].remaining_steps = max(0.0, steps_left)
@@ -150,7 +173,7 @@ class LiveScheduler:
             placement = dict(t.placement) if t.devices else {}
             jobs.append(Job(t.trial_id, t.arrival, high, t.min_devices, high, t.view,
                             attained=t.attained, placement=placement, since=t.since if t.since is not None else t.arrival,
-                            preemptions=t.preemptions, remaining_steps=t.remaining_steps))
+                            preemptions=t.preemptions, remaining_steps=t.remaining_steps, pause_s=self.restart_cost_s(t.trial_id)))
         if not jobs:
             return Actions()
         allocation = self.policy.decide(cluster, jobs, now, more_to_come)
