@@ -296,3 +296,24 @@ def test_the_reproducible_table_says_the_goal_is_out_of_reach_where_the_fixed_ba
     table = bench._reproducible_table(goals, "published")
     assert list(table.columns[-1].cells) == ["yes", "no"]
     assert list(table.columns[3].cells) == ["1.000", "1.100"]
+
+
+def test_policy_variants_take_each_knob_as_its_fields_type_and_name_the_knobs_on_a_typo():
+    """bench/policy_variants.py: 'rank_q=3,admit_short=0' is ElasticPolicy(rank_q=3.0, admit_short=False)."""
+    import dataclasses
+    import importlib.util
+
+    from cluster.policy import ElasticPolicy
+
+    spec = importlib.util.spec_from_file_location("policy_variants", Path(__file__).resolve().parent.parent / "bench" / "policy_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    fields = {f.name: f for f in dataclasses.fields(ElasticPolicy)}
+    knobs = variants.parse_knobs("rank_q=3, admit_short=0,preemption_budget=2", fields)
+    assert knobs == {"rank_q": 3.0, "admit_short": False, "preemption_budget": 2}
+    assert type(knobs["preemption_budget"]) is int and ElasticPolicy(**knobs).rank_q == 3.0
+    assert variants.parse_knobs("", fields) == {}
+    with pytest.raises(SystemExit, match=r"'rank=3': not name=value with name one of .*rank_q"):
+        variants.parse_knobs("rank=3", fields)
+    with pytest.raises(SystemExit, match="'three' is not a number"):
+        variants.parse_knobs("rank_q=three", fields)

@@ -1,0 +1,120 @@
+"""Variants of our elastic policy against the same Pollux replays, in seconds rather than minutes.
+
+`bench/scheduler_bench.py --pollux-cache DIR` replays Pollux once per workload and keeps it;
+this replays only ours, once per variant, on the same workloads and settings, against those
+kept replays and the same floors, and prints one line per variant: the gap to the floor
+closed per workload and its mean, the p99 against Pollux's, restarts per job against
+Pollux's and, with `--repro`, reproducible mode's average JCT over Pollux's. The first line
+is the defaults: the goal table of `scheduler_bench.py` gives the same figures to the digit.
+
+Each variant is the policy's knobs, `name=value` pairs separated by commas (any field of
+`cluster.policy.ElasticPolicy`); `--sim` moves the simulator instead (`oracle=1`: the true
+step-time curves; `noise=0`: step times reported without noise). Prints; never passes or
+fails on the figures.
+
+    .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux     # once (~35 min)
+    .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux 'rank_q=3' 'min_efficiency=0.3,yield_min_s=2400'
+    .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux --sim oracle=1 --repro
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import scheduler_bench as bench  # noqa: E402
+from cluster.jobs import Cluster  # noqa: E402
+from cluster.policy import ElasticPolicy  # noqa: E402
+from cluster.simulator import SimConfig, simulate  # noqa: E402
+from cluster.workloads import read_philly, sample_philly  # noqa: E402
+
+
+def parse_knobs(text: str, fields: dict[str, dataclasses.Field]) -> dict[str, object]:
+    """'rank_q=3,admit_short=0' -> {'rank_q': 3.0, 'admit_short': False}, each value of its field's type."""
+    knobs: dict[str, object] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = pair.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"{pair!r}: not name=value with name one of {', '.join(sorted(fields))}")
+        kind = fields[name].type
+        try:
+            knobs[name] = bool(float(value)) if kind in (bool, "bool") else int(value) if kind in (int, "int") else float(value)
+        except ValueError:
+            raise SystemExit(f"{pair!r}: {value!r} is not a number") from None
+    return knobs
+
+
+def one_workload(task: tuple) -> dict[str, float]:
+    """Ours (goodput, and reproducible if asked) on one workload, against its kept Pollux replay."""
+    args, (jobs, seed), knobs, sim, repro = task
+    cluster = Cluster.uniform(args.nodes, args.per_node)
+    config = SimConfig(pause_s=args.pause, tick_s=args.tick)
+    workload = sample_philly(read_philly(args.trace), cluster, jobs, seed=seed, growth=args.growth)
+    adaptive = [replace(j, goodput=True, noise_model="published") for j in workload]
+    kept = bench._pollux_cache(args, jobs, seed, adaptive)
+    if not kept.exists():
+        raise SystemExit(f"no Pollux replay of {jobs} jobs, seed {seed} in {args.pollux_cache} for this code and these settings: "
+                         f"run bench/scheduler_bench.py --jobs {jobs} --seeds {seed} --heavy 0 --pollux-cache {args.pollux_cache} first")
+    pollux = pickle.loads(kept.read_bytes())[0].summary()
+    floor = statistics.mean(bench.alone_times(cluster, adaptive, config, seed).values())
+    policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
+    ours = simulate(cluster, adaptive, policy, replace(config, **sim), seed=seed).summary()
+    row = {"gap": bench.gap_closed(ours["avg_jct_s"], pollux["avg_jct_s"], floor), "p99": ours["p99_jct_s"] / pollux["p99_jct_s"],
+           "restarts": ours["restarts_per_job"], "pollux_restarts": pollux["restarts_per_job"]}
+    if repro:
+        row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
+    return row
+
+
+def _each(rows: list[dict[str, float]], show) -> str:
+    return " ".join(show(r) for r in rows)
+
+
+def line(name: str, rows: list[dict[str, float]]) -> str:
+    gaps = [r["gap"] for r in rows]
+    goal = bench.REPRODUCIBLE_GOAL
+    text = (f"{name}: gap closed {_each(rows, lambda r: '%.1f' % (100 * r['gap']))} % (mean {100 * statistics.mean(gaps):.1f} %); "
+            f"p99 <= Pollux's on {sum(r['p99'] <= 1.0 for r in rows)} of {len(rows)} ({_each(rows, lambda r: '%.3f' % r['p99'])}); "
+            f"restarts <= Pollux's on {sum(r['restarts'] <= r['pollux_restarts'] for r in rows)} "
+            f"({_each(rows, lambda r: '%.2f/%.2f' % (r['restarts'], r['pollux_restarts']))})")
+    if "repro" in rows[0]:
+        text += (f"; reproducible / Pollux's {_each(rows, lambda r: '%.3f' % r['repro'])} "
+                 f"(<= {goal} on {sum(r['repro'] <= goal for r in rows)})")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", help="knobs of ElasticPolicy, name=value,name=value (the defaults always run first)")
+    parser.add_argument("--pollux-cache", type=Path, required=True, metavar="DIR", help="where scheduler_bench.py kept its Pollux replays")
+    parser.add_argument("--jobs", type=bench._ints, default=[160, 320, 480])
+    parser.add_argument("--seeds", type=bench._ints, default=[1, 2])
+    parser.add_argument("--sim", default="", help="simulator settings for ours, name=value (oracle=1, noise=0, report_every_s=60)")
+    parser.add_argument("--repro", action="store_true", help="also reproducible mode (every batch fixed)")
+    parser.add_argument("--workers", type=int, default=2)
+    ours = parser.parse_args()
+    # The replays' settings are scheduler_bench.py's defaults: its own parser gives them.
+    sys.argv = [sys.argv[0], "--pollux-cache", str(ours.pollux_cache)]
+    args = bench._parse()
+    fields = {f.name: f for f in dataclasses.fields(ElasticPolicy) if f.name != "name"}
+    sim = parse_knobs(ours.sim, {f.name: f for f in dataclasses.fields(SimConfig) if f.name != "prior"})
+    loads = [(jobs, seed) for jobs in ours.jobs for seed in ours.seeds]
+    variants = [(text or "defaults", parse_knobs(text, fields)) for text in ["", *ours.variants]]  # a typo fails before any replay
+    with ProcessPoolExecutor(ours.workers) as pool:
+        for name, knobs in variants:
+            rows = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro) for load in loads]))
+            print(line(name, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
