@@ -764,8 +764,9 @@ class ElasticPolicy:
                    more_to_come: bool = True) -> None:
         """No device stays idle that a job could use: what the decision left free goes, one
         step at a time, to the job that gains most from it (weighted speed-up per device):
-        a waiting job starts, a job below its request grows toward it, one at its request
-        grows toward its max when that pays for the pause. The freeze timers limit changes
+        a waiting job starts, a job below its request grows toward it when that wins back its
+        pause, one at its request grows toward its max when that pays for the pause by
+        `min_gain`. The freeze timers limit changes
         that move or shrink running jobs, not growth into devices nobody holds. A starving
         job's hold is the exception: it waits for these devices."""
         if any(p.cap is not None for p in plans):

@@ -8,6 +8,7 @@ running trials to resize. It does no I/O: the flow reads progress and applies ac
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -128,11 +129,7 @@ class LiveScheduler:
         the spec's `resize_pause_s`)."""
         if (own := self.pauses.get(trial_id)) is not None:
             return own
-        measured = sorted(self.pauses.values())
-        if not measured:
-            return None
-        middle = len(measured) // 2
-        return measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
+        return statistics.median(self.pauses.values()) if self.pauses else None
 
     def progressed(self, trial_id: str, steps_left: float) -> None:
         """The trial has `steps_left` reference steps to go (from its progress)."""
