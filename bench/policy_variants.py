@@ -54,19 +54,31 @@ def parse_knobs(text: str, fields: dict[str, dataclasses.Field]) -> dict[str, ob
     return knobs
 
 
+# (jobs, seed) -> what every variant replays that workload against, made once per worker
+# process: its jobs, Pollux's kept replay and the floor (hundreds of lone-job replays).
+_PREPARED: dict[tuple[int, int], tuple] = {}
+
+
+def _prepared(args: argparse.Namespace, jobs: int, seed: int) -> tuple:
+    if (jobs, seed) not in _PREPARED:
+        cluster = Cluster.uniform(args.nodes, args.per_node)
+        config = SimConfig(pause_s=args.pause, tick_s=args.tick)
+        workload = sample_philly(read_philly(args.trace), cluster, jobs, seed=seed, growth=args.growth)
+        adaptive = [replace(j, goodput=True, noise_model="published") for j in workload]
+        kept = bench._pollux_cache(args, jobs, seed, adaptive)
+        if not kept.exists():
+            raise SystemExit(f"no Pollux replay of {jobs} jobs, seed {seed} in {args.pollux_cache} for this code and these settings: "
+                             f"run bench/scheduler_bench.py --jobs {jobs} --seeds {seed} --heavy 0 --pollux-cache {args.pollux_cache} first")
+        pollux = pickle.loads(kept.read_bytes())[0].summary()
+        floor = statistics.mean(bench.alone_times(cluster, adaptive, config, seed).values())
+        _PREPARED[jobs, seed] = (cluster, config, workload, adaptive, pollux, floor)
+    return _PREPARED[jobs, seed]
+
+
 def one_workload(task: tuple) -> dict[str, float]:
     """Ours (goodput, and reproducible if asked) on one workload, against its kept Pollux replay."""
     args, (jobs, seed), knobs, sim, repro = task
-    cluster = Cluster.uniform(args.nodes, args.per_node)
-    config = SimConfig(pause_s=args.pause, tick_s=args.tick)
-    workload = sample_philly(read_philly(args.trace), cluster, jobs, seed=seed, growth=args.growth)
-    adaptive = [replace(j, goodput=True, noise_model="published") for j in workload]
-    kept = bench._pollux_cache(args, jobs, seed, adaptive)
-    if not kept.exists():
-        raise SystemExit(f"no Pollux replay of {jobs} jobs, seed {seed} in {args.pollux_cache} for this code and these settings: "
-                         f"run bench/scheduler_bench.py --jobs {jobs} --seeds {seed} --heavy 0 --pollux-cache {args.pollux_cache} first")
-    pollux = pickle.loads(kept.read_bytes())[0].summary()
-    floor = statistics.mean(bench.alone_times(cluster, adaptive, config, seed).values())
+    cluster, config, workload, adaptive, pollux, floor = _prepared(args, jobs, seed)
     policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
     ours = simulate(cluster, adaptive, policy, replace(config, **sim), seed=seed).summary()
     row = {"gap": bench.gap_closed(ours["avg_jct_s"], pollux["avg_jct_s"], floor), "p99": ours["p99_jct_s"] / pollux["p99_jct_s"],

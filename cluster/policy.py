@@ -811,10 +811,11 @@ class ElasticPolicy:
                     fill_efficiency = self.fixed_fill_efficiency if _batch_fixed(job) else self.goodput_fill_efficiency
                     if more_to_come and n > max(job.requested, job.devices) and after < fill_efficiency * n:
                         continue  # a batch split (or grown) this thin gains little, and the job would hold these devices
-                    if job.running and n > job.requested and not self._pays(job, before, after, reclaim_s):
+                    # Past its request a growth pays by `min_gain` before the devices are wanted
+                    # again; toward it, it must at least win back its own pause.
+                    past = n > job.requested
+                    if job.running and not self._pays(job, before, after, reclaim_s if past else math.inf, None if past else 0.0):
                         continue
-                    if job.running and not self._pays(job, before, after, min_gain=0.0):
-                        continue  # even toward its request, a growth must win back its own pause
                     gain = plan.weight * (after - before) / (n - current)
                     if best is None or gain > best[0]:
                         best = (gain, i, dict(placed))

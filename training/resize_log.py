@@ -98,7 +98,7 @@ class NewPauses:
 
     def latest(self, trial_dir: str | Path) -> float | None:
         """The pause of the trial's last resize if its log grew since the last call, else None."""
-        path = Path(trial_files(trial_dir).resizes)
+        path = trial_files(trial_dir).resizes
         try:
             size = path.stat().st_size
         except FileNotFoundError:
