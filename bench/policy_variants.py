@@ -9,7 +9,8 @@ is the defaults: the goal table of `scheduler_bench.py` gives the same figures t
 
 Each variant is the policy's knobs, `name=value` pairs separated by commas (any field of
 `cluster.policy.ElasticPolicy`); `--sim` moves the simulator instead (`oracle=1`: the true
-step-time curves; `noise=0`: step times reported without noise). Prints; never passes or
+step-time curves; `noise=0`: step times reported without noise); `--noise-seed N` replays
+ours with another draw of that noise. Prints; never passes or
 fails on the figures.
 
     .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux     # once (~35 min)
@@ -77,14 +78,14 @@ def _prepared(args: argparse.Namespace, jobs: int, seed: int) -> tuple:
 
 def one_workload(task: tuple) -> dict[str, float]:
     """Ours (goodput, and reproducible if asked) on one workload, against its kept Pollux replay."""
-    args, (jobs, seed), knobs, sim, repro = task
+    args, (jobs, seed), knobs, sim, repro, noise_seed = task
     cluster, config, workload, adaptive, pollux, floor = _prepared(args, jobs, seed)
     policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
-    ours = simulate(cluster, adaptive, policy, replace(config, **sim), seed=seed).summary()
+    ours = simulate(cluster, adaptive, policy, replace(config, **sim), seed=seed + noise_seed).summary()
     row = {"gap": bench.gap_closed(ours["avg_jct_s"], pollux["avg_jct_s"], floor), "p99": ours["p99_jct_s"] / pollux["p99_jct_s"],
            "restarts": ours["restarts_per_job"], "pollux_restarts": pollux["restarts_per_job"]}
     if repro:
-        row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
+        row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed + noise_seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
     return row
 
 
@@ -113,6 +114,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=bench._ints, default=[1, 2])
     parser.add_argument("--sim", default="", help="simulator settings for ours, name=value (oracle=1, noise=0, report_every_s=60)")
     parser.add_argument("--repro", action="store_true", help="also reproducible mode (every batch fixed)")
+    parser.add_argument("--noise-seed", type=int, default=0, metavar="N",
+                        help="moves the seed of the noise in ours's reported step times by N (0: the bench's): "
+                             "how much of a difference between variants is that noise")
     parser.add_argument("--workers", type=int, default=2)
     ours = parser.parse_args()
     # The replays' settings are scheduler_bench.py's defaults: its own parser gives them.
@@ -124,7 +128,7 @@ def main() -> None:
     variants = [(text or "defaults", parse_knobs(text, fields)) for text in ["", *ours.variants]]  # a typo fails before any replay
     with ProcessPoolExecutor(ours.workers) as pool:
         for name, knobs in variants:
-            rows = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro) for load in loads]))
+            rows = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro, ours.noise_seed) for load in loads]))
             print(line(name, rows), flush=True)
 
 

@@ -128,10 +128,12 @@ def test_elastic_leaves_no_device_idle_that_a_waiting_job_could_start_on(scenari
 def test_no_job_below_its_request_sits_beside_a_free_device_of_its_own_nodes(scenario):
     """Nor does a job the decision shrank (a yield to a shorter job): it restarts anyway, so
     the free devices of the nodes it keeps are its own to grow onto when they make it faster
-    (the replay found one such decision on two of the six Philly workloads)."""
+    (the replay found one such decision on two of the six Philly workloads). A running job
+    grows only where the device wins back its pause over its horizon (`_pays`)."""
     cluster, jobs = scenario
     now = 100_000.0
-    allocation = ElasticPolicy(starvation_s=math.inf).decide(cluster, jobs, now)
+    policy = ElasticPolicy(starvation_s=math.inf)
+    allocation = policy.decide(cluster, jobs, now)
     used: dict[str, int] = {}
     for placement in allocation.values():
         for node, count in placement.items():
@@ -144,7 +146,10 @@ def test_no_job_below_its_request_sits_beside_a_free_device_of_its_own_nodes(sce
         for node, free in room.items():
             if free:
                 grown = {**held, node: held[node] + min(free, job.max_devices - devices_of(held))}
-                faster = speedup(job.model, devices_of(grown), nodes_of(grown)) > speedup(job.model, devices_of(held), nodes_of(held)) * (1 + 1e-9)
+                horizon = max(policy.min_horizon_s, job.attained / job.devices) if job.running else math.inf
+                pause = policy.pause_s if job.running else 0.0
+                faster = speedup(job.model, devices_of(grown), nodes_of(grown)) * (1 - pause / horizon) > \
+                    speedup(job.model, devices_of(held), nodes_of(held)) * (1 + 1e-9)
                 assert not faster, (job.id, held, node, free)
 
 
@@ -179,20 +184,42 @@ def test_under_arrival_pressure_a_job_grows_up_to_its_request_but_not_past_it():
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
 def test_elastic_leaves_recently_changed_jobs_whole(scenario):
-    """Whole, but for the devices a far shorter waiting job needs to start (`admit_short`):
-    a job changed a moment ago lends at most one waiting job's minimum."""
+    """Whole, but for what it holds past its request while a job waits (devices it took when
+    they were idle, on loan), and for the devices a far shorter waiting job needs to start
+    (`admit_short`): a job changed a moment ago lends at most one waiting job's minimum."""
     cluster, jobs = scenario
     now = 100_000.0
     recent = [replace(j, since=now - 10) if j.running else j for j in jobs]
+    someone_waits = any(not j.running for j in recent)
+
+    def kept(job):
+        return min(job.devices, max(job.requested, job.min_devices)) if someone_waits else job.devices
+
     allocation = ElasticPolicy(min_run_s=300.0, admit_short=False).decide(cluster, recent, now)
     for job in recent:
         if job.running:
-            assert devices_of(allocation.get(job.id)) >= job.devices, job.id
+            assert devices_of(allocation.get(job.id)) >= kept(job), job.id
     lent = max((j.min_devices for j in recent if not j.running), default=0)
     allocation = ElasticPolicy(min_run_s=300.0).decide(cluster, recent, now)
     for job in recent:
         if job.running:
-            assert devices_of(allocation.get(job.id)) >= job.devices - lent, job.id
+            assert devices_of(allocation.get(job.id)) >= kept(job) - lent, job.id
+
+
+def test_a_waiting_job_takes_back_what_a_protected_job_holds_past_its_request():
+    """Protection keeps a running job its request, not the idle devices it grew into: a
+    newcomer gets those back at once, and nothing below the request."""
+    cluster = Cluster.uniform(1, 8)
+    now = 100_000.0
+    grown = Job("grown", 0.0, 4, 1, 8, GOOD_SCALING, attained=8e5, placement={"node0": 8}, since=now - 60.0)
+    newcomer = Job("new", now - 30.0, 2, 2, 2, GOOD_SCALING, remaining_steps=10)
+    allocation = ElasticPolicy().decide(cluster, [grown, newcomer], now)
+    assert devices_of(allocation["new"]) == 2
+    assert 4 <= devices_of(allocation["grown"]) <= 6
+    # Its request is protected: a newcomer wanting more than the loan waits.
+    wide = replace(newcomer, requested=6, min_devices=6, max_devices=6)
+    allocation = ElasticPolicy(admit_short=False).decide(cluster, [grown, wide], now)
+    assert "new" not in allocation and devices_of(allocation["grown"]) >= 4
 
 
 @settings(max_examples=300, deadline=None)
@@ -427,14 +454,17 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     """A job grown past its request is protected for `min_run_s` after the change, but not
     against a waiting job with a small fraction of its work left: it is protected only down
     to its minimum and the newcomer starts now (Pollux, which protects nothing, started short
-    jobs 7x sooner)."""
+    jobs 7x sooner). It starts at its minimum: what the long job holds past its request
+    (idle devices when it took them) weighs `loan_hysteresis` times more to it, so that it is
+    not shrunk further for what one more device gives the newcomer."""
     cluster = Cluster.uniform(1, 4)
     now = 36_000.0
     grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 3000.0,
                 remaining_steps=36_000.0)
     short = Job("short", now, 2, 1, 2, GOOD_SCALING, remaining_steps=100.0)
     allocation = ElasticPolicy().decide(cluster, [grown, short], now)
-    assert devices_of(allocation["grown"]) == 2 and devices_of(allocation["short"]) == 2
+    assert allocation == {"grown": {"node0": 3}, "short": {"node0": 1}}
+    assert devices_of(ElasticPolicy(loan_hysteresis=0.8).decide(cluster, [grown, short], now)["short"]) == 2
     # Not far shorter (over yield_ratio of the protected job's work): the protection holds.
     assert ElasticPolicy().decide(cluster, [grown, replace(short, remaining_steps=20_000.0)], now) == {"grown": {"node0": 4}}
     # Changed under `yield_min_s` ago: it is not yielded down again so soon; it lends the
@@ -442,10 +472,14 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     recent = replace(grown, since=now - 600.0)
     assert ElasticPolicy().decide(cluster, [recent, short], now) == {"grown": {"node0": 3}, "short": {"node0": 1}}
     assert ElasticPolicy(admit_short=False).decide(cluster, [recent, short], now) == {"grown": {"node0": 4}}
-    # Lengths unknown, or the rule off: the newcomer waits out the protection.
+    # The rule off: the protection holds (the newcomer's rank weighs too little to take
+    # back the loan). Lengths unknown: a newcomer's least attained service weighs far more,
+    # and it takes back the loan, but not the request.
     assert ElasticPolicy(yield_ratio=0.0).decide(cluster, [grown, short], now) == {"grown": {"node0": 4}}
     unknown = [replace(grown, remaining_steps=None), replace(short, remaining_steps=None)]
-    assert ElasticPolicy().decide(cluster, unknown, now) == {"grown": {"node0": 4}}
+    assert ElasticPolicy().decide(cluster, unknown, now) == {"grown": {"node0": 2}, "short": {"node0": 2}}
+    wide = [replace(job, requested=4) if job.id == "grown" else job for job in unknown]
+    assert ElasticPolicy().decide(cluster, wide, now) == {"grown": {"node0": 4}}
 
 
 def test_a_short_newcomer_starts_at_once_when_a_protected_long_job_lending_it_a_device_costs_less_than_waiting():
