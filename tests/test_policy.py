@@ -482,6 +482,22 @@ def test_elastic_lets_a_far_shorter_newcomer_into_what_a_protected_job_grew_onto
     assert ElasticPolicy().decide(cluster, wide, now) == {"grown": {"node0": 4}}
 
 
+def test_a_far_shorter_newcomer_the_held_devices_keep_out_waits_only_for_a_finish_sooner_than_its_run():
+    """The floors leave room, but what the long job holds is worth more to it than to the
+    newcomer (`hysteresis`, `loan_hysteresis`): the newcomer is held for a finish that comes
+    within two pauses and its own run, and starts now when the soonest finish is further off."""
+    cluster = Cluster.uniform(1, 5)
+    now = 36_000.0
+    grown = Job("grown", 0.0, 2, 1, 4, GOOD_SCALING, attained=30_000.0, placement={"node0": 4}, since=now - 3000.0,
+                remaining_steps=36_000.0)
+    short = Job("short", now, 2, 1, 2, GOOD_SCALING, remaining_steps=100.0)
+    ending = Job("ending", 0.0, 1, 1, 1, GOOD_SCALING, attained=30_000.0, placement={"node0": 1}, since=0.0, remaining_steps=5.0)
+    assert ElasticPolicy().decide(cluster, [grown, short, ending], now) == {"grown": {"node0": 4}, "ending": {"node0": 1}}
+    later = replace(ending, remaining_steps=5_000.0)
+    allocation = ElasticPolicy().decide(cluster, [grown, short, later], now)
+    assert devices_of(allocation["short"]) >= 1 and devices_of(allocation["grown"]) >= 2 and allocation["ending"] == {"node0": 1}
+
+
 def test_a_short_newcomer_starts_at_once_when_a_protected_long_job_lending_it_a_device_costs_less_than_waiting():
     """The timers keep long jobs from churning, not a short job from starting: a job of
     minutes arriving in a full cluster starts in the same decision on a device of a long job
