@@ -406,7 +406,7 @@ class SchedulingSection(Strict):
     """How elastic trials ([min, max] devices) are sized and resized while they run."""
 
     resize_pause_s: float = Field(default=2.0, gt=0, le=3600.0, description="what a resize costs a trial until one of the campaign's resizes is timed (then the timed pause); smaller gains are not worth one")
-    min_run_s: float = Field(default=20.0, gt=0, le=86400.0, description="a trial runs at least this long between two resizes (a day at most), but for devices it grew into past its request when they were idle: a waiting trial may take those back sooner")
+    min_run_s: float = Field(default=20.0, gt=0, le=86400.0, description="a trial runs at least this long between two resizes (a day at most)")
     order: Literal["remaining", "attained"] = Field(
         default="remaining",
         description="who goes first when devices are short: the trial with the least work left (its steps less those "
