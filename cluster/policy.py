@@ -569,21 +569,21 @@ class ElasticPolicy:
         soonest = min(ends, default=math.inf)
         lenders = [p for p in plans if p.floor > p.job.min_devices and p.remaining is not None and p.job.running]
         starving = any(p.starving for p in plans)
-        running = [p for p in plans if p.job.running and p.remaining is not None]
-        longest = max(running, key=lambda p: p.remaining, default=None)  # type: ignore[arg-type, return-value]
+        longest = max((p for p in plans if p.job.running and p.remaining is not None),
+                      key=lambda p: p.remaining, default=None)  # type: ignore[arg-type, return-value]
         for plan in waiting:
             need = plan.job.min_devices - max(spare, 0)
-            run_s = plan.job.remaining_steps * plan.job.model.step_time(plan.job.min_devices, cluster.min_nodes(plan.job.min_devices))  # type: ignore[operator]
             if need <= 0:
                 # There is room, but the greedy may still keep it with the jobs that hold it
                 # (hysteresis). Holding the newcomer back for a finish costs it more than its
                 # start costs the longest running job, far longer than it (two pauses and at
                 # most its whole run): it starts, unless a starving job is owed the room first.
                 if (not starving and longest is not None and plan.remaining < self.yield_ratio * longest.remaining  # type: ignore[operator]
-                        and 2 * self._pause_s(longest.job) + run_s < soonest):
+                        and 2 * self._pause_s(longest.job) + _run_at_min_s(cluster, plan.job) < soonest):
                     plan.floor = plan.job.min_devices
                 spare -= plan.job.min_devices
                 continue
+            run_s = _run_at_min_s(cluster, plan.job)
             best: tuple[float, _JobPlan] | None = None
             for lender in lenders:
                 if lender.floor - lender.job.min_devices < need or plan.remaining >= self.yield_ratio * lender.remaining:  # type: ignore[operator]
@@ -915,6 +915,11 @@ def _batch_fixed(job: Job) -> bool:
     """The job's batch is fixed (reproducible): more devices split it, never grow it. A goodput
     job's model is a `GoodputView` (its batch grows with its devices)."""
     return not isinstance(job.model, GoodputView)
+
+
+def _run_at_min_s(cluster: Cluster, job: Job) -> float:
+    """How long the job's known remaining steps take at its minimum size."""
+    return job.remaining_steps * job.model.step_time(job.min_devices, cluster.min_nodes(job.min_devices))  # type: ignore[operator]
 
 
 def _last_node_pays(model: StepTimeModel, size: int, nodes: int, node: int) -> bool:
