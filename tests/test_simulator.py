@@ -319,3 +319,22 @@ def test_policy_variants_take_each_knob_as_its_fields_type_and_name_the_knobs_on
         variants.parse_knobs("rank=3", fields)
     with pytest.raises(SystemExit, match="'three' is not a number"):
         variants.parse_knobs("rank_q=three", fields)
+
+
+def test_policy_variants_total_a_variant_over_draws_of_the_noise():
+    """`--noise-seed 0,100`: the mean gap closed at each draw and over them, and each goal
+    counted over every (workload, draw) pair, p99 and reproducible at their bounds included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("policy_variants", Path(__file__).resolve().parent.parent / "bench" / "policy_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+
+    def row(gap, p99, restarts, repro):
+        return {"gap": gap, "p99": p99, "restarts": restarts, "pollux_restarts": 2.0, "repro": repro}
+
+    by_seed = {0: [row(0.30, 1.0, 2.0, 1.05), row(0.10, 1.2, 2.5, 1.2)], 100: [row(0.40, 0.9, 1.0, 1.0), row(0.20, 1.01, 3.0, 1.1)]}
+    text = variants.totals("v", by_seed)
+    assert text.startswith("v, over noise seeds 0, 100: gap closed, mean 25.0 % (20.0 / 30.0)")
+    assert "p99 <= Pollux's on 2 of 4" in text and "restarts <= Pollux's on 2 of 4" in text
+    assert text.endswith(f"reproducible <= {variants.bench.REPRODUCIBLE_GOAL} on 2 of 4")
