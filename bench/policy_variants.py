@@ -13,7 +13,9 @@ step-time curves; `noise=0`: step times reported without noise); `--noise-seed N
 ours with another draw of that noise, and a list of them (`--noise-seed 0,100,200,300`)
 prints each variant at every draw and then its totals over them: on these workloads the
 noise alone moves p99 against Pollux's between 3 and 6 of 6, so a variant is better only
-where its totals are. Prints; never passes or fails on the figures.
+where its totals are. `--kinds` adds ours's restarts per job by what caused them (a growth
+past the request or up to it, a shrink, a move, a preemption). Prints; never passes or fails
+on the figures.
 
     .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux     # once (~35 min)
     .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux 'rank_q=3' 'min_efficiency=0.3,yield_min_s=2400'
@@ -24,12 +26,14 @@ where its totals are. Prints; never passes or fails on the figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import pickle
 import statistics
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +41,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import scheduler_bench as bench  # noqa: E402
-from cluster.jobs import Cluster  # noqa: E402
-from cluster.policy import ElasticPolicy  # noqa: E402
+from cluster.jobs import Cluster, Job, Placement, devices_of, same_placement  # noqa: E402
+from cluster.policy import ElasticPolicy, Policy  # noqa: E402
 from cluster.simulator import SimConfig, simulate  # noqa: E402
 from cluster.workloads import read_philly, sample_philly  # noqa: E402
 
@@ -56,6 +60,43 @@ def parse_knobs(text: str, fields: dict[str, dataclasses.Field]) -> dict[str, ob
         except ValueError:
             raise SystemExit(f"{pair!r}: {value!r} is not a number") from None
     return knobs
+
+
+KINDS = ("growth past the request", "growth up to it", "shrink", "move", "preemption")
+
+
+def restart_kind(before: Placement, after: Placement | None, requested: int) -> str | None:
+    """Which of KINDS a decision's change to a running job is; None where it left it as it was."""
+    if not after:
+        return "preemption"
+    if same_placement(after, before):
+        return None
+    held, given = devices_of(before), devices_of(after)
+    if given == held:
+        return "move"
+    if given > held:
+        return "growth past the request" if given > max(held, requested) else "growth up to it"
+    return "shrink"
+
+
+@dataclass
+class CountingRestarts:
+    """A policy that counts, by kind, the restarts its decisions cause the running jobs."""
+
+    policy: Policy
+    counts: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float, more_to_come: bool = True) -> dict[str, dict[str, int]]:
+        out = self.policy.decide(cluster, jobs, now, more_to_come)
+        for job in jobs:
+            kind = restart_kind(job.placement, out.get(job.id), job.requested) if job.running else None
+            if kind:
+                self.counts[kind] += 1
+        return out
 
 
 # (jobs, seed) -> what every variant replays that workload against, made once per worker
@@ -81,12 +122,15 @@ def _prepared(args: argparse.Namespace, jobs: int, seed: int) -> tuple:
 
 def one_workload(task: tuple) -> dict[str, float]:
     """Ours (goodput, and reproducible if asked) on one workload, against its kept Pollux replay."""
-    args, (jobs, seed), knobs, sim, repro, noise_seed = task
+    args, (jobs, seed), knobs, sim, repro, noise_seed, kinds = task
     cluster, config, workload, adaptive, pollux, floor = _prepared(args, jobs, seed)
     policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
-    ours = simulate(cluster, adaptive, policy, replace(config, **sim), seed=seed + noise_seed).summary()
+    counting = CountingRestarts(policy)
+    ours = simulate(cluster, adaptive, counting if kinds else policy, replace(config, **sim), seed=seed + noise_seed).summary()
     row = {"gap": bench.gap_closed(ours["avg_jct_s"], pollux["avg_jct_s"], floor), "p99": ours["p99_jct_s"] / pollux["p99_jct_s"],
            "restarts": ours["restarts_per_job"], "pollux_restarts": pollux["restarts_per_job"]}
+    if kinds:
+        row["kinds"] = {kind: counting.counts[kind] / len(adaptive) for kind in KINDS}
     if repro:
         row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed + noise_seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
     return row
@@ -106,6 +150,8 @@ def line(name: str, rows: list[dict[str, float]]) -> str:
     if "repro" in rows[0]:
         text += (f"; reproducible / Pollux's {_each(rows, lambda r: '%.3f' % r['repro'])} "
                  f"(<= {goal} on {sum(r['repro'] <= goal for r in rows)})")
+    if "kinds" in rows[0]:
+        text += "; restarts per job by kind: " + ", ".join(f"{kind} {_each(rows, lambda r: '%.2f' % r['kinds'][kind])}" for kind in KINDS)
     return text
 
 
@@ -133,6 +179,8 @@ def main() -> None:
     parser.add_argument("--noise-seed", type=bench._ints, default=[0], metavar="N[,N...]",
                         help="moves the seed of the noise in ours's reported step times by N (0: the bench's): "
                              "how much of a difference between variants is that noise; several: each, then the totals")
+    parser.add_argument("--kinds", action="store_true", help="also ours's restarts per job by kind (growth past the request, "
+                        "growth up to it, shrink, move, preemption)")
     parser.add_argument("--workers", type=int, default=2)
     ours = parser.parse_args()
     # The replays' settings are scheduler_bench.py's defaults: its own parser gives them.
@@ -146,7 +194,7 @@ def main() -> None:
         for name, knobs in variants:
             by_seed = {}
             for noise_seed in ours.noise_seed:
-                by_seed[noise_seed] = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro, noise_seed) for load in loads]))
+                by_seed[noise_seed] = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro, noise_seed, ours.kinds) for load in loads]))
                 label = name if len(ours.noise_seed) == 1 else f"  {name}, noise seed {noise_seed}"
                 print(line(label, by_seed[noise_seed]), flush=True)
             if len(by_seed) > 1:

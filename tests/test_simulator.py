@@ -300,16 +300,22 @@ def test_the_reproducible_table_says_the_goal_is_out_of_reach_where_the_fixed_ba
     assert list(table.columns[3].cells) == ["1.000", "1.100"]
 
 
-def test_policy_variants_take_each_knob_as_its_fields_type_and_name_the_knobs_on_a_typo():
-    """bench/policy_variants.py: 'rank_q=3,admit_short=0' is ElasticPolicy(rank_q=3.0, admit_short=False)."""
-    import dataclasses
+def _policy_variants():
     import importlib.util
-
-    from cluster.policy import ElasticPolicy
+    import sys
 
     spec = importlib.util.spec_from_file_location("policy_variants", Path(__file__).resolve().parent.parent / "bench" / "policy_variants.py")
     variants = importlib.util.module_from_spec(spec)
+    sys.modules["policy_variants"] = variants  # its dataclass looks its module up there
     spec.loader.exec_module(variants)
+    return variants
+
+
+def test_policy_variants_take_each_knob_as_its_fields_type_and_name_the_knobs_on_a_typo():
+    """bench/policy_variants.py: 'rank_q=3,admit_short=0' is ElasticPolicy(rank_q=3.0, admit_short=False)."""
+    import dataclasses
+
+    variants = _policy_variants()
     fields = {f.name: f for f in dataclasses.fields(ElasticPolicy)}
     knobs = variants.parse_knobs("rank_q=3, admit_short=0,preemption_budget=2", fields)
     assert knobs == {"rank_q": 3.0, "admit_short": False, "preemption_budget": 2}
@@ -321,14 +327,33 @@ def test_policy_variants_take_each_knob_as_its_fields_type_and_name_the_knobs_on
         variants.parse_knobs("rank_q=three", fields)
 
 
+def test_policy_variants_name_each_restart_by_what_caused_it():
+    variants = _policy_variants()
+    kind = variants.restart_kind
+    assert kind({"a": 2}, {"a": 2}, 2) is None
+    assert kind({"a": 2}, {}, 2) == kind({"a": 2}, None, 2) == "preemption"
+    assert kind({"a": 2}, {"b": 2}, 2) == "move"
+    assert kind({"a": 1}, {"a": 2}, 2) == "growth up to it"
+    assert kind({"a": 2}, {"a": 3}, 2) == kind({"a": 1}, {"a": 3}, 2) == "growth past the request"
+    assert kind({"a": 4}, {"a": 3}, 2) == kind({"a": 2}, {"a": 1}, 2) == "shrink"
+
+
+def test_policy_variants_count_by_kind_every_restart_the_simulator_counts(philly):
+    """The kinds add up to the simulator's own restarts, on a Philly sample under our policy."""
+    variants = _policy_variants()
+    cluster = Cluster.uniform(4, 4)
+    sample = sample_philly(philly, cluster, 40, seed=3, max_gpu_hours=40.0, growth=4)  # busy enough to restart jobs (19 times)
+    counting = variants.CountingRestarts(ElasticPolicy())
+    result = simulate(cluster, sample, counting, FAST)
+    restarts = sum(j.restarts for j in result.jobs)
+    assert restarts > 0 and sum(counting.counts.values()) == restarts
+    assert set(counting.counts) <= set(variants.KINDS) and result.policy == "elastic"
+
+
 def test_policy_variants_total_a_variant_over_draws_of_the_noise():
     """`--noise-seed 0,100`: the mean gap closed at each draw and over them, and each goal
     counted over every (workload, draw) pair, p99 and reproducible at their bounds included."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("policy_variants", Path(__file__).resolve().parent.parent / "bench" / "policy_variants.py")
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
+    variants = _policy_variants()
 
     def row(gap, p99, restarts, repro):
         return {"gap": gap, "p99": p99, "restarts": restarts, "pollux_restarts": 2.0, "repro": repro}
