@@ -125,11 +125,11 @@ def one_workload(task: tuple) -> dict[str, float]:
     args, (jobs, seed), knobs, sim, repro, noise_seed, kinds = task
     cluster, config, workload, adaptive, pollux, floor = _prepared(args, jobs, seed)
     policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
-    counting = CountingRestarts(policy)
-    ours = simulate(cluster, adaptive, counting if kinds else policy, replace(config, **sim), seed=seed + noise_seed).summary()
+    counting = CountingRestarts(policy) if kinds else None
+    ours = simulate(cluster, adaptive, counting or policy, replace(config, **sim), seed=seed + noise_seed).summary()
     row = {"gap": bench.gap_closed(ours["avg_jct_s"], pollux["avg_jct_s"], floor), "p99": ours["p99_jct_s"] / pollux["p99_jct_s"],
            "restarts": ours["restarts_per_job"], "pollux_restarts": pollux["restarts_per_job"]}
-    if kinds:
+    if counting is not None:
         row["kinds"] = {kind: counting.counts[kind] / len(adaptive) for kind in KINDS}
     if repro:
         row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed + noise_seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
