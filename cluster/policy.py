@@ -382,7 +382,12 @@ class ElasticPolicy:
       not bounce back at once: each bounce is a stop and a restart);
     - resize cost: a running job grows only if the gain, over a horizon of its run time so
       far, pays for a pause by at least `min_gain`: its own measured restart cost
-      (`Job.pause_s`: a campaign times each resize) once it has one, else `pause_s`;
+      (`Job.pause_s`: a campaign times each resize) once it has one, else `pause_s`. When
+      its length is known the horizon is at most its remaining run at its current size
+      (`remaining_horizon`): a job with minutes left does not restart to save seconds. On the
+      six Philly workloads (published noise scales, four seeds of the step times' noise) it
+      kept restarts under Pollux's on 24 of 24 against 21 at the same gap closed (35.5 %);
+      on the heavy one (960 jobs, seed 1) it took restarts per job from 1.08 to 1.02;
     - arrivals (`arrival_window_s`, off by default): the horizon over which a growth past
       the job's request must pay for its pause is cut to how soon the devices free now will
       be wanted again, at the rate the last `arrival_window_s` of arrivals requested devices
@@ -427,6 +432,7 @@ class ElasticPolicy:
     min_efficiency: float = 0.5  # past its request, the greedy grows a job only while its speed-up per device stays at least this
     fixed_fill_efficiency: float = 0.3  # past its request, a job whose batch is fixed takes idle devices only down to this speed-up per device
     goodput_fill_efficiency: float = 0.3  # the same for a goodput job (its batch grows with its devices)
+    remaining_horizon: bool = True  # a growth pays within the job's known remaining run, not only its run so far
     name: str = "elastic"
 
     def decide(self, cluster: Cluster, jobs: Sequence[Job], now: float, more_to_come: bool = True) -> dict[str, dict[str, int]]:
@@ -743,8 +749,13 @@ class ElasticPolicy:
 
     def _pays(self, job: Job, before: float, after: float, reclaim_s: float = math.inf, min_gain: float | None = None) -> bool:
         """Going from speed-up `before` to `after` pays for a pause, over a horizon of the
-        running job's run so far (its expected remaining run), by at least `min_gain`."""
+        running job's run so far (its expected remaining run) or, shorter, its known remaining
+        run at its current size, by at least `min_gain`."""
         horizon = min(max(self.min_horizon_s, job.attained / job.devices), reclaim_s)
+        if self.remaining_horizon and self.know_remaining and job.remaining_steps is not None:
+            # Its run so far guesses at its run to come; a known length says: a job that ends
+            # in minutes gains minutes from a growth, whatever it has run.
+            horizon = min(horizon, job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)))
         pause_s = self._pause_s(job)
         if horizon <= pause_s:
             return False

@@ -147,8 +147,10 @@ def test_no_job_below_its_request_sits_beside_a_free_device_of_its_own_nodes(sce
             if free:
                 grown = {**held, node: held[node] + min(free, job.max_devices - devices_of(held))}
                 horizon = max(policy.min_horizon_s, job.attained / job.devices) if job.running else math.inf
+                if job.running and job.remaining_steps is not None:  # a known length bounds it
+                    horizon = min(horizon, job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)))
                 pause = policy.pause_s if job.running else 0.0
-                faster = speedup(job.model, devices_of(grown), nodes_of(grown)) * (1 - pause / horizon) > \
+                faster = horizon > pause and speedup(job.model, devices_of(grown), nodes_of(grown)) * (1 - pause / horizon) > \
                     speedup(job.model, devices_of(held), nodes_of(held)) * (1 + 1e-9)
                 assert not faster, (job.id, held, node, free)
 
@@ -161,6 +163,20 @@ def test_a_job_started_a_moment_ago_grows_into_idle_devices_up_to_its_request():
     job = Job("a", 0.0, requested=4, min_devices=1, max_devices=4, model=model, placement={"node0": 2}, since=990.0)
     assert ElasticPolicy(fill_idle=False).decide(cluster, [job], 1000.0) == {"a": {"node0": 2}}  # the old behaviour
     assert ElasticPolicy().decide(cluster, [job], 1000.0) == {"a": {"node0": 4}}
+
+
+def test_a_job_that_ends_in_minutes_does_not_restart_to_grow():
+    """A growth pays for its pause within the job's known remaining run, not only within its
+    run so far: a job that has run for a day would stop for a minute and restart on four
+    devices with 75 s of work left, and end later than if left alone."""
+    cluster = Cluster.uniform(1, 4)
+    now = 100_000.0
+    step_s = GOOD_SCALING.step_time(1, 1)
+    ending = Job("a", 0.0, 1, 1, 4, GOOD_SCALING, attained=now, placement={"node0": 1}, since=0.0, remaining_steps=75.0 / step_s)
+    assert ElasticPolicy(pause_s=60.0).decide(cluster, [ending], now) == {"a": {"node0": 1}}
+    assert ElasticPolicy(pause_s=60.0, remaining_horizon=False).decide(cluster, [ending], now) == {"a": {"node0": 4}}
+    long_left = replace(ending, remaining_steps=7200.0 / step_s)
+    assert ElasticPolicy(pause_s=60.0).decide(cluster, [long_left], now) == {"a": {"node0": 4}}
 
 
 def test_under_arrival_pressure_a_job_grows_up_to_its_request_but_not_past_it():
