@@ -536,13 +536,15 @@ def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict, ap
     """A campaign of one elastic [1, 2] trial that the test resizes (`min_run_s` 600: the policy
     neither shrinks nor moves it on its own, though it grows it into idle devices): its params
     file, the trial's id and its folder. `apart`: the tracking settings of a pool without a
-    shared folder (its MLflow server and DVC remote)."""
+    shared folder (its MLflow server and DVC remote). The tests hold the trial, so its declared
+    steps say nothing of its run to come: by them it ends in a second, and a policy that reads
+    them (`order` remaining) would not grow it; least attained service reads no lengths."""
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
         "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits)}, "model": {"name": "mlp", "width": 8},
         "training": {"batch_size": 32, "lr": 0.05, **training},
         "resources": {"devices": [1, 2]},
-        "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0},
+        "scheduling": {"resize_pause_s": 1.0, "min_run_s": 600.0, "order": "attained"},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": name,
                      "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json"), **(apart or {})},
         **({"cluster": {"shared_storage": False}} if apart else {}),
