@@ -536,9 +536,10 @@ def elastic_campaign(tmp_path: Path, digits: Path, name: str, training: dict, ap
     """A campaign of one elastic [1, 2] trial that the test resizes (`min_run_s` 600: the policy
     neither shrinks nor moves it on its own, though it grows it into idle devices): its params
     file, the trial's id and its folder. `apart`: the tracking settings of a pool without a
-    shared folder (its MLflow server and DVC remote). The tests hold the trial, so its declared
-    steps say nothing of its run to come: by them it ends in a second, and a policy that reads
-    them (`order` remaining) would not grow it; least attained service reads no lengths."""
+    shared folder (its MLflow server and DVC remote). Ordered by attained service, which reads
+    no lengths: a test that holds its trial makes its declared steps say nothing of its run to
+    come (300 steps held at step 60 end, by them, in about a second, and a policy that reads
+    them would rightly not grow it onto a joining node)."""
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
         "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits)}, "model": {"name": "mlp", "width": 8},
