@@ -14,13 +14,16 @@ ours with another draw of that noise, and a list of them (`--noise-seed 0,100,20
 prints each variant at every draw and then its totals over them: on these workloads the
 noise alone moves p99 against Pollux's between 3 and 6 of 6, so a variant is better only
 where its totals are. `--kinds` adds ours's restarts per job by what caused them (a growth
-past the request or up to it, a shrink, a move, a preemption). Prints; never passes or fails
-on the figures.
+past the request or up to it, a shrink, a move, a preemption). `--requests max` (or `min`)
+replays reproducible mode with every job requesting its max (what a campaign's elastic trial
+declares: a range, no size within it) or its min, its work unchanged. Prints; never passes or
+fails on the figures.
 
     .venv/bin/python bench/scheduler_bench.py --heavy 0 --pollux-cache /tmp/pollux     # once (~35 min)
     .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux 'rank_q=3' 'min_efficiency=0.3,yield_min_s=2400'
     .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux --sim oracle=1 --repro
     .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux --noise-seed 0,100,200,300 'min_run_s=7200'
+    .venv/bin/python bench/policy_variants.py --pollux-cache /tmp/pollux --requests max
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import scheduler_bench as bench  # noqa: E402
 from cluster.jobs import Cluster, Job, Placement, devices_of, same_placement  # noqa: E402
 from cluster.policy import ElasticPolicy, Policy  # noqa: E402
 from cluster.simulator import SimConfig, simulate  # noqa: E402
-from cluster.workloads import read_philly, sample_philly  # noqa: E402
+from cluster.workloads import WorkloadJob, read_philly, sample_philly  # noqa: E402
 
 
 def parse_knobs(text: str, fields: dict[str, dataclasses.Field]) -> dict[str, object]:
@@ -122,8 +125,10 @@ def _prepared(args: argparse.Namespace, jobs: int, seed: int) -> tuple:
 
 def one_workload(task: tuple) -> dict[str, float]:
     """Ours (goodput, and reproducible if asked) on one workload, against its kept Pollux replay."""
-    args, (jobs, seed), knobs, sim, repro, noise_seed, kinds = task
+    args, (jobs, seed), knobs, sim, repro, noise_seed, kinds, requests = task
     cluster, config, workload, adaptive, pollux, floor = _prepared(args, jobs, seed)
+    if requests != "trace":
+        workload = [requested_at(job, job.max_devices if requests == "max" else job.min_devices, cluster) for job in workload]
     policy = ElasticPolicy(**{"pause_s": args.pause, **knobs})
     counting = CountingRestarts(policy) if kinds else None
     ours = simulate(cluster, adaptive, counting or policy, replace(config, **sim), seed=seed + noise_seed).summary()
@@ -132,8 +137,19 @@ def one_workload(task: tuple) -> dict[str, float]:
     if counting is not None:
         row["kinds"] = {kind: counting.counts[kind] / len(adaptive) for kind in KINDS}
     if repro:
-        row["repro"] = simulate(cluster, workload, policy, replace(config, **sim), seed=seed + noise_seed).summary()["avg_jct_s"] / pollux["avg_jct_s"]
+        fixed = simulate(cluster, workload, policy, replace(config, **sim), seed=seed + noise_seed).summary()
+        row["repro"] = fixed["avg_jct_s"] / pollux["avg_jct_s"]
+        row["repro_p99"], row["repro_restarts"] = fixed["p99_jct_s"] / pollux["p99_jct_s"], fixed["restarts_per_job"]
     return row
+
+
+def requested_at(job: WorkloadJob, devices: int, cluster: Cluster) -> WorkloadJob:
+    """The job as if it had requested `devices`, its work unchanged: its duration at that size
+    (by its true step times). With a fixed batch the request moves only what the scheduler
+    reads of it: its model's prior and which of its devices are on loan."""
+    model = job.true_model
+    scale = model.step_time(devices, cluster.min_nodes(devices)) / model.step_time(job.requested, cluster.min_nodes(job.requested))
+    return replace(job, requested=devices, duration=job.duration * scale)
 
 
 def _each(rows: list[dict[str, float]], show) -> str:
@@ -149,7 +165,8 @@ def line(name: str, rows: list[dict[str, float]]) -> str:
             f"({_each(rows, lambda r: '%.2f/%.2f' % (r['restarts'], r['pollux_restarts']))})")
     if "repro" in rows[0]:
         text += (f"; reproducible / Pollux's {_each(rows, lambda r: '%.3f' % r['repro'])} "
-                 f"(<= {goal} on {sum(r['repro'] <= goal for r in rows)})")
+                 f"(<= {goal} on {sum(r['repro'] <= goal for r in rows)}), its p99 / Pollux's "
+                 f"{_each(rows, lambda r: '%.3f' % r['repro_p99'])}, its restarts {_each(rows, lambda r: '%.2f' % r['repro_restarts'])}")
     if "kinds" in rows[0]:
         text += "; restarts per job by kind: " + ", ".join(f"{kind} {_each(rows, lambda r: '%.2f' % r['kinds'][kind])}" for kind in KINDS)
     return text
@@ -181,8 +198,12 @@ def main() -> None:
                              "how much of a difference between variants is that noise; several: each, then the totals")
     parser.add_argument("--kinds", action="store_true", help="also ours's restarts per job by kind (growth past the request, "
                         "growth up to it, shrink, move, preemption)")
+    parser.add_argument("--requests", choices=("trace", "max", "min"), default="trace",
+                        help="reproducible mode (implies --repro) with every job's request at its max (what a campaign's "
+                             "elastic trial declares: its range and no size within it) or its min, its work unchanged")
     parser.add_argument("--workers", type=int, default=2)
     ours = parser.parse_args()
+    ours.repro = ours.repro or ours.requests != "trace"
     # The replays' settings are scheduler_bench.py's defaults: its own parser gives them.
     sys.argv = [sys.argv[0], "--pollux-cache", str(ours.pollux_cache)]
     args = bench._parse()
@@ -194,7 +215,7 @@ def main() -> None:
         for name, knobs in variants:
             by_seed = {}
             for noise_seed in ours.noise_seed:
-                by_seed[noise_seed] = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro, noise_seed, ours.kinds) for load in loads]))
+                by_seed[noise_seed] = list(pool.map(one_workload, [(args, load, knobs, sim, ours.repro, noise_seed, ours.kinds, ours.requests) for load in loads]))
                 label = name if len(ours.noise_seed) == 1 else f"  {name}, noise seed {noise_seed}"
                 print(line(label, by_seed[noise_seed]), flush=True)
             if len(by_seed) > 1:

@@ -350,6 +350,22 @@ def test_policy_variants_count_by_kind_every_restart_the_simulator_counts(philly
     assert set(counting.counts) <= set(variants.KINDS) and result.policy == "elastic"
 
 
+def test_policy_variants_move_a_jobs_request_and_keep_its_work(philly):
+    """`--requests max`: each job requests its max, its duration that of the same work at
+    that size (its true step times), so the simulator gives it the same steps to run."""
+    variants = _policy_variants()
+    cluster = Cluster.uniform(4, 4)
+    sample = sample_philly(philly, cluster, 20, seed=3, max_gpu_hours=40.0, growth=4)
+    moved = [variants.requested_at(job, job.max_devices, cluster) for job in sample]
+    assert any(job.requested < job.max_devices for job in sample)
+    steps = lambda job: job.duration / job.true_model.step_time(job.requested, cluster.min_nodes(job.requested))
+    for before, after in zip(sample, moved):
+        assert after.requested == before.max_devices and after.max_devices == before.max_devices
+        assert steps(after) == pytest.approx(steps(before), rel=1e-12)
+    # Faster at their max, most of them: the same work takes them less time there.
+    assert sum(after.duration < before.duration for before, after in zip(sample, moved)) >= len(sample) // 2
+
+
 def test_policy_variants_total_a_variant_over_draws_of_the_noise():
     """`--noise-seed 0,100`: the mean gap closed at each draw and over them, and each goal
     counted over every (workload, draw) pair, p99 and reproducible at their bounds included."""
