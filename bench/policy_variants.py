@@ -211,6 +211,8 @@ def main() -> None:
     sim = parse_knobs(ours.sim, {f.name: f for f in dataclasses.fields(SimConfig) if f.name != "prior"})
     loads = [(jobs, seed) for jobs in ours.jobs for seed in ours.seeds]
     variants = [(text or "defaults", parse_knobs(text, fields)) for text in ["", *ours.variants]]  # a typo fails before any replay
+    if ours.requests != "trace":  # only reproducible mode's replays move the requests: say so on each line
+        variants = [(f"{name} (reproducible: every request at its {ours.requests})", knobs) for name, knobs in variants]
     with ProcessPoolExecutor(ours.workers) as pool:
         for name, knobs in variants:
             by_seed = {}
