@@ -91,11 +91,42 @@ def test_bad_node_names_say_what_to_use(name):
 def lab_subnet_tag() -> int:
     """The third byte of this process's lab subnet, on the host's own routes: distinct for each
     of up to four workers of one test run (the workers' pool tests run side by side), and apart
-    from another run's but by chance (its workers share the run's process as their parent)."""
+    from another run's but by chance (its workers share the run's process as their parent).
+    A subnet already on one of the host's interfaces is passed over: a run killed before its
+    labs were torn down leaves its bridge, and two bridges on one subnet route nowhere."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 4:
-        return os.getppid() % 62 * 4 + int(worker[2:]) + 1
-    return os.getpid() % 250 + 1
+        return free_subnet_tag(os.getppid() % 62 * 4 + int(worker[2:]) + 1, 4, 248, lab_subnets_in_use())
+    return free_subnet_tag(os.getpid() % 250 + 1, 1, 250, lab_subnets_in_use())
+
+
+def free_subnet_tag(tag: int, step: int, top: int, taken: set[int]) -> int:
+    """`tag`, or the next one in steps of `step` (wrapping within 1..`top`) not in `taken`: a
+    worker's tags keep their remainder mod `step`, so the workers of one run stay apart."""
+    for _ in range(top // step):
+        if tag not in taken:
+            return tag
+        tag = (tag - 1 + step) % top + 1
+    return tag  # every one taken: the lab's own setup will say what clashes
+
+
+def lab_subnets_in_use() -> set[int]:
+    """Third bytes of the lab subnets (SUBNET) on this host's interfaces."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    except OSError:
+        return set()
+    return {int(m) for m in re.findall(r"inet 10\.232\.(\d+)\.", out)}
+
+
+def test_a_lab_passes_over_a_subnet_a_killed_run_left_on_the_host():
+    """A worker's lab subnet skips those in use, in its own steps: the workers stay apart."""
+    assert free_subnet_tag(6, 4, 248, set()) == 6
+    assert free_subnet_tag(6, 4, 248, {6, 10}) == 14
+    assert free_subnet_tag(246, 4, 248, {246}) == 2  # wraps, keeping its remainder mod 4
+    assert free_subnet_tag(250, 1, 250, {250, 1}) == 2
+    tags = [free_subnet_tag(5 + w, 4, 248, {5, 6, 7, 8, 9}) for w in range(4)]
+    assert tags == [13, 10, 11, 12] and len(set(tags)) == 4
 
 
 def ip(*args: str) -> None:
