@@ -116,7 +116,8 @@ def lab_subnets_in_use() -> set[int]:
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
     except OSError:
         return set()
-    return {int(m) for m in re.findall(r"inet 10\.232\.(\d+)\.", out)}
+    prefix = re.escape(SUBNET.split("{")[0])  # "10.232."
+    return {int(m) for m in re.findall(rf"inet {prefix}(\d+)\.", out)}
 
 
 def test_a_lab_passes_over_a_subnet_a_killed_run_left_on_the_host():
