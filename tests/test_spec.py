@@ -45,6 +45,9 @@ BAD = [
     ("model/name", "resnet9000", ["model", "small_cnn", "mlp"]),
     ("model/width", 0, ["model.width", "greater than or equal to 1"]),
     ("model/depth", 3, ["model.depth", "Extra inputs"]),  # small_cnn has no depth
+    ("model/widht", 3, ["model.widht", "Extra inputs", "did you mean 'width'?"]),  # inside the model union's variant
+    ("training/lrr", 0.1, ["training.lrr", "did you mean 'lr'?"]),
+    ("clustre", {"cpu_slots": 2}, ["clustre", "did you mean 'cluster'?"]),  # a section
     ("model/dropout", 1.5, ["model.dropout", "less than 1"]),
     ("training/steps", 0, ["training.steps", "greater than or equal to 1"]),
     ("training/steps", "many", ["training.steps", "valid integer"]),
@@ -75,6 +78,7 @@ BAD = [
     ("grid", {"training.lr": [0.1, 0.1]}, ["repeats a value"]),
     ("grid", {"training.lr": [0.1, -3]}, ["grid.training.lr[1] = -3", "greater than 0"]),
     ("grid", {"model.heads": [1, 2]}, ["grid.model.heads", "no field 'heads'", "width"]),
+    ("grid", {"training.warmup": [5, 10]}, ["grid.training.warmup", "did you mean 'warmup_steps'? valid:", "batch_size"]),
     ("resources/devices", 0, ["resources.devices"]),
     ("resources/devices", 32, ["batch_size (16) is smaller than the 32 devices"]),
     ("resources/devices", [4, 2], ["resources.devices", "min <= max"]),
@@ -99,6 +103,11 @@ def test_bad_spec_names_the_field(change, value, words):
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} not in:\n{message}"
+
+
+def test_a_field_far_from_every_valid_one_gets_no_guess():
+    message = str(pytest.raises(SpecError, parse_spec, with_change("campaign/colour", "red")).value)
+    assert "campaign.colour" in message and "did you mean" not in message
 
 
 def test_every_problem_reported_at_once():

@@ -708,26 +708,52 @@ def _constraints_at(loc: list[Any]) -> list[Any] | None:
     """The constraints (annotated_types Ge, Gt, Le, Lt) of the field an error's location names,
     walking CampaignSpec's models, tagged unions, lists, tuples and mappings; None where the
     location leads nowhere known."""
+    walked = _walk(loc)
+    if walked is None:
+        return None
+    tp, found = walked
+    _unwrap(tp, found)
+    return found
+
+
+def _fields_at(loc: list[Any]) -> list[str]:
+    """The field names of the model at `loc` (a section, a model variant, a search
+    dimension), or [] where the location leads to no model."""
+    walked = _walk(loc)
+    if walked is None:
+        return []
+    tp = _unwrap(walked[0], [])
+    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
+
+
+def _unwrap(tp: Any, found: list[Any]) -> Any:
+    """`tp` without Annotated and Optional wrappers; their constraints appended to `found`."""
     import types
     import typing
 
     from pydantic.fields import FieldInfo
 
-    def unwrap(tp: Any, found: list[Any]) -> Any:
-        while True:
-            if typing.get_origin(tp) is Annotated:
-                tp, *extra = typing.get_args(tp)
-                for item in extra:
-                    found += item.metadata if isinstance(item, FieldInfo) else [item]
-            elif typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp) and \
-                    len(typing.get_args(tp)) == 2:  # Optional: pydantic puts no step in the location for it
-                tp = next(a for a in typing.get_args(tp) if a is not type(None))
-            else:
-                return tp
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp, *extra = typing.get_args(tp)
+            for item in extra:
+                found += item.metadata if isinstance(item, FieldInfo) else [item]
+        elif typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp) and \
+                len(typing.get_args(tp)) == 2:  # Optional: pydantic puts no step in the location for it
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        else:
+            return tp
+
+
+def _walk(loc: list[Any]) -> tuple[Any, list[Any]] | None:
+    """The type at an error's location in CampaignSpec, with the constraints met on the last
+    step; None where the location leads nowhere known."""
+    import types
+    import typing
 
     tp, found = CampaignSpec, []
     for part in loc:
-        tp = unwrap(tp, found)
+        tp = _unwrap(tp, found)
         origin, args = typing.get_origin(tp), typing.get_args(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
             field = tp.model_fields[part]
@@ -746,8 +772,7 @@ def _constraints_at(loc: list[Any]) -> list[Any] | None:
             tp, found = args[1], []
         else:
             return None
-    unwrap(tp, found)
-    return found
+    return tp, found
 
 
 def _valid_range(loc: list[Any]) -> str | None:
@@ -770,11 +795,21 @@ def _valid_range(loc: list[Any]) -> str | None:
     return f"valid range {_interval(low, high, low_open, high_open)}"
 
 
+def _close_field(name: str, fields: list[str]) -> str | None:
+    """"did you mean 'lr'?" for a misspelt field name, where one field is close to it."""
+    import difflib
+
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
 def _format_errors(source: str, error: ValidationError, prefix: str = "") -> list[str]:
     lines = []
     for e in error.errors():
         loc = list(e["loc"])
         valid = _valid_range(loc) if e["type"] in RANGE_ERRORS else None
+        if e["type"] == "extra_forbidden" and loc:
+            valid = _close_field(str(loc[-1]), _fields_at(loc[:-1]))
         if len(loc) > 1 and loc[0] == "model" and loc[1] in MODEL_TAGS:  # the union's tag, not a field
             del loc[1]
         if len(loc) > 3 and loc[:2] == ["search", "space"] and loc[3] in DIMENSION_KINDS and loc[4:5] == [loc[3]]:
@@ -807,7 +842,9 @@ def _grid_value_errors(spec: CampaignSpec) -> list[str]:
         field, _, deeper = rest.partition(".")
         known = type(getattr(spec, section)).model_fields
         if field not in known:
-            problems.append(f"  {where}.{key}: {section} has no field {field!r}; valid: {', '.join(sorted(known))}")
+            hint = _close_field(field, list(known))
+            problems.append(f"  {where}.{key}: {section} has no field {field!r}; {hint + ' ' if hint else ''}valid: "
+                            f"{', '.join(sorted(known))}")
             continue
         if deeper and not isinstance(getattr(getattr(spec, section), field), dict):
             problems.append(f"  {where}.{key}: {section}.{field} is not a mapping; only kwargs take deeper keys")
