@@ -463,7 +463,7 @@ def _nothing_to_do(spec, params: Path) -> dict | None:
     from tasks.grid import expand_grid
     from tasks.mlflow_store import sqlite_file
     from tasks.records import campaign_status, read_campaign
-    from tasks.summary import summarize, RANK_BY
+    from tasks.summary import ranked_by, summarize
     from tasks.tracking_store import check_tracking_store
     from training.errors import CampaignError
     from training.spec import summary_not_ours, tracking_uri
@@ -491,7 +491,7 @@ def _nothing_to_do(spec, params: Path) -> dict | None:
         return None  # the launch's checks report it, naming the file
     results = {r.trial_id: {"metrics": r.metrics} for r in rows}
     pruned = {r.trial_id for r in rows if r.state == "pruned"}
-    return summarize(trials, results, {}, pruned, (RANK_BY, "max"))
+    return summarize(trials, results, {}, pruned, ranked_by(spec))
 
 
 def _watch_first_step(spec, trials, phases):
@@ -759,7 +759,7 @@ def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
     """The campaign's trials as a table, whether every one has ended, and the lines under it: the
     checkpoints refused, and why a trial ended as it did where its state alone does not say."""
     from flows.run.live_view import trials_table
-    from tasks.records import campaign_status
+    from tasks.records import campaign_status, read_campaign
 
     rows = campaign_status(runs_dir, name)
     if not rows:
@@ -770,7 +770,8 @@ def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
                for r in rows for checkpoint, why in r.refused]
     # Why a trial ended as it did, where its state alone does not say (a stalled trial).
     refused += [f"trial {r.trial_id} {r.state}: {r.reason}" for r in rows if r.reason]
-    return trials_table(name, rows), all(r.state in TERMINAL for r in rows), refused
+    record = read_campaign(runs_dir, name)
+    return trials_table(name, rows, objective=record.objective if record else None), all(r.state in TERMINAL for r in rows), refused
 
 
 @app.command()

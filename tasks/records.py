@@ -65,6 +65,9 @@ class CampaignRecord:
     mlflow_ui: str | None = None
     prefect_api: str | None = None  # a `campaign ui` waits for campaigns reporting to it
     flow_run_id: str | None = None
+    # The metric its trials are ranked by, and min or max: `campaign status` marks the best
+    # trial by it (None: a record from before it was kept; validation accuracy, highest).
+    objective: tuple[str, str] | None = None
     schema: int = CAMPAIGN_SCHEMA
 
     def trial(self, trial_id: str) -> TrialEntry | None:
@@ -82,6 +85,8 @@ class CampaignRecord:
             raise InputError(f"{path} is not a campaign record ({problem}): {_RECORD_FIX}")
         fields_ = {k: v for k, v in raw.items() if k != "trials"}
         fields_["schema"] = CAMPAIGN_SCHEMA  # 0 (before records had a version) has the same fields
+        if fields_.get("objective") is not None:
+            fields_["objective"] = tuple(fields_["objective"])
         trials = tuple(TrialEntry(id=t["id"], label=t["label"], steps=t["steps"], overrides=dict(t.get("overrides", {})),
                                   devices=tuple(t.get("devices", (1, 1)))) for t in raw.get("trials", []))
         return cls(trials=trials, **fields_)
@@ -102,6 +107,10 @@ def _campaign_problem(raw: Any) -> str | None:
         return "no name"
     if any(raw.get(k) is not None and not isinstance(raw[k], str) for k in _OPTIONAL_TEXT):
         return "a link or owner that is not text"
+    objective = raw.get("objective")
+    if objective is not None and not (isinstance(objective, list) and len(objective) == 2 and isinstance(objective[0], str)
+                                      and objective[1] in ("min", "max")):
+        return f"objective {objective!r} is not [metric, min|max]"
     if any(raw.get(k) is not None and (not isinstance(raw[k], (int, float)) or isinstance(raw[k], bool)) for k in ("started", "ended", "launches")):
         return "a time or count that is not a number"
     trials = raw.get("trials", [])

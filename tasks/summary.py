@@ -13,8 +13,8 @@ from training.spec import (SUMMARY_WRITER, TRIAL_METRIC_NAMES, CampaignSpec, sum
                            trial_metrics_not_ours)
 from tasks.grid import Trial
 from training.files import write_json_atomic
+from tasks.ranking import RANK_BY, best_trial
 
-RANK_BY = "val_accuracy"
 REPORTED = TRIAL_METRIC_NAMES  # per trial, in the DVC metrics
 
 
@@ -24,11 +24,9 @@ def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: d
     per_trial = {t.id: results[t.id]["metrics"] for t in trials if t.id in results}
     summary: dict[str, Any] = {"trials": len(trials), "finished": len(per_trial) - len(pruned & set(per_trial)),
                                "pruned": len(pruned & set(per_trial)), "failed": len(failed)}
-    metric, mode = objective
-    ranked = [(m[metric], tid) for tid, m in per_trial.items() if metric in m and tid not in pruned]
-    if ranked:
-        best_value, best_id = max(ranked) if mode == "max" else min(ranked)
-        summary["best"] = {"trial": best_id, metric: best_value}
+    best = best_trial({tid: m for tid, m in per_trial.items() if tid not in pruned}, objective)
+    if best is not None:
+        summary["best"] = {"trial": best[0], objective[0]: best[1]}
     summary["per_trial"] = {tid: {k: round(m[k], 6) for k in REPORTED if k in m} for tid, m in per_trial.items()}
     return summary
 

@@ -52,9 +52,10 @@ def test_a_campaign_record_reads_back_as_written_and_an_unversioned_one_still_re
     from tasks.records import CampaignRecord, TrialEntry, read_campaign, update_campaign, write_campaign
 
     write_campaign(tmp_path, CampaignRecord(name="c", trials=(TrialEntry("t1", "lr=0.1", 20, {"training.lr": 0.1}, (1, 2)),)))
-    update_campaign(tmp_path, "c", state="running", launches=1)
+    update_campaign(tmp_path, "c", state="running", launches=1, objective=("val_loss", "min"))
     record = read_campaign(tmp_path, "c")
     assert (record.state, record.launches, record.trial("t1").devices, record.trial("t1").overrides) == ("running", 1, (1, 2), {"training.lr": 0.1})
+    assert record.objective == ("val_loss", "min")
     raw = json.loads((tmp_path / "c" / "campaign.json").read_text())
     assert raw["schema"] == 1 and raw["trials"][0]["devices"] == [1, 2]
     del raw["schema"]  # as the versions before records had one wrote it
@@ -69,6 +70,7 @@ def test_a_campaign_record_reads_back_as_written_and_an_unversioned_one_still_re
     ({"name": "c", "trials": [{"id": "t1"}]}, "trial entry"),
     ({"name": "c", "colour": "blue"}, "unknown fields"),
     ({"name": "c", "started": "yesterday"}, "not a number"),
+    ({"name": "c", "objective": ["val_loss", "lowest"]}, "objective .* is not \\[metric, min\\|max\\]"),
     ("c", "not a JSON object"),
 ])
 def test_a_file_that_is_not_a_campaign_record_is_refused_naming_it(tmp_path, raw, why):

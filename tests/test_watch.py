@@ -192,6 +192,51 @@ def test_the_trials_table_keeps_each_trial_id_whole_at_80_columns():
             assert any(i in line for line in lines), (i, "\n".join(lines))
 
 
+def test_the_trials_table_marks_the_best_finished_trial_by_the_campaigns_objective():
+    """The best of the finished trials is named under the table and its row is bold: by the
+    campaign's objective (a search's metric, min or max), never a running trial's metrics so
+    far or a pruned one's; without a record of the objective, by validation accuracy."""
+    from rich.console import Console
+
+    from flows.run.live_view import trials_table
+    from tasks.records import TrialStatus
+
+    def row(tid, state, accuracy, loss):
+        return TrialStatus(tid, tid, state, 10, 10, ["cpu0"], {"val_accuracy": accuracy, "val_loss": loss, "train_loss": loss}, None)
+
+    rows = [row("a", "finished", 0.91, 0.30), row("b", "finished", 0.95, 0.35), row("c", "running", 0.99, 0.10),
+            row("d", "pruned", 0.99, 0.05), row("e", "finished", 0.90, 0.25)]
+
+    def shown(objective):
+        table = trials_table("c", rows, objective=objective)
+        console = Console(width=100, record=True, file=open("/dev/null", "w"))
+        console.print(table)
+        bold = [r.trial_id for r, style in zip(rows, (table.rows[i].style for i in range(len(rows)))) if style == "bold"]
+        return console.export_text(), bold
+
+    text, bold = shown(None)
+    assert "★ best: b, val_accuracy 0.9500" in text and bold == ["b"]
+    text, bold = shown(("val_loss", "min"))
+    assert "★ best: e, val_loss 0.2500" in text and bold == ["e"]
+    text, bold = shown(("val_loss", "max"))
+    assert "★ best: b, val_loss 0.3500" in text and bold == ["b"]
+    text, bold = shown(("val_perplexity", "min"))  # no trial reports it: nothing is marked
+    assert "best" not in text and bold == []
+
+
+def test_campaign_status_names_the_best_trial_by_the_objective_the_launch_recorded(tmp_path):
+    from tasks.records import update_campaign
+
+    runs = tmp_path / "runs"
+    trial = a_campaign(runs)
+    write_result(trial / "result.json", trainer_result("t1", steps=10))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "status", "--runs-dir", str(runs)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "★ best: t1, val_accuracy 0.8125" in out.stdout, out.stdout + out.stderr
+    update_campaign(runs, "w", objective=("val_perplexity", "min"))  # a metric the trial did not report
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "status", "--runs-dir", str(runs)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "finished" in out.stdout and "best" not in out.stdout, out.stdout + out.stderr
+
+
 def test_an_event_line_with_a_url_keeps_it_whole_at_80_columns_and_links_it_in_a_terminal():
     """The campaign's end prints an `MLflow compare` link longer than 80 columns: one line, no
     hard break inside it (copied whole), and an OSC 8 hyperlink where the console is a terminal."""

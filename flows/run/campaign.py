@@ -969,7 +969,7 @@ def run_campaign(params_path: str, lease_db: str | None, pool: str | None) -> di
         prefect_api=os.environ.get("PREFECT_API_URL") if os.environ.get("PREFECT_API_URL") != os.environ.get("CAMPAIGN_PREFECT_TEMPORARY") else None,
         # Where people look: the live view prints these links (flows/run/live_view.py: campaign_links).
         flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
-        mlflow_ui=ui, mlflow_experiment_id=experiment,
+        mlflow_ui=ui, mlflow_experiment_id=experiment, objective=ranked_by(spec),
         trials=before.trials if search else tuple(trial_entry(t, requests[t.id]) for t in trials),
     ))
     run = CampaignRun(spec, trials, inventory, requests, parent_run_id, lease_db, logger, search)

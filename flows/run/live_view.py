@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.style import Style
 from rich.text import Text
 
+from tasks.ranking import RANK_BY, best_trial
 from tasks.records import ENDED, CampaignRecord, TrialStatus, campaign_status, read_campaign
 
 EVENTS = logging.getLogger("campaign.events")
@@ -104,8 +105,11 @@ class _TrialsTable(Table):
         yield from super().__rich_console__(console, options)
 
 
-def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None) -> Table:
-    """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when given)."""
+def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None,
+                 objective: tuple[str, str] | None = None) -> Table:
+    """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when
+    given); the best finished trial by the campaign's objective (metric, min|max) marked, and
+    named under the table."""
     # Values are never cut (at 80 columns "finished" read "finis…"): the trial id stays whole on
     # one line (people copy it into `campaign logs`); where the terminal is too narrow for every
     # value on one line, the other cells fold onto more lines.
@@ -118,13 +122,19 @@ def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | Non
         table.add_column(col, no_wrap=True)
     if etas is not None:
         table.add_column("eta", justify="right", no_wrap=True)
+    # Only finished trials compete, as in the summary: a running trial's metrics are not its
+    # result yet, and a pruned one was stopped early.
+    best = best_trial({r.trial_id: r.metrics for r in rows if r.state == "finished"}, objective or (RANK_BY, "max"))
+    if best is not None:
+        table.caption = f"★ best: {best[0]}, {(objective or (RANK_BY,))[0]} {best[1]:.4f}"
+        table.caption_justify = "left"
     for r in rows:
         fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
         checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
         cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", " ".join(r.devices) or "-", fmt("val_accuracy"), fmt("train_loss"), checkpoint]
         if etas is not None:
             cells.append(format_seconds(etas.get(r.trial_id)) if r.state == "running" else "-")
-        table.add_row(*cells)
+        table.add_row(*cells, style="bold" if best is not None and r.trial_id == best[0] else None)
     return table
 
 
@@ -244,7 +254,7 @@ class LiveView:
                 footer.append_text(linked(link, "dim"))
         if not rows:
             return Group(Text(f"campaign {self.name}: starting (Prefect's API, the checks, the first trials)…"), footer)
-        return Group(trials_table(self.name, rows, etas), footer)
+        return Group(trials_table(self.name, rows, etas, record.objective), footer)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
