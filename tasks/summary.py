@@ -32,9 +32,14 @@ def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: d
 
 
 def ranked_by(spec: CampaignSpec) -> tuple[str, str]:
-    """The campaign's metric and min|max: a grid ranks by validation accuracy, as it always has;
-    a search by its own objective. The summary's best trial, MLflow's view and its charts follow it."""
-    return spec.objective if spec.searched else (RANK_BY, "max")
+    """The campaign's metric and min|max: a search's (or early stopping's) objective; a grid's
+    `tracking.rank_by`, else validation accuracy for the project's loop and validation loss for
+    a function, which reports no accuracy of the loop's. The summary's best trial, MLflow's view
+    and its charts, and the terminal's tables follow it."""
+    if spec.searched:
+        return spec.objective
+    metric = spec.tracking.rank_by or ("val_loss" if spec.function else RANK_BY)
+    return metric, spec.tracking.rank_mode or ("max" if metric == "val_accuracy" else "min")
 
 
 def varied_params(spec: CampaignSpec) -> list[str]:

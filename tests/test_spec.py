@@ -93,6 +93,8 @@ BAD = [
     ("tracking/keep_checkpoints", 0, ["tracking.keep_checkpoints"]),
     ("cluster/cpu_slots", 0, ["cluster.cpu_slots"]),
     ("cluster/pool", "Lab A", ["cluster.pool", "pattern"]),
+    ("tracking/rank_by", "val_mmd", ["tracking.rank_by: the project's loop reports", "val_accuracy"]),
+    ("tracking/rank_mode", "lowest", ["tracking.rank_mode", "'min' or 'max'"]),
 ]
 
 
@@ -103,6 +105,27 @@ def test_bad_spec_names_the_field(change, value, words):
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} not in:\n{message}"
+
+
+def test_a_grid_ranks_by_the_metric_it_names_and_a_search_by_its_objective_alone():
+    from tasks.summary import ranked_by
+
+    assert ranked_by(parse_spec(GOOD)) == ("val_accuracy", "max")
+    assert ranked_by(parse_spec(with_change("tracking", {"rank_by": "val_loss"}))) == ("val_loss", "min")
+    assert ranked_by(parse_spec(with_change("tracking", {"rank_by": "val_loss", "rank_mode": "max"}))) == ("val_loss", "max")
+    function = with_change("training/target", "pkg.train:main", with_change("model", DELETE, with_change("grid", {"training.lr": [0.1, 0.2]})))
+    assert ranked_by(parse_spec(function)) == ("val_loss", "min")  # a function reports no accuracy of the loop's
+    assert ranked_by(parse_spec(with_change("tracking", {"rank_by": "bleu", "rank_mode": "max"}, function))) == ("bleu", "max")
+    search = with_change("grid", DELETE, with_change("search", {"trials": 2, "metric": "val_loss", "space": {"training.lr": {"uniform": [0.01, 0.1]}}}))
+    assert ranked_by(parse_spec(with_change("tracking", {"rank_by": "val_loss"}, search))) == ("val_loss", "min")
+    message = str(pytest.raises(SpecError, parse_spec, with_change("tracking", {"rank_by": "val_accuracy"}, search)).value)
+    assert "tracking.rank_by" in message and "search ranks its trials by that objective (val_loss, min)" in message
+
+
+def test_a_grid_over_the_model_of_a_function_that_builds_its_own_is_named():
+    function = with_change("training/target", "pkg.train:main", with_change("model", DELETE))  # GOOD's grid varies model.width
+    message = str(pytest.raises(SpecError, parse_spec, function).value)
+    assert "grid.model.width: there is no model section to vary" in message and "training.kwargs.<name>" in message
 
 
 def test_a_field_far_from_every_valid_one_gets_no_guess():

@@ -504,6 +504,11 @@ class TrackingSection(Strict):
         return every
     dvc_remote: str | None = Field(default=None, min_length=1, description="a DVC remote (its name in .dvc/config, a URL or "
                                    "a folder) each checkpoint is pushed to and a resume pulls from: nodes need no shared storage")
+    rank_by: str | None = Field(default=None, pattern=METRIC_NAME, description="the metric a grid's best trial is chosen by (the "
+                                "summary, MLflow's view, `campaign status`); default: val_accuracy for the project's loop, "
+                                "val_loss for your function (training.target); a search ranks by its own metric")
+    rank_mode: Literal["min", "max"] | None = Field(default=None, description="min or max of tracking.rank_by; default: max for "
+                                                   "val_accuracy, min for any other metric")
 
 
 def tracking_uri(tracking: TrackingSection) -> str:
@@ -593,9 +598,10 @@ class CampaignSpec(Strict):
                              "computes itself, and this one would not be used: remove the loss section, or set model.output "
                              "to the part of the output your loss takes (auto: logits)")
         for section, metric in (("search", self.search.metric if self.search else None),
-                                ("early_stopping", self.early_stopping.metric if self.early_stopping else None)):
+                                ("early_stopping", self.early_stopping.metric if self.early_stopping else None),
+                                ("tracking.rank_by", self.tracking.rank_by)):
             if metric is not None and metric not in METRICS and not self.function:
-                raise ValueError(f"{section}.metric: the project's loop reports {', '.join(METRICS)}, not {metric!r}: pick one of "
+                raise ValueError(f"{section if '.' in section else section + '.metric'}: the project's loop reports {', '.join(METRICS)}, not {metric!r}: pick one of "
                                  "them (any name your function reports works with training.target)")
         return self
 
@@ -609,6 +615,11 @@ class CampaignSpec(Strict):
                 (stop.metric is not None and stop.metric != self.search.metric) or (stop.mode is not None and stop.mode != (self.search.mode or stop.mode))):
             raise ValueError(f"early_stopping judges trials by the search's objective ({self.search.metric}): leave "
                              "early_stopping.metric and mode out, or make them the search's")
+        ranked = self.tracking.rank_by, self.tracking.rank_mode
+        if self.searched and (ranked[0] not in (None, self.objective[0]) or ranked[1] not in (None, self.objective[1])):
+            where = "search" if self.search is not None else "early_stopping"
+            raise ValueError(f"tracking.rank_by: a campaign with {where} ranks its trials by that objective ({self.objective[0]}, "
+                             f"{self.objective[1]}): leave tracking.rank_by and rank_mode out, or make them {where}'s metric and mode")
         if self.early_stopping is not None and not self.function and self.training.eval_every > self.training.steps:
             raise ValueError(f"early_stopping needs evaluations: training.eval_every ({self.training.eval_every}) is past "
                              f"training.steps ({self.training.steps})")
@@ -840,6 +851,10 @@ def _grid_value_errors(spec: CampaignSpec) -> list[str]:
     for key, values in spec.varies.items():
         section, _, rest = key.partition(".")
         field, _, deeper = rest.partition(".")
+        if getattr(spec, section) is None:  # a function trial's model: its own function builds it
+            problems.append(f"  {where}.{key}: there is no {section} section to vary: your function (training.target) builds "
+                            f"its own {section}; vary its arguments instead (training.kwargs.<name>)")
+            continue
         known = type(getattr(spec, section)).model_fields
         if field not in known:
             hint = _close_field(field, list(known))
