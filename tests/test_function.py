@@ -348,6 +348,10 @@ def test_function_trials_report_to_mlflow_and_the_study_and_a_raising_one_fails_
     assert "Traceback" in log and "ValueError: the user's own bug at step 25" in log
     logs = campaign_cli("logs", failed.name, "--runs-dir", str(tmp_path / "runs"))
     assert "ValueError: the user's own bug at step 25" in logs.stdout
+    # The launch kept the objective its trials rank by; `campaign status` names the best by it.
+    assert json.loads((root / "campaign.json").read_text())["objective"] == ["val_loss", "min"]
+    status = campaign_cli("status", "--runs-dir", str(tmp_path / "runs"))
+    assert f"★ best: {finished[0].name}, val_loss" in status.stdout, status.stdout
 
     client, runs = trial_runs(tmp_path)
     (good,) = [r for r in runs if r.data.tags.get("campaign.state") == "finished"]
