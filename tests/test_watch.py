@@ -216,8 +216,10 @@ def test_the_trials_table_marks_the_best_finished_trial_by_the_campaigns_objecti
 
     text, bold = shown(None)
     assert "★ best: b, val_accuracy 0.9500" in text and bold == ["b"]
+    assert "val acc" in text and "val loss" not in text  # the metric column is the one ranked by
     text, bold = shown(("val_loss", "min"))
     assert "★ best: e, val_loss 0.2500" in text and bold == ["e"]
+    assert "val loss" in text and "val acc" not in text and "0.3500" in text
     text, bold = shown(("val_loss", "max"))
     assert "★ best: b, val_loss 0.3500" in text and bold == ["b"]
     text, bold = shown(("val_perplexity", "min"))  # no trial reports it: nothing is marked

@@ -105,11 +105,17 @@ class _TrialsTable(Table):
         yield from super().__rich_console__(console, options)
 
 
+COLUMN_NAMES = {"val_accuracy": "val acc", "val_loss": "val loss", "train_loss": "loss"}  # short headers; other metrics by name
+
+
 def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | None] | None = None,
                  objective: tuple[str, str] | None = None) -> Table:
     """The campaign's trials: state, progress, devices, latest metrics, checkpoint (and ETA when
-    given); the best finished trial by the campaign's objective (metric, min|max) marked, and
-    named under the table."""
+    given). Its metric columns are the one the campaign ranks its trials by (`objective`: metric,
+    min|max; validation accuracy where no objective is recorded) and the training loss; the
+    best finished trial by the objective is in bold and named under the table."""
+    metric, mode = objective or (RANK_BY, "max")
+    shown = [metric] + (["train_loss"] if metric != "train_loss" else [])
     # Values are never cut (at 80 columns "finished" read "finis…"): the trial id stays whole on
     # one line (people copy it into `campaign logs`); where the terminal is too narrow for every
     # value on one line, the other cells fold onto more lines.
@@ -118,20 +124,20 @@ def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | Non
     for col in ("state", "steps"):
         table.add_column(col, no_wrap=True)
     table.add_column("devices", overflow="fold")
-    for col in ("val acc", "loss", "ckpt"):
+    for col in [*(COLUMN_NAMES.get(m, m) for m in shown), "ckpt"]:
         table.add_column(col, no_wrap=True)
     if etas is not None:
         table.add_column("eta", justify="right", no_wrap=True)
     # Only finished trials compete, as in the summary: a running trial's metrics are not its
     # result yet, and a pruned one was stopped early.
-    best = best_trial({r.trial_id: r.metrics for r in rows if r.state == "finished"}, objective or (RANK_BY, "max"))
+    best = best_trial({r.trial_id: r.metrics for r in rows if r.state == "finished"}, (metric, mode))
     if best is not None:
-        table.caption = f"★ best: {best[0]}, {(objective or (RANK_BY,))[0]} {best[1]:.4f}"
+        table.caption = f"★ best: {best[0]}, {metric} {best[1]:.4f}"
         table.caption_justify = "left"
     for r in rows:
         fmt = lambda k: f"{r.metrics[k]:.4f}" if k in r.metrics else "-"
         checkpoint = str(int(Path(r.checkpoint).name.split("-")[1])) if r.checkpoint else "-"
-        cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", " ".join(r.devices) or "-", fmt("val_accuracy"), fmt("train_loss"), checkpoint]
+        cells = [r.trial_id, r.state, f"{r.step}/{r.steps}", " ".join(r.devices) or "-", *map(fmt, shown), checkpoint]
         if etas is not None:
             cells.append(format_seconds(etas.get(r.trial_id)) if r.state == "running" else "-")
         table.add_row(*cells, style="bold" if best is not None and r.trial_id == best[0] else None)
