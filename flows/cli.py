@@ -854,6 +854,40 @@ def _trial_done_for_good(trial_dir: Path, trial: str, entry) -> bool:
 
 
 @app.command()
+def export(
+    trial: Optional[str] = typer.Argument(None, help="trial id (see `campaign status`); default: the campaign's best finished trial"),
+    campaign: Optional[str] = typer.Option(None, help="campaign name (default: the latest launched)"),
+    runs_dir: Path = typer.Option(Path("checkpoints"), help="where campaigns keep their trials"),
+    out: Optional[Path] = typer.Option(None, help="the file to write (default: exports/<campaign>/<trial>.pt)"),
+) -> None:
+    """Write a finished trial's trained weights (by default the best trial's) to one PyTorch file:
+    torch.load(FILE)["model"] is the model's state_dict, ["model_spec"] its model section."""
+    from tasks.export import default_trial, export_trial
+    from tasks.records import CampaignRecord, read_campaign
+
+    with _bad_input():
+        if trial is None:
+            name = _campaign_name(campaign, runs_dir)
+            record = read_campaign(runs_dir, name)
+            if record is None:
+                _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
+            trial_id, _ = default_trial(runs_dir, record)
+        else:
+            name, entry = _find_trial(campaign, runs_dir, trial)
+            record, trial_id = read_campaign(runs_dir, name) or CampaignRecord(name=name), entry.id
+        target = out or Path("exports") / name / f"{trial_id}.pt"
+        written = export_trial(runs_dir, record, trial_id, target)
+    metric = written["objective"][0]
+    score = f", {metric} {written['metrics'][metric]:.4f}" if metric in written["metrics"] else ""
+    console.print(f"exported trial {trial_id} of {name} (step {written['step']}{score}) to {target}", highlight=False, soft_wrap=True)
+    if "model_spec" in written:
+        console.print(f'load it: model = training.workload.build_model(torch.load("{target}")["model_spec"]); '
+                      f'model.load_state_dict(torch.load("{target}")["model"])', highlight=False, soft_wrap=True)
+    else:
+        console.print(f'load it: torch.load("{target}")["state"] is what the function saved with ctx.save', highlight=False, soft_wrap=True)
+
+
+@app.command()
 def resize(
     trial: str = typer.Argument(..., help="trial id (see `campaign status`)"),
     devices: int = typer.Argument(..., help="number of devices to continue on; 0 preempts"),

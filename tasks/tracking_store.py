@@ -185,7 +185,7 @@ class NamedRuns:
         return ([self.parent] if self.parent else []) + list(self.trials.values())
 
 
-def _trial_config(trial_dir: Path) -> TrialConfig | None:
+def trial_config(trial_dir: Path) -> TrialConfig | None:
     """The trial's config (trial.json) as the campaign wrote it at its last start; None before one."""
     files = campaign_files(trial_dir.parent).trial(trial_dir.name)
     raw = read_json(files.config)
@@ -204,7 +204,7 @@ def named_runs(runs_dir: Path, campaign: str) -> tuple[CampaignRecord | None, Na
     root = campaign_dir(runs_dir, campaign)
     trials = {}
     for entry in record.trials:
-        config = _trial_config(root / entry.id)
+        config = trial_config(root / entry.id)
         if config is not None and config.mlflow_run_id:
             trials[entry.id] = config.mlflow_run_id
     return record, NamedRuns(record.mlflow_run_id, trials)
@@ -413,7 +413,7 @@ def repair_tracking(spec: CampaignSpec) -> Repair:
     root = campaign_dir(runs_dir, name)
     for entry in record.trials:
         trial_dir = root / entry.id
-        config = _trial_config(trial_dir)
+        config = trial_config(trial_dir)
         if config is None:
             continue  # never started: its run is made when it starts
         if _run_exists(client, config.mlflow_run_id):  # the store kept it (only the campaign's run was lost): under the new one

@@ -152,6 +152,8 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     assert metrics["finished"] == 4 and "per_trial" not in metrics  # each trial's figures in a file of its own
     assert {p.stem for p in (tmp_path / "metrics-trials").iterdir()} == {r.trial_id for r in rows}
 
+    exported_is_the_best_trial_and_reproduces_its_accuracy(tmp_path, digits_npz, summary["best"])
+
     # Launching the same spec again recomputes nothing and adds no runs.
     again = campaign_flow(str(params))
     assert again["finished"] == 4
@@ -160,6 +162,37 @@ def test_grid_runs_as_ddp_trials_tracked_in_mlflow(tmp_path, digits_npz, prefect
     for row in campaign_status(tmp_path / "runs", "flow-test"):
         record = json.loads((tmp_path / "runs" / "flow-test" / row.trial_id / "record.json").read_text())
         assert record["attempts"] == 1
+
+
+def exported_is_the_best_trial_and_reproduces_its_accuracy(root: Path, digits: Path, best: dict) -> None:
+    """`campaign export` writes the best trial's weights to a file `torch.load` reads with its
+    safe default (weights_only); the model built from the file's spec with those weights scores
+    the trial's reported validation accuracy on the same split. Exporting again replaces it; a
+    file that is not an export is never written over."""
+    import numpy as np
+    import torch
+
+    from conftest import campaign_cli
+    from training.workload import build_model
+
+    done = campaign_cli("export", "--runs-dir", str(root / "runs"), cwd=root)
+    path = root / "exports" / "flow-test" / f"{best['trial']}.pt"
+    assert done.returncode == 0 and str(path.relative_to(root)) in " ".join(done.stdout.split()), done.stdout + done.stderr
+    exported = torch.load(path, weights_only=True)
+    assert (exported["format"], exported["trial_id"], exported["step"]) == ("campaign-export/1", best["trial"], 30)
+    assert exported["metrics"]["val_accuracy"] == pytest.approx(best["val_accuracy"])
+    model = build_model(exported["model_spec"])
+    model.load_state_dict(exported["model"])  # strict: every weight, no stranger
+    split = np.load(digits)
+    with torch.no_grad():
+        predicted = model.eval()(torch.from_numpy(split["val_x"])).argmax(-1)
+    assert (predicted == torch.from_numpy(split["val_y"])).float().mean().item() == pytest.approx(best["val_accuracy"], abs=1e-6)
+
+    assert campaign_cli("export", best["trial"], "--runs-dir", str(root / "runs"), cwd=root).returncode == 0  # again: replaced
+    foreign = root / "notes.pt"
+    foreign.write_text("my notes")
+    refused = campaign_cli("export", "--runs-dir", str(root / "runs"), "--out", str(foreign), cwd=root)
+    assert refused.returncode == 2 and "is not an export of a trial" in refused.stderr and foreign.read_text() == "my notes"
 
 
 def test_two_device_trial_waits_for_two_then_starts_with_both(tmp_path, digits_npz, prefect_backend, monkeypatch):

@@ -352,6 +352,12 @@ def test_function_trials_report_to_mlflow_and_the_study_and_a_raising_one_fails_
     assert json.loads((root / "campaign.json").read_text())["objective"] == ["val_loss", "min"]
     status = campaign_cli("status", "--runs-dir", str(tmp_path / "runs"))
     assert f"★ best: {finished[0].name}, val_loss" in status.stdout, status.stdout
+    # `campaign export` gives back what the function saved at its end, by the names it used.
+    exported = campaign_cli("export", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "best.pt"))
+    assert exported.returncode == 0 and 'torch.load("' in exported.stdout, exported.stdout + exported.stderr
+    saved = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert saved["trial_id"] == finished[0].name and saved["step"] == 100 and "model" not in saved
+    assert set(saved["state"]) == {"model", "opt"} and all(isinstance(v, torch.Tensor) for v in saved["state"]["model"].values())
 
     client, runs = trial_runs(tmp_path)
     (good,) = [r for r in runs if r.data.tags.get("campaign.state") == "finished"]
