@@ -106,7 +106,7 @@ def _check_ours(out: Path) -> None:
     if out.is_dir():
         raise CampaignError(f"{out} is a folder: pass --out FILE (a .pt file to write)")
     try:
-        existing = torch.load(out, map_location="cpu", weights_only=True)
+        existing = torch.load(out, map_location="cpu", weights_only=True, mmap=True)  # its head is read, not its weights
     except Exception:
         existing = None
     if not isinstance(existing, dict) or existing.get("format") != FORMAT:
