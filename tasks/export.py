@@ -60,13 +60,15 @@ def export_trial(runs_dir: Path, record: CampaignRecord, trial_id: str, out: Pat
     # The result names its checkpoint by an absolute path on the host that wrote it; the trial's
     # own folder holds it under the same name (a moved project folder still exports).
     checkpoint = trial_dir / "checkpoints" / Path(result["checkpoint"]).name
-    if (why := verify(checkpoint)) is not None:
-        raise CampaignError(f"trial {trial_id}'s final checkpoint {checkpoint} does not verify ({why}): "
-                            f"`campaign resume --rerun {trial_id}` trains it again")
     config = trial_config(trial_dir)
     if config is None:
         raise CampaignError(f"trial {trial_id} has no trial.json in {trial_dir}: its checkpoint cannot be told apart "
                             f"from another kind's; `campaign resume --rerun {trial_id}` trains it again")
+    if not checkpoint.is_dir() and config.checkpoint_remote:
+        _pull(config.checkpoint_remote, checkpoint)  # a pool's node wrote it: the remote holds it
+    if (why := verify(checkpoint)) is not None:
+        raise CampaignError(f"trial {trial_id}'s final checkpoint {checkpoint} does not verify ({why}): "
+                            f"`campaign resume --rerun {trial_id}` trains it again")
     _check_ours(out)
     loaded = _load_checkpoint(checkpoint)
     head = {"format": FORMAT, "campaign": record.name, "trial_id": trial_id, "step": int(result["steps"]),
@@ -86,6 +88,19 @@ def export_trial(runs_dir: Path, record: CampaignRecord, trial_id: str, out: Pat
     finally:
         partial.unlink(missing_ok=True)
     return {**head, **({"model_spec": body["model_spec"]} if "model_spec" in body else {})}
+
+
+def _pull(remote: dict[str, Any], checkpoint: Path) -> None:
+    """The checkpoint, from the trial's DVC remote into its own folder (as a resume pulls it),
+    where the remote holds it; else left missing, for the check that follows to say so."""
+    from training.checkpoint_remote import remote_for
+    from training.manifest import checkpoint_step
+
+    try:
+        remote_for(remote, keep=1).pull_step(checkpoint_step(checkpoint), checkpoint.parent)
+    except Exception as e:  # an unreachable remote, a missing object
+        raise CampaignError(f"{checkpoint} is not on this machine and could not be pulled from {remote.get('url')} ({e}): "
+                            "export where the remote can be read") from None
 
 
 def _load_checkpoint(checkpoint: Path) -> dict[str, Any]:
