@@ -7,7 +7,7 @@ result names, verified against its manifest), and writes `torch.save` of a dict 
 `torch.load` reads back with its default `weights_only=True`:
 
     format     "campaign-export/1"
-    campaign, trial_id, step, metrics (its result's), objective ([metric, min|max])
+    campaign, trial_id, step (the weights'), metrics (its result's), objective ([metric, min|max])
     model      the model's state_dict (the project's loop), for `build_model(model_spec)`
     model_spec the trial's model section ({"name": ..., fields} or {"target": ..., "kwargs": ...})
     state      what your function saved with `ctx.save` (a function trial), instead of the two above
@@ -27,7 +27,7 @@ from tasks.ranking import RANK_BY, best_trial
 from tasks.records import CampaignRecord, campaign_dir, campaign_status
 from tasks.tracking_store import trial_config
 from training.errors import CampaignError
-from training.manifest import verify
+from training.manifest import checkpoint_step, verify
 from training.result import result_report
 
 FORMAT = "campaign-export/1"
@@ -71,7 +71,8 @@ def export_trial(runs_dir: Path, record: CampaignRecord, trial_id: str, out: Pat
                             f"`campaign resume --rerun {trial_id}` trains it again")
     _check_ours(out)
     loaded = _load_checkpoint(checkpoint)
-    head = {"format": FORMAT, "campaign": record.name, "trial_id": trial_id, "step": int(result["steps"]),
+    # The weights' step: a pruned trial's last save may be older than the step it stopped at.
+    head = {"format": FORMAT, "campaign": record.name, "trial_id": trial_id, "step": checkpoint_step(checkpoint),
             "metrics": {k: float(v) for k, v in result["metrics"].items()},
             "objective": list(record.objective or (RANK_BY, "max"))}
     if config.function is not None:
@@ -94,7 +95,6 @@ def _pull(remote: dict[str, Any], checkpoint: Path) -> None:
     """The checkpoint, from the trial's DVC remote into its own folder (as a resume pulls it),
     where the remote holds it; else left missing, for the check that follows to say so."""
     from training.checkpoint_remote import remote_for
-    from training.manifest import checkpoint_step
 
     try:
         remote_for(remote, keep=1).pull_step(checkpoint_step(checkpoint), checkpoint.parent)

@@ -4,6 +4,7 @@ the DVC remote only, and the refusals, each naming the trial and the fix, with n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,17 @@ def test_a_pool_trials_checkpoint_is_pulled_from_the_remote_into_its_folder_and_
     assert (exported["step"], exported["metrics"], exported["objective"]) == (20, {"val_loss": 0.25}, ["val_loss", "min"])
     assert exported["model"].keys() == WEIGHTS.keys() and all(torch.equal(exported["model"][k], v) for k, v in WEIGHTS.items())
     assert (runs / "c" / "t1" / "checkpoints" / "step-00000020" / MANIFEST).is_file()  # pulled as a resume pulls it
+
+
+def test_a_pruned_trial_exports_the_weights_of_its_last_save_and_says_their_step(tmp_path):
+    """A pruned trial's state at its stop is not written: its result names its last save."""
+    runs = tmp_path / "runs"
+    record = a_trial(runs, runs / "c" / "t1" / "checkpoints")
+    result = json.loads((runs / "c" / "t1" / "result.json").read_text())
+    write_result(runs / "c" / "t1" / "result.json", {**{k: result[k] for k in ("trial_id", "metrics", "checkpoint")},
+                                                     "steps": 27, "pruned": True})
+    export_trial(runs, record, "t1", tmp_path / "t1.pt")
+    assert torch.load(tmp_path / "t1.pt", weights_only=True)["step"] == 20
 
 
 def test_a_checkpoint_that_does_not_verify_is_refused_and_nothing_is_written(tmp_path):
