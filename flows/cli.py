@@ -761,17 +761,21 @@ def _status_table(name: str, runs_dir: Path) -> tuple[Table, bool, list[str]]:
     from flows.run.live_view import trials_table
     from tasks.records import campaign_status, read_campaign
 
-    rows = campaign_status(runs_dir, name)
+    record = read_campaign(runs_dir, name)
+    rows = campaign_status(runs_dir, name, record)
     if not rows:
-        _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
+        _fail(_no_record(name, runs_dir))
     refused = [f"trial {r.trial_id}: checkpoint {checkpoint} refused: {why}"
                + (" (the trial stays finished; `campaign resume --rerun " + r.trial_id + "` trains it again)"
                   if r.state in ("finished", "pruned") else "")
                for r in rows for checkpoint, why in r.refused]
     # Why a trial ended as it did, where its state alone does not say (a stalled trial).
     refused += [f"trial {r.trial_id} {r.state}: {r.reason}" for r in rows if r.reason]
-    record = read_campaign(runs_dir, name)
     return trials_table(name, rows, objective=record.objective if record else None), all(r.state in TERMINAL for r in rows), refused
+
+
+def _no_record(name: str, runs_dir: Path) -> str:
+    return f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)"
 
 
 @app.command()
@@ -870,7 +874,7 @@ def export(
             name = _campaign_name(campaign, runs_dir)
             record = read_campaign(runs_dir, name)
             if record is None:
-                _fail(f"campaign {name!r} has no record under {runs_dir}/{name}: check the name (or --runs-dir)")
+                _fail(_no_record(name, runs_dir))
             trial_id, _ = default_trial(runs_dir, record)
         else:
             name, entry = _find_trial(campaign, runs_dir, trial)

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tasks.ranking import RANK_BY, best_trial
+from tasks.ranking import DEFAULT_OBJECTIVE, best_finished
 from tasks.records import CampaignRecord, campaign_dir, campaign_status
 from tasks.tracking_store import trial_config
 from training.errors import CampaignError
@@ -36,12 +36,11 @@ FORMAT = "campaign-export/1"
 def default_trial(runs_dir: Path, record: CampaignRecord) -> tuple[str, float]:
     """The campaign's best finished trial by the objective its launch recorded, and its value;
     CampaignError when none has finished with that metric."""
-    objective = record.objective or (RANK_BY, "max")
-    rows = campaign_status(runs_dir, record.name)
-    best = best_trial({r.trial_id: r.metrics for r in rows if r.state == "finished"}, objective)
+    rows = campaign_status(runs_dir, record.name, record)
+    best = best_finished(rows, record.objective)
     if best is None:
         states = ", ".join(f"{r.trial_id} {r.state}" for r in rows) or "no trials"
-        raise CampaignError(f"campaign {record.name} has no finished trial with {objective[0]} to export ({states}): "
+        raise CampaignError(f"campaign {record.name} has no finished trial with {(record.objective or DEFAULT_OBJECTIVE)[0]} to export ({states}): "
                             "name a trial (`campaign export TRIAL`), or export once one has finished")
     return best
 
@@ -74,7 +73,7 @@ def export_trial(runs_dir: Path, record: CampaignRecord, trial_id: str, out: Pat
     # The weights' step: a pruned trial's last save may be older than the step it stopped at.
     head = {"format": FORMAT, "campaign": record.name, "trial_id": trial_id, "step": checkpoint_step(checkpoint),
             "metrics": {k: float(v) for k, v in result["metrics"].items()},
-            "objective": list(record.objective or (RANK_BY, "max"))}
+            "objective": list(record.objective or DEFAULT_OBJECTIVE)}
     if config.function is not None:
         from training.function import state_of_checkpoint
 

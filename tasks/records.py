@@ -368,8 +368,9 @@ def trial_status(trial_dir: Path, trial_id: str, label: str, steps: int) -> Tria
     )
 
 
-def campaign_status(runs_dir: Path, campaign: str) -> list[TrialStatus]:
-    record = read_campaign(runs_dir, campaign)
+def campaign_status(runs_dir: Path, campaign: str, record: CampaignRecord | None = None) -> list[TrialStatus]:
+    """Each trial's status; `record`: the campaign's record where the caller has read it already."""
+    record = record if record is not None else read_campaign(runs_dir, campaign)
     if record is None:
         return []
     root = campaign_dir(runs_dir, campaign)

@@ -13,13 +13,13 @@ from training.spec import (SUMMARY_WRITER, TRIAL_METRIC_NAMES, CampaignSpec, sum
                            trial_metrics_not_ours)
 from tasks.grid import Trial
 from training.files import write_json_atomic
-from tasks.ranking import RANK_BY, best_trial
+from tasks.ranking import DEFAULT_OBJECTIVE, RANK_BY, best_trial
 
 REPORTED = TRIAL_METRIC_NAMES  # per trial, in the DVC metrics
 
 
 def summarize(trials: list[Trial], results: dict[str, dict[str, Any]], failed: dict[str, str], pruned: set[str] = frozenset(),
-              objective: tuple[str, str] = (RANK_BY, "max")) -> dict[str, Any]:
+              objective: tuple[str, str] = DEFAULT_OBJECTIVE) -> dict[str, Any]:
     """Counts, the best trial by the objective (pruned trials stopped early: not candidates), and each trial's metrics."""
     per_trial = {t.id: results[t.id]["metrics"] for t in trials if t.id in results}
     summary: dict[str, Any] = {"trials": len(trials), "finished": len(per_trial) - len(pruned & set(per_trial)),

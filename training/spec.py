@@ -597,11 +597,11 @@ class CampaignSpec(Strict):
             raise ValueError(f"loss.{'name' if self.loss.name else 'target'}: model.output: loss trains on the loss the model "
                              "computes itself, and this one would not be used: remove the loss section, or set model.output "
                              "to the part of the output your loss takes (auto: logits)")
-        for section, metric in (("search", self.search.metric if self.search else None),
-                                ("early_stopping", self.early_stopping.metric if self.early_stopping else None),
-                                ("tracking.rank_by", self.tracking.rank_by)):
+        for field, metric in (("search.metric", self.search.metric if self.search else None),
+                              ("early_stopping.metric", self.early_stopping.metric if self.early_stopping else None),
+                              ("tracking.rank_by", self.tracking.rank_by)):
             if metric is not None and metric not in METRICS and not self.function:
-                raise ValueError(f"{section if '.' in section else section + '.metric'}: the project's loop reports {', '.join(METRICS)}, not {metric!r}: pick one of "
+                raise ValueError(f"{field}: the project's loop reports {', '.join(METRICS)}, not {metric!r}: pick one of "
                                  "them (any name your function reports works with training.target)")
         return self
 

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.style import Style
 from rich.text import Text
 
-from tasks.ranking import RANK_BY, best_trial
+from tasks.ranking import DEFAULT_OBJECTIVE, best_finished
 from tasks.records import ENDED, CampaignRecord, TrialStatus, campaign_status, read_campaign
 
 EVENTS = logging.getLogger("campaign.events")
@@ -114,7 +114,7 @@ def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | Non
     given). Its metric columns are the one the campaign ranks its trials by (`objective`: metric,
     min|max; validation accuracy where no objective is recorded) and the training loss; the
     best finished trial by the objective is in bold and named under the table."""
-    metric, mode = objective or (RANK_BY, "max")
+    metric, _ = objective or DEFAULT_OBJECTIVE
     shown = [metric] + (["train_loss"] if metric != "train_loss" else [])
     # Values are never cut (at 80 columns "finished" read "finis…"): the trial id stays whole on
     # one line (people copy it into `campaign logs`); where the terminal is too narrow for every
@@ -128,9 +128,7 @@ def trials_table(name: str, rows: list[TrialStatus], etas: dict[str, float | Non
         table.add_column(col, no_wrap=True)
     if etas is not None:
         table.add_column("eta", justify="right", no_wrap=True)
-    # Only finished trials compete, as in the summary: a running trial's metrics are not its
-    # result yet, and a pruned one was stopped early.
-    best = best_trial({r.trial_id: r.metrics for r in rows if r.state == "finished"}, (metric, mode))
+    best = best_finished(rows, objective)
     if best is not None:
         table.caption = f"★ best: {best[0]}, {metric} {best[1]:.4f}"
         table.caption_justify = "left"
@@ -248,12 +246,12 @@ class LiveView:
         self._thread = threading.Thread(target=self._run, name="live-view", daemon=True)
 
     def render(self):
-        rows = campaign_status(self.runs_dir, self.name)
+        record = read_campaign(self.runs_dir, self.name) or CampaignRecord(name=self.name)
+        rows = campaign_status(self.runs_dir, self.name, record)
         now = time.time()
         etas = {r.trial_id: self.eta.observe(r.trial_id, r.step, r.steps, now) for r in rows if r.state == "running"}
         ended = sum(r.state in ENDED for r in rows)
         footer = Text(f"{ended}/{len(rows)} trials ended · Prefect and library logs: {self.log_path}", style="dim")
-        record = read_campaign(self.runs_dir, self.name) or CampaignRecord(name=self.name)
         if record.state == "running" or rows:
             for link in campaign_links(record):
                 footer.append("\n")
