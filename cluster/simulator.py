@@ -241,10 +241,9 @@ class _Simulation:
         self.now = t
 
     def _arrive(self, spec: WorkloadJob) -> None:
-        truth = spec.true_model
-        work = spec.duration / truth.step_time(spec.requested, self.cluster.min_nodes(spec.requested))
+        work = spec.steps(self.cluster)
         if self.config.oracle:
-            model: StepTimeModel = truth
+            model: StepTimeModel = spec.true_model
         else:
             model = OnlineStepTime(self.config.prior(spec, self.cluster), spec.max_devices, self.cluster.largest_node)
         self.active[spec.id] = _Live(spec, work, model, since=spec.arrival, noise=spec.noise)

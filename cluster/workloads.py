@@ -67,6 +67,10 @@ class WorkloadJob:
         """Its time per step of its reference batch (the batch at its request), at any size."""
         return SCALING[self.scaling]
 
+    def steps(self, cluster: Cluster) -> float:
+        """Its work: reference steps, `duration` at `requested` devices on the fewest nodes."""
+        return self.duration / self.true_model.step_time(self.requested, cluster.min_nodes(self.requested))
+
     @property
     def noise(self) -> NoiseGrowth | None:
         """A goodput job's gradient noise scale through training (None: its batch is fixed)."""

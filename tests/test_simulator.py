@@ -291,13 +291,15 @@ def test_the_fixed_batch_floor_is_each_job_alone_at_its_best_size_with_its_batch
     assert all(adaptive[j.id] < times[j.id] for j in fixed)
 
 
-def test_the_reproducible_table_says_the_goal_is_out_of_reach_where_the_fixed_batch_floor_is_above_it():
+def test_the_reproducible_table_says_the_goal_is_out_of_reach_where_the_fixed_batch_floor_or_the_capacity_bound_is_above_it():
     bench = _scheduler_bench()
     pollux = {"avg_jct_s": 3600.0}
-    goals = [(name, {}, {"avg_jct_s": 1.2 * 3600}, pollux, 0.9 * 3600, {}, floor * 3600) for name, floor in (("low", 1.0), ("high", 1.1))]
+    goals = [(name, {}, {"avg_jct_s": 1.2 * 3600}, pollux, 0.9 * 3600, {}, floor * 3600, None if shared is None else shared * 3600)
+             for name, floor, shared in (("low", 1.0, None), ("high", 1.1, None), ("shared low", 1.0, 1.04), ("shared high", 1.0, 1.07))]
     table = bench._reproducible_table(goals, "published")
-    assert list(table.columns[-1].cells) == ["yes", "no"]
-    assert list(table.columns[3].cells) == ["1.000", "1.100"]
+    assert list(table.columns[-1].cells) == ["yes", "no", "yes", "no"]
+    assert list(table.columns[3].cells) == ["1.000", "1.100", "1.000", "1.000"]
+    assert list(table.columns[4].cells) == ["-", "-", "1.040", "1.070"]
 
 
 def _policy_variants():
