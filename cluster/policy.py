@@ -384,7 +384,15 @@ class ElasticPolicy:
     - restarts: past `las_cap_s` of service long jobs rank alike (FIFO among them, not
       turns), a job preempted `preemption_budget` times is not pushed off again, and a job
       grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
-      not bounce back at once: each bounce is a stop and a restart);
+      not bounce back at once: each bounce is a stop and a restart). A job whose batch is
+      fixed, never resized since its start, that will end before that wait runs out grows at
+      once where the growth pays (`early_growth`): started small on a busy cluster, a job of
+      minutes ran at about twice its time alone, every one of its minutes below its best
+      size (the capacity bound, cluster/bounds.py, runs such jobs at their alone speed).
+      Reproducible mode's average JCT over Pollux's on the six Philly workloads, over four
+      seeds of the step times' noise: 1.179 / 1.154 / 1.075 / 1.114 / 0.845 / 1.023 ->
+      1.177 / 1.154 / 1.068 / 1.106 / 0.835 / 1.007, at more restarts per job (1.23 -> 1.90 on
+      480 s1); goodput mode's figures unchanged to the digit (its jobs' batch grows with them);
     - resize cost: a running job grows only if the gain, over a horizon of its run time so
       far, pays for a pause by at least `min_gain`: its own measured restart cost
       (`Job.pause_s`: a campaign times each resize) once it has one, else `pause_s`. When
@@ -437,6 +445,7 @@ class ElasticPolicy:
     min_efficiency: float = 0.5  # past its request, the greedy grows a job only while its speed-up per device stays at least this
     fixed_fill_efficiency: float = 0.3  # past its request, a job whose batch is fixed takes idle devices only down to this speed-up per device
     goodput_fill_efficiency: float = 0.3  # the same for a goodput job (its batch grows with its devices)
+    early_growth: bool = True  # a fixed-batch job never resized that ends within grow_after_s grows without waiting it out
     remaining_horizon: bool = True  # a growth pays within the job's known remaining run, not only its run so far
     name: str = "elastic"
 
@@ -677,10 +686,18 @@ class ElasticPolicy:
         current = job.devices
         if not current or size <= current:
             return True
-        if job.unchanged_for(now) < self.grow_after_s:
+        if job.unchanged_for(now) < self.grow_after_s and not self._grows_early(job):
             return False
         return self._pays(job, speedup(job.model, current, nodes_of(job.placement)), _speedup_packed(cluster, job, size),
                           reclaim_s if size > _fixed_size(job) else math.inf)
+
+    def _grows_early(self, job: Job) -> bool:
+        """A job whose batch is fixed, not resized since it started, that ends before
+        `grow_after_s` would run out: that wait keeps a shrunk job from bouncing back; this
+        one it would only keep below its best size to its end (`early_growth`)."""
+        if not self.early_growth or job.restarts or job.remaining_steps is None or isinstance(job.model, GoodputView):
+            return False
+        return job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)) < self.grow_after_s
 
     def _explore(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> None:
         """Give idle devices to long jobs to run on one more node than they ever did."""

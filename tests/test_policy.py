@@ -165,6 +165,25 @@ def test_a_job_started_a_moment_ago_grows_into_idle_devices_up_to_its_request():
     assert ElasticPolicy().decide(cluster, [job], 1000.0) == {"a": {"node0": 4}}
 
 
+def test_a_fixed_batch_job_that_ends_within_the_growth_wait_grows_at_once():
+    """`grow_after_s` keeps a shrunk job from bouncing back; a job just started, never
+    resized, that ends before the wait runs out would spend its whole run below its best
+    size: it grows now where the growth pays. A resized job, a long one, or one that chooses
+    its batch (goodput) still waits."""
+    cluster = Cluster.uniform(1, 4)
+    now = 100_000.0
+    step_s = GOOD_SCALING.step_time(1, 1)
+    short = Job("a", now - 60.0, 1, 1, 4, GOOD_SCALING, attained=60.0, placement={"node0": 1}, since=now - 60.0,
+                remaining_steps=1800.0 / step_s)
+    policy = ElasticPolicy(fill_idle=False)  # growth through the greedy, not into devices left idle
+    assert policy.decide(cluster, [short], now) == {"a": {"node0": 4}}
+    assert ElasticPolicy(fill_idle=False, early_growth=False).decide(cluster, [short], now) == {"a": {"node0": 1}}
+    assert policy.decide(cluster, [replace(short, restarts=1)], now) == {"a": {"node0": 1}}
+    assert policy.decide(cluster, [replace(short, remaining_steps=7200.0 / step_s)], now) == {"a": {"node0": 1}}
+    goodput = replace(short, model=GoodputView(GOOD_SCALING, 100.0))
+    assert policy.decide(cluster, [goodput], now) == {"a": {"node0": 1}}
+
+
 def test_a_job_that_ends_in_minutes_does_not_restart_to_grow():
     """A growth pays for its pause within the job's known remaining run, not only within its
     run so far: a job that has run for a day would stop for a minute and restart on four
@@ -248,7 +267,8 @@ def test_elastic_never_grows_a_job_within_grow_after_s_of_its_last_change(scenar
     cluster, jobs = scenario
     policy = ElasticPolicy(grow_after_s=3600.0, explore_after_s=math.inf, fill_idle=False)  # exploring is a growth of its own
     now = 100_000.0
-    recent = [replace(j, since=now - 10) if j.running else j for j in jobs]
+    # Resized before (a job never resized that ends within the wait may grow: tested below).
+    recent = [replace(j, since=now - 10, restarts=1) if j.running else j for j in jobs]
     allocation = policy.decide(cluster, recent, now)
     for job in recent:
         if job.running:
