@@ -385,8 +385,8 @@ class ElasticPolicy:
       turns), a job preempted `preemption_budget` times is not pushed off again, and a job
       grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
       not bounce back at once: each bounce is a stop and a restart). A job whose batch is
-      fixed, never resized since its start, that will end before that wait runs out grows at
-      once where the growth pays (`early_growth`): started small on a busy cluster, a job of
+      fixed, never resized since its start, whose remaining run is shorter than that wait
+      grows at once where the growth pays (`early_growth`): started small on a busy cluster, a job of
       minutes ran at about twice its time alone, every one of its minutes below its best
       size (the capacity bound, cluster/bounds.py, runs such jobs at their alone speed).
       Reproducible mode's average JCT over Pollux's on the six Philly workloads, over four
@@ -692,9 +692,9 @@ class ElasticPolicy:
                           reclaim_s if size > _fixed_size(job) else math.inf)
 
     def _grows_early(self, job: Job) -> bool:
-        """A job whose batch is fixed, not resized since it started, that ends before
-        `grow_after_s` would run out: that wait keeps a shrunk job from bouncing back; this
-        one it would only keep below its best size to its end (`early_growth`)."""
+        """A job whose batch is fixed, not resized since it started, whose remaining run at
+        its size is shorter than `grow_after_s`: that wait keeps a shrunk job from bouncing
+        back; this one it would only keep below its best size to its end (`early_growth`)."""
         if not self.early_growth or job.restarts or job.remaining_steps is None or isinstance(job.model, GoodputView):
             return False
         return job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)) < self.grow_after_s
