@@ -37,6 +37,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from cluster.jobs import Cluster
+from cluster.policy import upper_hull
 from cluster.workloads import WorkloadJob
 
 
@@ -65,20 +66,6 @@ def alone_jct(job: WorkloadJob, cluster: Cluster, pause_s: float) -> float:
     return pause_s + job.steps(cluster) / max(best_rates(job, cluster))
 
 
-def upper_hull(rates: Sequence[float]) -> list[tuple[float, float]]:
-    """The concave hull of (devices, rate) from 0 devices up to the fastest size: the most
-    progress any mix of sizes averaging that many devices can make."""
-    top = int(np.argmax(rates))
-    hull: list[tuple[float, float]] = []
-    for point in ((float(n), r) for n, r in enumerate(rates[: top + 1])):
-        # Drop the last vertex while it lies on or under the chord to the new point.
-        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (point[0] - hull[-2][0])
-                                  <= (point[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
-            hull.pop()
-        hull.append(point)
-    return hull
-
-
 def capacity_bound(
     cluster: Cluster, jobs: Sequence[WorkloadJob], pause_s: float, slot_s: float = 300.0, horizon_s: float | None = None
 ) -> CapacityBound:
@@ -92,17 +79,19 @@ def capacity_bound(
         raise ValueError("the capacity bound needs at least one job")
     if slot_s <= 0:
         raise ValueError(f"slot_s must be > 0, got {slot_s}")
+    curves = [(job.steps(cluster), best_rates(job, cluster)) for job in jobs]  # each job's work and speed by size
     if horizon_s is None:
-        least_device_s = sum(job.steps(cluster) * min(n / r for n, r in enumerate(best_rates(job, cluster)) if r > 0) for job in jobs)
-        horizon_s = max(job.arrival for job in jobs) + least_device_s / cluster.total + max(alone_jct(job, cluster, pause_s) for job in jobs)
+        least_device_s = sum(steps * min(n / r for n, r in enumerate(rates) if r > 0) for steps, rates in curves)
+        horizon_s = max(job.arrival for job in jobs) + least_device_s / cluster.total + pause_s + max(steps / max(rates) for steps, rates in curves)
     while True:
-        bound = _solve(cluster, jobs, pause_s, slot_s, horizon_s)
+        bound = _solve(cluster, jobs, curves, pause_s, slot_s, horizon_s)
         if bound is not None:
             return bound
         horizon_s *= 2
 
 
-def _solve(cluster: Cluster, jobs: Sequence[WorkloadJob], pause_s: float, slot_s: float, horizon_s: float) -> CapacityBound | None:
+def _solve(cluster: Cluster, jobs: Sequence[WorkloadJob], curves: Sequence[tuple[float, list[float]]], pause_s: float, slot_s: float,
+           horizon_s: float) -> CapacityBound | None:
     """The program at one horizon; None where its duals do not certify the horizon."""
     slots = max(1, math.ceil(horizon_s / slot_s))
     horizon_s = slots * slot_s
@@ -120,9 +109,8 @@ def _solve(cluster: Cluster, jobs: Sequence[WorkloadJob], pause_s: float, slot_s
     alone: list[float] = []
     half_run: list[float] = []
     column = row = 0
-    for job in jobs:
-        steps = job.steps(cluster)
-        rates = best_rates(job, cluster)
+    for job, (steps, rates) in zip(jobs, curves):
+        fastest_s = steps / max(rates)  # its whole run at its best speed
         earliest = job.arrival + pause_s  # its first start pays one pause
         first = min(int(earliest // slot_s), slots - 1)
         slot = np.arange(first, slots)
@@ -134,7 +122,7 @@ def _solve(cluster: Cluster, jobs: Sequence[WorkloadJob], pause_s: float, slot_s
         column += 2 * n
         objective += [np.zeros(2 * n)]
         upper += [np.full(n, float(job.max_devices)), np.ones(n)]
-        hull = upper_hull(rates)
+        hull = upper_hull(list(enumerate(rates)))
         pieces = [((r1 - r0) / (n1 - n0), r0 - (r1 - r0) / (n1 - n0) * n0) for (n0, r0), (n1, r1) in zip(hull, hull[1:])]
         pieces.append((0.0, max(rates)))
         for slope, intercept in pieces:
@@ -148,8 +136,8 @@ def _solve(cluster: Cluster, jobs: Sequence[WorkloadJob], pause_s: float, slot_s
         capacity_cols.append(k_cols)
         capacity_slots.append(slot)
         progress.append((y_cols, start))
-        alone.append(alone_jct(job, cluster, pause_s))
-        half_run.append(steps / max(rates) / 2)
+        alone.append(pause_s + fastest_s)  # alone_jct
+        half_run.append(fastest_s / 2)
     z_cols = column + np.arange(len(jobs))
     column += len(jobs)
     objective.append(np.ones(len(jobs)))

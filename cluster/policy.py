@@ -584,8 +584,7 @@ class ElasticPolicy:
                          key=lambda p: (p.remaining, p.job.arrival, p.job.id))  # type: ignore[arg-type, return-value]
         if not waiting:
             return
-        ends = [p.job.remaining_steps * p.job.model.step_time(p.job.devices, nodes_of(p.job.placement))  # type: ignore[operator]
-                for p in plans if p.job.running and p.job.remaining_steps is not None]
+        ends = [run for p in plans if (run := _remaining_run_s(p.job)) is not None]
         soonest = min(ends, default=math.inf)
         lenders = [p for p in plans if p.floor > p.job.min_devices and p.remaining is not None and p.job.running]
         starving = any(p.starving for p in plans)
@@ -676,7 +675,7 @@ class ElasticPolicy:
                     break
                 points.append((n, self._value(cluster, plan, n)))
         plan.points = points
-        return _upper_hull(points)
+        return upper_hull(points)
 
     def _worth_resizing(self, cluster: Cluster, plan: _JobPlan, size: int, now: float, reclaim_s: float = math.inf) -> bool:
         """Growing a running job must pay for its pause over its expected remaining run, and
@@ -695,9 +694,10 @@ class ElasticPolicy:
         """A job whose batch is fixed, not resized since it started, whose remaining run at
         its size is shorter than `grow_after_s`: that wait keeps a shrunk job from bouncing
         back; this one it would only keep below its best size to its end (`early_growth`)."""
-        if not self.early_growth or job.restarts or job.remaining_steps is None or isinstance(job.model, GoodputView):
+        if not self.early_growth or job.restarts or isinstance(job.model, GoodputView):
             return False
-        return job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)) < self.grow_after_s
+        run = _remaining_run_s(job)
+        return run is not None and run < self.grow_after_s
 
     def _explore(self, cluster: Cluster, plans: list[_JobPlan], sizes: list[int]) -> None:
         """Give idle devices to long jobs to run on one more node than they ever did."""
@@ -774,10 +774,11 @@ class ElasticPolicy:
         running job's run so far (its expected remaining run) or, shorter, its known remaining
         run at its current size, by at least `min_gain`."""
         horizon = min(max(self.min_horizon_s, job.attained / job.devices), reclaim_s)
-        if self.remaining_horizon and self.know_remaining and job.remaining_steps is not None:
+        run = _remaining_run_s(job)
+        if self.remaining_horizon and self.know_remaining and run is not None:
             # Its run so far guesses at its run to come; a known length says: a job that ends
             # in minutes gains minutes from a growth, whatever it has run.
-            horizon = min(horizon, job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement)))
+            horizon = min(horizon, run)
         pause_s = self._pause_s(job)
         if horizon <= pause_s:
             return False
@@ -989,8 +990,16 @@ def _candidate_sizes(cluster: Cluster, low: int, high: int, current: int) -> lis
     return sorted(sizes)
 
 
-def _upper_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """Upper concave hull of points sorted by x, starting at the first point."""
+def _remaining_run_s(job: Job) -> float | None:
+    """A running job's known remaining run at its current size (None: not known, or not running)."""
+    if not job.running or job.remaining_steps is None:
+        return None
+    return job.remaining_steps * job.model.step_time(job.devices, nodes_of(job.placement))
+
+
+def upper_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Upper concave hull of points sorted by x, starting at the first point, up to its
+    highest (points on a chord are dropped)."""
     hull: list[tuple[int, float]] = []
     for p in points:
         while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) >= 0:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.bounds import alone_jct, capacity_bound, upper_hull
+from cluster.bounds import alone_jct, capacity_bound
 from cluster.jobs import Cluster, Node
-from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, TiresiasPolicy
+from cluster.policy import ElasticPolicy, FifoPolicy, LasPolicy, TiresiasPolicy, upper_hull
 from cluster.simulator import SimConfig, simulate
 from cluster.workloads import SCALING, WorkloadJob, synthetic
 
@@ -29,9 +29,9 @@ def _job(id: str, arrival: float, duration: float, requested: int, max_devices: 
 
 
 def test_the_hull_drops_sizes_that_a_mix_of_others_beats():
-    assert upper_hull([0.0, 1.2, 1.5, 3.0, 3.2]) == [(0.0, 0.0), (1.0, 1.2), (3.0, 3.0), (4.0, 3.2)]
+    assert upper_hull(list(enumerate([0.0, 1.2, 1.5, 3.0, 3.2]))) == [(0.0, 0.0), (1.0, 1.2), (3.0, 3.0), (4.0, 3.2)]
     # Past the fastest size the hull stops: more devices than that only slow the job.
-    assert upper_hull([0.0, 2.0, 3.0, 2.5]) == [(0.0, 0.0), (1.0, 2.0), (2.0, 3.0)]
+    assert upper_hull(list(enumerate([0.0, 2.0, 3.0, 2.5]))) == [(0.0, 0.0), (1.0, 2.0), (2.0, 3.0)]
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALING))
