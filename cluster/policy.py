@@ -694,7 +694,7 @@ class ElasticPolicy:
         """A job whose batch is fixed, not resized since it started, whose remaining run at
         its size is shorter than `grow_after_s`: that wait keeps a shrunk job from bouncing
         back; this one it would only keep below its best size to its end (`early_growth`)."""
-        if not self.early_growth or job.restarts or isinstance(job.model, GoodputView):
+        if not (self.early_growth and self.know_remaining) or job.restarts or isinstance(job.model, GoodputView):
             return False
         run = _remaining_run_s(job)
         return run is not None and run < self.grow_after_s

@@ -178,6 +178,8 @@ def test_a_fixed_batch_job_that_ends_within_the_growth_wait_grows_at_once():
     policy = ElasticPolicy(fill_idle=False)  # growth through the greedy, not into devices left idle
     assert policy.decide(cluster, [short], now) == {"a": {"node0": 4}}
     assert ElasticPolicy(fill_idle=False, early_growth=False).decide(cluster, [short], now) == {"a": {"node0": 1}}
+    # Told to ignore lengths (`know_remaining=False`), it cannot tell the job ends soon.
+    assert ElasticPolicy(fill_idle=False, know_remaining=False).decide(cluster, [short], now) == {"a": {"node0": 1}}
     assert policy.decide(cluster, [replace(short, restarts=1)], now) == {"a": {"node0": 1}}
     assert policy.decide(cluster, [replace(short, remaining_steps=7200.0 / step_s)], now) == {"a": {"node0": 1}}
     goodput = replace(short, model=GoodputView(GOOD_SCALING, 100.0))
