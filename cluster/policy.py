@@ -295,127 +295,38 @@ def _fixed_size(job: Job) -> int:
 class ElasticPolicy:
     """Greedy elastic allocation by weighted marginal speed-up, then locality-aware packing.
 
-    Each job's value of holding n devices is w * S(n): S its predicted speed-up (from its
-    step-time model, packed on the fewest nodes) and w = (1 + attained / las_scale_s) **
-    -las_power a least-attained-service weight, so that young jobs, most of them short in
-    heavy-tailed traces, go first. When a job's length is known (a campaign's trials declare
-    their steps: `Job.remaining_steps`), the weight is (1 + remaining / remaining_scale_s) **
-    -las_power instead, remaining the device-seconds its steps left take at its requested
-    size under its model: shortest remaining work first, which least attained service only
-    guesses at (`know_remaining=False` ignores lengths). When every job's length is known,
-    the weight is its rank instead (`rank_q`): the i-th longest of m jobs weighs
-    ((i/m)^q - ((i-1)/m)^q)^(1/q), the marginal value at which heSRPT's shares (Berg et al.,
-    SIGMETRICS'20: the mean-completion-time optimum for jobs whose speed-up is n^p, here
-    p = 1 - 1/q) equalise. The shortest weighs most, but every job keeps a share that does not
-    fall with its length, and jobs within `rank_tie` of each other weigh alike (what each
-    of these knobs did against Pollux, measured: docs/benchmarks.md, "scheduling"). Devices
-    go one chunk at a time to the job whose concave hull of value gains most per device, so
-    admitting a job at its minimum competes with growing another. Then:
+    Each job's value of holding n devices is w * S(n): S its predicted speed-up (its
+    step-time model, packed on the fewest nodes), w its weight. Where every job's length is
+    known, w is heSRPT's marginal value for its rank by remaining work (`rank_q`, `rank_tie`):
+    the shortest weighs most, every job keeps a share. Where some are not, w falls with the
+    remaining work (`remaining_scale_s`) or, lengths unknown, with the service attained
+    (`las_scale_s`, `las_power`, `las_cap_s`). Devices go one chunk at a time to the job
+    whose concave hull of value gains most per device. Around that greedy:
 
-    - hysteresis: devices a running job already holds are worth (1 + `hysteresis`) times
-      more to it up to its request, and (1 + `loan_hysteresis`) times past it; a job stays
-      untouched for `min_run_s` after a change (it may grow, and it may drop a node it
-      measured to slow it), but for what it holds past its request while a job waits: it
-      took those devices when they were idle (on loan), and a newcomer takes them back where
-      it gains more than `loan_hysteresis` prices them (taking them back is a restart, and
-      the job grows into the next idle devices again: another; a campaign's elastic trial
-      requests its max, so only jobs that declare a size below their max, as the trace's
-      do, hold devices on loan: with a fixed batch, the six Philly workloads with every job
-      requesting its max average within 2.7 % of their own requests, with every job
-      requesting its min up to 7.9 % worse). On the six Philly workloads
-      (published noise scales), loans at 0.8 / 3 closed 35.3 % of Pollux's gap to the floor
-      on average against 32.3 % with 0.3 and no loans (35.8 / 35.1 % against 30.5 / 28.3 %
-      at two other seeds of the step times' noise), with restarts under Pollux's on 6 of 6
-      against 3 (5 and 5 of 6 at the other seeds) and p99 under on 3 of 6 against 6 (5 and
-      6 of 6 against 4 and 4);
-    - short newcomers: when lengths are known, a protected job whose remaining work is
-      more than 1 / `yield_ratio` times the shortest waiting job's is protected only down to
-      its minimum (unless changed within `yield_min_s`, 15 min: each yield is a restart,
-      and yields within 10 min of the last change made a job bounce below its request and
-      back. Under the published noise scales, 20 min with `rank_q` 8 closed 30.4 % of
-      Pollux's gap to the floor on the six Philly workloads, averaged over three seeds of
-      the step times' noise, against 25.2 % with 40 min and `rank_q` 5, better on each
-      workload and in reproducible mode on each; the price is restarts, ~10-20 % more per
-      job, over Pollux's on three workloads instead of two. Once growth near a job's end
-      was priced by its remaining run (`remaining_horizon`), 15 min closed 36.4 % over four
-      seeds against 35.5 % with 20 min, with restarts under Pollux's on 24 of 24 in both and
-      the two held-out workloads alike, 33.8 %; 10 min 35.9 %, restarts 22 of 24): the
-      devices it holds are open to the greedy, so a job of minutes starts now instead
-      of waiting out an hour's protection (the long job loses a few minutes of a device
-      and one pause; Pollux, which protects nothing, started the short half of the Philly
-      jobs 7x sooner than we did without this);
-    - short newcomers within the protection (`admit_short`): a waiting job far shorter than
-      a protected one, with no room left by the protected jobs' floors, takes the devices it
-      needs from the protected job its start delays least (two pauses and its model's share of
-      speed over the short run), when that delay is under the wait for the soonest known
-      finish; otherwise it is held for that finish. On the Philly workloads (160 s1 / 160 s2 /
-      320 s1, goodput) it closed 17 / 37 / 18 % of Pollux's gap to the floor, from 3 / 8 / 16 %.
-      Where the floors do leave room but the greedy would keep it with the jobs holding it
-      (their hysteresis), a far shorter waiting job starts at its minimum when the soonest
-      finish is further off than two pauses and its whole run (on a box of one device, a
-      100-step trial does not wait out a 36,000-step one; in a 64-device cluster some job
-      always ends sooner: the bench's figures are the same with and without it);
-    - efficiency (`min_efficiency`, 0.5): past its request, a job grows in the greedy only to
-      sizes where its speed-up per device is at least half a lone device's, so that contended
-      devices are not spent on a job's flat end; devices no job wants still go to whoever
-      gains from them. On the six Philly workloads it closed 26.1 % of Pollux's gap to the
-      floor on average from 25.9 % (26.6 / 24.6 % from 25.1 / 23.9 % with two other seeds of
-      the reported step times' noise) and brought the p99 under Pollux's on 480 s2;
-    - a fixed batch's flat end (`fixed_fill_efficiency`, 0.3): a job whose batch is fixed
-      (reproducible; its model is not a `GoodputView`) takes idle devices past its request only
-      while its speed-up per device stays at least 0.3: more devices split its batch thinner,
-      and the few percent they add (often less than its model, from a prior, promises) do not
-      pay for devices it then holds under its protection when newcomers arrive. Reproducible
-      mode's average JCT on the six Philly workloads (published noise scales), over Pollux's:
-      480 s2 1.062 -> 1.043, 160 s2 1.186 -> 1.182, the other four unchanged (0.25 and 0.35
-      were each worse on one of them). A goodput job (`goodput_fill_efficiency`, 0.3) likewise:
-      its batch grows with its devices, but its statistical efficiency falls as it does; before
-      this bound ours spent 8 % more device-hours than Pollux on the same work (480 s1, 320 s1),
-      most of it in the longest tenth of the jobs. On the six Philly workloads (published noise
-      scales) it took p99 under Pollux's on 5 of 6 from 3, restarts on 4 of 6 from 3, and the
-      gap to the floor closed from 22.8 % to 24.9 % on average (over three seeds of the reported
-      step times' noise, no workload worse on average). What it changes is the decisions where
-      no job waits (applied only while one waits, it changed nothing): it keeps devices free
-      for arrivals, so it holds only while jobs may still arrive (`decide(more_to_come=...)`: a
-      campaign's search with budget left, not a grid, whose trials are all known at its start;
-      a trace's arrivals to come): once none can, idle devices go to whoever gains from them.
-      On the six workloads that lift changes nothing to the digit: their makespan cost (480 s2
-      44.8 -> 51.3 h, its longest job ending later) comes while jobs still arrive;
-    - restarts: past `las_cap_s` of service long jobs rank alike (FIFO among them, not
-      turns), a job preempted `preemption_budget` times is not pushed off again, and a job
-      grows back only `grow_after_s` after its last change (shrunk for a newcomer, it does
-      not bounce back at once: each bounce is a stop and a restart). A job whose batch is
-      fixed, never resized since its start, whose remaining run is shorter than that wait
-      grows at once where the growth pays (`early_growth`): started small on a busy cluster, a job of
-      minutes ran at about twice its time alone, every one of its minutes below its best
-      size (the capacity bound, cluster/bounds.py, runs such jobs at their alone speed).
-      Reproducible mode's average JCT over Pollux's on the six Philly workloads, over four
-      seeds of the step times' noise: 1.179 / 1.154 / 1.075 / 1.114 / 0.845 / 1.023 ->
-      1.177 / 1.154 / 1.068 / 1.106 / 0.835 / 1.007, at more restarts per job (1.23 -> 1.90 on
-      480 s1); goodput mode's figures unchanged to the digit (its jobs' batch grows with them);
-    - resize cost: a running job grows only if the gain, over a horizon of its run time so
-      far, pays for a pause by at least `min_gain`: its own measured restart cost
-      (`Job.pause_s`: a campaign times each resize) once it has one, else `pause_s`. When
-      its length is known the horizon is at most its remaining run at its current size
-      (`remaining_horizon`): a job with minutes left does not restart to save seconds. On the
-      six Philly workloads (published noise scales, four seeds of the step times' noise) it
-      kept restarts under Pollux's on 24 of 24 against 21 at the same gap closed (35.5 %);
-      on the heavy one (960 jobs, seed 1) it took restarts per job from 1.08 to 1.02;
-    - arrivals (`arrival_window_s`, off by default): the horizon over which a growth past
-      the job's request must pay for its pause is cut to how soon the devices free now will
-      be wanted again, at the rate the last `arrival_window_s` of arrivals requested devices
-      (growth up to the request is not limited). On the heavy Philly workload (960 jobs,
-      seed 1) 2 h took restarts per job from 0.86 to 0.74 (Pollux 0.48) and the average from
-      3.99 h to 3.94 h; on the six others the average moved by -2.7 % to +3.8 % (`--sweep`);
-    - starvation: a job waiting `starvation_s` runs at its minimum before anything else;
-      while it cannot, no job starts or grows, so it runs once protections expire;
-    - locality: jobs go on the fewest nodes (best fit), growing jobs extend in place where
-      that is better, a spread job sheds devices if fewer nodes would be faster, and a job
-      that keeps its size but spans more nodes than it needs is repacked onto fewer when the
-      speed-up pays for the move's pause over its expected remaining run;
-    - exploration: devices no job wants under its model let a long-running job (run for
-      `explore_after_s`) that fills its nodes try one node more, once, so that a model
-      whose prior says spreading does not pay learns whether it really does not.
+    - protection: held devices weigh more (`hysteresis`; `loan_hysteresis` past the
+      request, where a newcomer may take them back); a job is left as it is for `min_run_s`
+      after a change, and is preempted at most `preemption_budget` times;
+    - short jobs first: a protected job far longer than a waiting one yields down to its
+      minimum (`yield_ratio`, not within `yield_min_s` of its last change), and lends a
+      waiting short job the devices it needs when that costs less than the wait for the
+      soonest finish (`admit_short`); a job waiting `starvation_s` runs before anything else;
+    - efficiency: past its request a job grows only while its speed-up per device stays at
+      least `min_efficiency`, and takes idle devices only down to `fixed_fill_efficiency`
+      (fixed batch) or `goodput_fill_efficiency` while jobs may still arrive; devices no
+      job wants in the greedy go to whoever gains from them (`fill_idle`);
+    - restarts: a growth must pay for its pause (the job's measured resize cost, else
+      `pause_s`) by `min_gain` over its run so far (at least `min_horizon_s`), at most its
+      known remaining run (`remaining_horizon`), and comes only `grow_after_s` after the
+      job's last change, except for a short fixed-batch job never resized (`early_growth`);
+      `arrival_window_s` prices growth past the request by how soon arrivals want the
+      devices, `critical_boost` weighs up the job that finishes last whatever is done
+      (both off by default);
+    - locality: best fit on the fewest nodes, growth in place, a spread job repacked onto
+      fewer nodes where the speed-up pays for the move (`repack`), and one node more tried,
+      once, by a long-running job whose model doubts spreading (`explore_after_s`).
+
+    Why each rule is there and what it did against Pollux when it came in:
+    docs/reference/elastic-policy.md; every figure's command: docs/benchmarks.md.
     """
 
     pause_s: float = 20.0
