@@ -78,6 +78,28 @@ def test_mlflow_gets_each_key_and_step_once_whatever_is_sent_again(tmp_path):
     assert history == [(0, 0.0), (10, 10.0), (20, 20.0), (30, 30.0)]
 
 
+def test_steps_a_failed_batch_did_not_log_are_logged_when_sent_again(tmp_path):
+    """A store that refuses a batch keeps none of its steps (here the run is deleted for a
+    while; a store locked by another writer refuses the same way, after its busy timeout):
+    the sink must not count them as held, or the journal fed again skips them for good."""
+    from mlflow import MlflowClient
+
+    from training.metrics import _Runs
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("e")).info.run_id
+    runs = _Runs()
+    runs.steps(uri, run)  # what the run holds, read as at the sink's first send
+    items = [{"uri": uri, "run": run, "key": "train_loss", "value": float(s), "timestamp": 1, "step": s} for s in (10, 20)]
+    client.delete_run(run)
+    runs.send(items)  # refused: the run is not active
+    client.restore_run(run)
+    assert client.get_metric_history(run, "train_loss") == []
+    runs.send(items)  # the journal fed again through the same sink
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run, "train_loss")) == [(10, 10.0), (20, 20.0)]
+
+
 # --- the kill loop ------------------------------------------------------------------------
 
 STEPS, LOG_EVERY, CHECKPOINT_EVERY = 300, 10, 50

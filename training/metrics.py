@@ -341,6 +341,8 @@ class _Runs:
                 try:
                     self.client(uri).log_batch(run, metrics=batch, tags=batch_tags, synchronous=True)
                 except Exception as e:  # a tracking hiccup must not end the sink: later batches may pass
+                    for metric in batch:  # not held after all: the journal fed again sends them again
+                        logged[metric.key].discard(metric.step)
                     print(f"MLflow log_batch failed, {len(batch)} metrics and {len(batch_tags)} tags dropped: {e}", file=sys.stderr, flush=True)
 
 
