@@ -24,7 +24,7 @@ from training.manifest import checkpoint_report, checkpoint_step
 from training.agent_state import read_agent_state
 from training.progress import read_progress
 from training.result import REFINALISED, result_report
-from training.files import InputError, append_json_line, envelope_problem, read_bounded, read_json, read_json_lines, read_status_json, write_json_atomic
+from training.files import InputError, append_json_line, envelope_problem, read_bounded, read_json, read_json_lines, read_status_json, write_atomic, write_json_atomic
 from training.layout import campaign_files, latest_pointer, trial_files
 
 
@@ -137,7 +137,7 @@ def read_campaign(runs_dir: Path, campaign: str) -> CampaignRecord | None:
 
 def write_campaign(runs_dir: Path, record: CampaignRecord) -> None:
     write_json_atomic(campaign_files(campaign_dir(runs_dir, record.name)).record, record.to_json())
-    latest_pointer(runs_dir).write_text(record.name + "\n")
+    write_atomic(latest_pointer(runs_dir), (record.name + "\n").encode())  # never seen empty: a launch refuses one
 
 
 def update_campaign(runs_dir: Path, campaign: str, **fields: Any) -> CampaignRecord:
