@@ -543,3 +543,34 @@ def test_two_campaigns_on_one_device_take_turns(tmp_path, digits_npz):
     )
     assert [name for _, name in starts] == ["first", "second"] * 3, (  # turns, in the order they queued
         starts, {name: out[-2000:] for name, out in outputs.items()})
+
+
+def test_a_kill_while_a_step_is_saved_again_leaves_that_step_to_resume_from(tmp_path, monkeypatch):
+    """Saving a step that is saved already (a resize stopping on a checkpoint step) replaces
+    it; a kill between taking the old one out of view and putting the new one in its place
+    must leave a whole checkpoint of that step, not only the older ones (here: none)."""
+    root = tmp_path / "checkpoints"
+    saver = Checkpointer(root, keep=1, rank=0, world_size=1)
+    saver.save(100, {"trainer": {"w": torch.full((4,), 1.0)}}, blocking=True)
+    real_rename = Path.rename
+
+    def killed_on_the_way_in(self, target):
+        if self.name.startswith(".tmp-"):
+            raise KeyboardInterrupt("killed")  # the process ends here
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_on_the_way_in)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(100, {"trainer": {"w": torch.full((4,), 2.0)}}, blocking=True)
+    monkeypatch.setattr(Path, "rename", real_rename)
+    resumed = Checkpointer(root, keep=1, rank=0, world_size=1)
+    resumed.clean_stale()
+    state = {"trainer": {"w": torch.zeros(4)}}
+    assert resumed.load_latest(state) == 100
+    assert state["trainer"]["w"].tolist() == [1.0] * 4  # the old copy, whole (the new one never got in)
+    assert [p.name for p in root.iterdir()] == ["step-00000100"]
+    # and a save of the same step that is not interrupted leaves the new copy alone in view
+    resumed.save(100, {"trainer": {"w": torch.full((4,), 3.0)}}, blocking=True)
+    state = {"trainer": {"w": torch.zeros(4)}}
+    assert Checkpointer(root, keep=1, rank=0, world_size=1).load_latest(state) == 100
+    assert state["trainer"]["w"].tolist() == [3.0] * 4 and [p.name for p in root.iterdir()] == ["step-00000100"]

@@ -34,6 +34,8 @@ from training.fence import Fenced
 from training.files import DiskFull, available_bytes, disk_full_in, fsync_dir
 from training.manifest import TMP_PREFIX, checkpoint_step, latest_valid_checkpoint, list_checkpoints, step_dir_name, write_manifest
 
+REPLACED_PREFIX = ".replaced-"  # a whole checkpoint set aside while a new save of its step takes its place
+
 
 class Checkpointer:
     """Saves and loads a trial's state; every rank calls every method (they are collective).
@@ -92,8 +94,16 @@ class Checkpointer:
         return box[0]
 
     def clean_stale(self) -> None:
-        """Remove half-written checkpoints left by a run that was killed while saving."""
+        """Remove half-written checkpoints left by a run that was killed while saving, and put
+        back a whole one that a kill caught set aside for its replacement (`_finalize`)."""
         if self.rank == 0 and self.root.is_dir():
+            for aside in self.root.glob(f"{REPLACED_PREFIX}*"):
+                final = aside.with_name(aside.name[len(REPLACED_PREFIX):])
+                if final.exists():
+                    shutil.rmtree(aside, ignore_errors=True)
+                else:
+                    aside.rename(final)
+                    fsync_dir(self.root)
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
         self._barrier()
@@ -149,10 +159,20 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # written by a holder that lost its lease: never in view
             raise Fenced(problem)
         write_manifest(tmp, step, self.world_size, self.grant)
-        if final.exists():  # the same step saved again after a resume: replace it whole
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(self.root)
+        if final.exists():
+            # The same step saved again (a resize or a move stopping on a checkpoint step, a
+            # resume's final save): the whole old one is set aside by a rename, not deleted,
+            # until the new one is in its place; a kill in between leaves it for clean_stale
+            # to put back (deleting first left nothing to resume from but older steps).
+            aside = final.with_name(f"{REPLACED_PREFIX}{final.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            final.rename(aside)
+            tmp.rename(final)
+            fsync_dir(self.root)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            tmp.rename(final)
+            fsync_dir(self.root)
         for old in list_checkpoints(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         if self.remote is not None:
