@@ -169,7 +169,13 @@ def _set_aside_for_rerun(spec, trials, rerun: list[str]) -> None:
         _fail(f"--rerun {unknown[0]}: campaign {spec.campaign.name} has no such trial; its trials: {', '.join(sorted(known)) or 'none'}")
     for trial in dict.fromkeys(rerun):
         aside = set_aside(root / trial)
-        console.print(f"trial {trial}: " + (f"result and checkpoints moved to {aside}; it trains again" if aside
+        if aside is not None and record is not None and record.mlflow_run_id:
+            from tasks.tracking import retire_trial_run
+            from training.spec import tracking_uri
+
+            retire_trial_run(tracking_uri(spec.tracking), record.mlflow_run_id, trial, aside.name)
+        console.print(f"trial {trial}: " + (f"result, checkpoints and curves moved to {aside}; it trains again, logging to "
+                                            f"a new MLflow run" if aside
                                             else "nothing to set aside; it runs as any unfinished trial"), highlight=False)
 
 
@@ -544,8 +550,9 @@ def launch(params: Path = PARAMS, live: Optional[bool] = LIVE, pool: Optional[st
     _launch(params, live, pool, timings=timings)
 
 
-RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished trial again from scratch (its result and "
-                     "checkpoints are moved to rerun-<time>/ in its folder); repeat for more trials")
+RERUN = typer.Option(None, "--rerun", metavar="TRIAL", help="train this finished trial again from scratch (its result, "
+                     "checkpoints and metrics journal are moved to rerun-<time>/ in its folder; it logs to a new MLflow "
+                     "run); repeat for more trials")
 
 
 @app.command()

@@ -407,6 +407,23 @@ def trial_run_id(uri: str, parent_run_id: str, trial_id: str) -> str | None:
 
 @in_hub
 @retrying
+def retire_trial_run(uri: str, parent_run_id: str, trial_id: str, note: str) -> str | None:
+    """`resume --rerun`: the trial's run is kept but is no longer the trial's (its trial tag
+    becomes `<trial>@<note>`), so the rerun opens a run of its own whose curves start empty
+    (the old run holds every step the rerun logs: they would be dropped as logged already).
+    The old run's id, or None if the trial had none."""
+    run = find_trial_run(uri, parent_run_id, trial_id)
+    if run is None:
+        return None
+    _client(uri).set_tag(run.info.run_id, TRIAL_TAG, f"{trial_id}@{note}")
+    known = _trial_runs.get((uri, parent_run_id))
+    if known is not None and known[1].get(trial_id) == run.info.run_id:
+        del known[1][trial_id]
+    return run.info.run_id
+
+
+@in_hub
+@retrying
 def settle_finished_run(uri: str, parent_run_id: str, trial_id: str, result: dict[str, Any]) -> bool:
     """A trial whose result is on disk but whose run is not FINISHED (its campaign was killed
     between the two): finish the run now. True if it had to."""

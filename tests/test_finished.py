@@ -129,6 +129,19 @@ def test_resume_under_another_key_trains_again_and_rerun_trains_again(tmp_path, 
         assert (trial_dir / "train.log").read_text().count("fresh start") == starts + 1
         assert json.loads((trial_dir / "result.json").read_text())["steps"] == 20
         assert len(list(trial_dir.glob("rerun-*/result.json"))) == 1
+        # The rerun's curves: journaled anew and logged to a run of its own (the old run holds
+        # every step it logs); the old run is kept, tagged as set aside.
+        (aside,) = trial_dir.glob("rerun-*")
+        assert (aside / "metrics.jsonl").exists() and (trial_dir / "metrics.jsonl").exists()
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.`campaign.kind` = 'trial'")
+        by_tag = {r.data.tags["campaign.trial_id"]: r for r in runs}
+        assert set(by_tag) == {trial_dir.name, f"{trial_dir.name}@{aside.name}"}, set(by_tag)
+        new_steps = [m.step for m in client.get_metric_history(by_tag[trial_dir.name].info.run_id, "train_loss")]
+        assert new_steps and sorted(new_steps) == sorted(set(new_steps)) and max(new_steps) == 20, new_steps
+        assert by_tag[trial_dir.name].data.metrics["train_loss"] == json.loads((trial_dir / "result.json").read_text())["metrics"]["train_loss"]
     finally:
         os.environ[KEY_ENV] = key
 

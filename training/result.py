@@ -200,11 +200,11 @@ def read_result(trial_dir: str | Path, trial_id: str | None = None) -> dict[str,
 
 
 def set_aside(trial_dir: str | Path) -> Path | None:
-    """Move a finished trial's result, progress and checkpoints to `rerun-<time>/` in its
-    folder, so that the next launch trains it from scratch; nothing is deleted. None when
-    there was nothing to move."""
+    """Move a finished trial's result, progress, checkpoints and metrics journal to
+    `rerun-<time>/` in its folder, so that the next launch trains it from scratch and journals
+    its curves anew; nothing is deleted. None when there was nothing to move."""
     files = trial_files(trial_dir)
-    moving = [path for path in (files.result, files.progress, files.checkpoints) if path.exists()]
+    moving = [path for path in (files.result, files.progress, files.checkpoints, files.metrics_journal) if path.exists()]
     if not moving:
         return None
     aside = files.root / time.strftime("rerun-%Y%m%d-%H%M%S")
