@@ -86,3 +86,27 @@ def test_a_trial_that_shares_its_gpus_grows_onto_one_another_campaign_shares_too
         write_command(whole_outer, 1, [{"id": "a/gpu0"}, {"id": "a/gpu1"}])
         refused = wait_for(lambda: read_refusal(whole_outer, 1), 10, "the relay", every=0.02)
     assert "a/gpu1 held by another campaign" in refused.reason
+
+
+def test_a_lease_file_locked_past_its_busy_timeout_refuses_the_grow_and_the_relay_goes_on(tmp_path, monkeypatch):
+    """Another process holds the node's lease file locked longer than a writer waits: the grow
+    is refused (saying why), not lost with the relay's thread; the next one goes through."""
+    import sqlite3
+
+    monkeypatch.setenv("CAMPAIGN_LEASE_BUSY_S", "0.2")
+    store = LeaseStore(tmp_path / "leases.db")
+    outer, inner = tmp_path / "control", tmp_path / "control" / "node-a"
+    assert store.acquire("c/t@a:1", {"a/cpu0": 1}, CAPACITY, pid=os.getpid())
+    with CommandRelay(outer, inner, store, "c/t@a:1", CAPACITY, ["a/cpu0"]):
+        locker = sqlite3.connect(tmp_path / "leases.db", timeout=0, isolation_level=None)
+        locker.execute("BEGIN IMMEDIATE")  # the one write lock, held
+        try:
+            write_command(outer, 1, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
+            refused = wait_for(lambda: read_refusal(outer, 1), 10, "the relay", every=0.02)
+            assert "locked" in refused.reason and read_command(inner, 1) is None
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        write_command(outer, 2, [{"id": "a/cpu0"}, {"id": "a/cpu1"}])
+        forwarded = wait_for(lambda: read_command(inner, 1), 10, "the next grow forwarded", every=0.02)
+        assert forwarded.device_ids == ["a/cpu0", "a/cpu1"] and leased(store) == {"a/cpu0", "a/cpu1"}

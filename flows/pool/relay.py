@@ -17,10 +17,11 @@ segment relays them from the campaign's (`control`):
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
-from cluster.leases import LeaseStore
+from cluster.leases import LeaseError, LeaseStore, LeaseStoreError
 from cluster.types import WHOLE_DEVICE, claim_bytes
 from training.agent_commands import clear_commands, read_command, refuse
 from training.agent_state import read_agent_state
@@ -57,8 +58,11 @@ class CommandRelay:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            self.relay_commands()
-            self.relay_state()
+            try:
+                self.relay_commands()
+                self.relay_state()
+            except Exception as e:  # the relay must outlive any one round: what failed is tried again next round
+                print(f"command relay of {self.holder}: {e.__class__.__name__}: {e}; trying again", file=sys.stderr, flush=True)
             self.rounds += 1
 
     def relay_commands(self) -> None:
@@ -66,9 +70,14 @@ class CommandRelay:
             # This node's devices only: another node's are leased in its own file by its host's segment.
             new = [d for d in command.device_ids if d not in self.held and d in self.capacity]
             claims = {d: claim_bytes(self.memory_bytes, self.capacity[d]) for d in new}
-            if new and not self.store.acquire(self.holder, claims, self.capacity):
+            try:
+                granted = not new or self.store.acquire(self.holder, claims, self.capacity)
+                why = f"{', '.join(new)} held by another campaign"
+            except (LeaseError, LeaseStoreError) as e:  # the file locked too long, or unusable: this grow waits for none
+                granted, why = False, str(e)
+            if not granted:
                 # Not forwarded: the agent never sees it, and the campaign is told why.
-                refuse(self.outer, self.next_outer, f"node lease file: {', '.join(new)} held by another campaign")
+                refuse(self.outer, self.next_outer, f"node lease file: {why}")
                 self.next_outer += 1
                 continue
             self.held.update(new)
@@ -81,9 +90,9 @@ class CommandRelay:
         state = read_agent_state(self.inner)
         if state is None or state == self.last_state:
             return
-        self.last_state = state
         if state.status == "running":
             if left := [d for d in self.held if d not in state.devices]:  # a shrink the agent has applied
-                self.store.release_devices(self.holder, left)
+                self.store.release_devices(self.holder, left)  # if this fails, the state is relayed again next round
                 self.held -= set(left)
+        self.last_state = state
         state.renumbered(self.to_outer.get(state.seq, state.seq)).write(self.outer)
