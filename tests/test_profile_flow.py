@@ -194,3 +194,47 @@ def test_a_failed_ddp_part_drops_only_that_part_and_the_campaigns_run_waits_for_
     assert own.info.run_id == summary.mlflow_run_id and own.data.tags["campaign.profiled_trial"] == summary.trial_id
     assert own.data.tags["mlflow.parentRunId"] == parent.info.run_id and "exited with code" in own.data.tags["profile.ddp_error"]
     assert "profile/ddp.log" in {a.path for a in client.list_artifacts(own.info.run_id, "profile")}
+
+
+def test_a_profile_whose_lease_was_reclaimed_while_it_ran_keeps_nothing(tmp_path, digits_npz, prefect_backend, monkeypatch):
+    """Another process's sweep took the profile's lease while it measured (its process had
+    stalled past the heartbeat timeout): another trial may have shared the devices, so the
+    figures are refused, with the reason, and nothing is logged."""
+    from conftest import wait_for
+    from flows.run.profile import DevicesBusyError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CAMPAIGN_LEASE_TIMEOUT_S", "0.4")  # the heartbeat renews every 0.1 s
+    params = write_params(tmp_path, "reclaimed", devices=1, data=digits_npz)
+    held = {}
+    real_hold = LeaseStore.hold
+
+    def hold(self, *args, **kwargs):
+        context = real_hold(self, *args, **kwargs)
+        held["lease"] = context.__enter__()
+        return _Entered(context, held["lease"])
+
+    def measured_while_reclaimed(job):
+        (lease,) = LeaseStore().leases()
+        LeaseStore().release(lease.holder)  # what a sweep that found it expired does
+        wait_for(lambda: held["lease"].lost, 10, "the heartbeat to find the lease gone", every=0.02)
+        return object()  # figures measured on devices it no longer held
+
+    monkeypatch.setattr(LeaseStore, "hold", hold)
+    monkeypatch.setattr("flows.run.profile.profile_trial", measured_while_reclaimed)
+    with pytest.raises(DevicesBusyError, match="was reclaimed while trial .* was profiled"):
+        profile_flow(str(params))
+    assert not (tmp_path / "mlflow.db").exists() and LeaseStore().leases() == []
+
+
+class _Entered:
+    """A context manager already entered: `with` gets the lease and leaves through the real exit."""
+
+    def __init__(self, context, value) -> None:
+        self.context, self.value = context, value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return self.context.__exit__(*exc)

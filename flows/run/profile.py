@@ -112,10 +112,17 @@ def profile_flow(params_path: str = "params.yaml", trial_id: str | None = None) 
     job = profile_job(trial, devices, profile_dir(spec.tracking.runs_dir, name, trial.id), largest_node_size(inventory))
     logger.info(f"profiling trial {trial.id} ({trial.label}) on {', '.join(d.id for d in devices)}")
     try:
-        with store.hold(holder, {d.id: d.memory_bytes for d in devices}, capacity):
+        with store.hold(holder, {d.id: d.memory_bytes for d in devices}, capacity) as lease:
             result = profile_trial(job)
+            lost = lease.lost
     except LeaseUnavailable:  # another campaign took a device between the look and the lease
         raise DevicesBusyError(f"the devices chosen to profile trial {trial.id} ({', '.join(d.id for d in devices)}) were leased a moment ago: try again") from None
+    if lost:
+        # Reclaimed while it ran (this process stalled past the heartbeat timeout): another trial
+        # may have shared the devices, so its timings are not the trial's alone. Nothing is kept.
+        raise DevicesBusyError(f"the lease on {', '.join(d.id for d in devices)} was reclaimed while trial {trial.id} was "
+                               "profiled on them (this process stopped renewing it in time), so another campaign may have "
+                               "used them meanwhile; its figures are not kept: profile it again")
     summary = ProfileSummary(name, trial.id, trial.label, tuple(d.id for d in devices), result)
     if result is None:
         return summary
