@@ -266,7 +266,7 @@ class LeaseStore:
                 return None
             kept = next((r.epoch for r in live if r.holder == holder), None)
             epoch = kept if kept is not None else _next_epoch(conn)
-            lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, _this_host(), epoch)
+            lease = Lease(holder, "", 0, pid, pid_start, acquired_at or now, now, 0, self._origin(), epoch)
             if not _fit_and_write(conn, live, lease, claims, capacity):
                 return None
             if campaign is not None:
@@ -495,6 +495,12 @@ class LeaseStore:
         dead = {r.holder for r in rows if _death_reason(r, now, self.heartbeat_timeout_s, self.reclaim_margin_s)}
         return [r for r in rows if r.holder not in dead], [r for r in rows if r.holder in dead]
 
+    def _origin(self) -> str:
+        """Where the holder's pid means something, and the heartbeat timeout it renews by:
+        whoever judges the holder judges it by that, not by its own (campaigns may run with
+        different timeouts, `CAMPAIGN_LEASE_TIMEOUT_S`)."""
+        return f"{_this_host()}|{self.heartbeat_timeout_s!r}"
+
     def _in_grace(self, conn: sqlite3.Connection, now: float) -> bool:
         rebuilt_at = _meta(conn).get("rebuilt_at")
         return rebuilt_at is not None and now - float(rebuilt_at) < self.heartbeat_timeout_s
@@ -503,7 +509,7 @@ class LeaseStore:
         """Puts back a live holder's leases in a rebuilt file, if nobody took them since."""
         live, _ = self._sweep(conn, now)
         lease = Lease(
-            holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, _this_host(), held.epoch
+            holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, self._origin(), held.epoch
         )
         _next_epoch(conn, at_least=held.epoch)  # the rebuilt file's counter never hands this epoch out again
         if not _fit_and_write(conn, live, lease, held.claims, held.capacity):
@@ -945,10 +951,15 @@ def _check_claims(holder: str, claims: Mapping[str, int], capacity: Mapping[str,
 
 def _death_reason(lease: Lease, now: float, timeout_s: float, margin_s: float = 0.0) -> str | None:
     """Why `lease`'s holder counts as dead, or None while it may be alive. An expired
-    heartbeat counts only `margin_s` after the renew deadline (fencing: training.fence)."""
+    heartbeat counts only `margin_s` after the renew deadline (fencing: training.fence).
+    A row that says which timeout its holder renews by is judged by that one, and its
+    margin by the same share of it (a row written before rows said so: by the caller's)."""
+    host, boot, namespace, own_timeout = (lease.origin.split("|") + ["", "", "", ""])[:4]
+    with suppress(ValueError):
+        if (holders := float(own_timeout)) > 0:
+            margin_s, timeout_s = margin_s * holders / timeout_s, holders
     if now - lease.heartbeat_at > timeout_s + margin_s:
         return "heartbeat expired"
-    host, boot, namespace = (lease.origin.split("|") + ["", "", ""])[:3]
     here_host, here_boot, here_namespace = _this_host().split("|")
     if host != here_host:
         return None  # another machine's pid means nothing here: the heartbeat decides

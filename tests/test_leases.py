@@ -169,6 +169,22 @@ def test_heartbeat_expiry_reclaims_and_the_holder_learns_it(tmp_path):
         store.renew("a")
 
 
+def test_a_holder_is_judged_by_the_heartbeat_timeout_it_renews_by_not_by_the_judges(tmp_path):
+    """Two campaigns with different timeouts (`CAMPAIGN_LEASE_TIMEOUT_S`) on one host: one that
+    renews every 150 s (timeout 600 s) is alive 100 s after its last renewal, though that is
+    past the other's 60 s; its devices are not given away until its own deadline and margin."""
+    clock = Clock()
+    patient = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=600, clock=clock)
+    hasty = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=60, clock=clock)
+    assert patient.acquire("x", {"d0": 10}, CAP)
+    clock.now += 100  # past 60 + 15: the hasty store's own deadline and margin
+    assert hasty.reclaim() == [] and not hasty.acquire("y", {"d0": 10}, CAP)
+    patient.renew("x")  # in time by its own timeout
+    clock.now += 600 + 150 + 1  # past its own deadline and margin: now it is dead to anyone
+    assert [lease.holder for lease in hasty.reclaim()] == ["x"]
+    assert hasty.acquire("y", {"d0": 10}, CAP)
+
+
 def test_a_reused_pid_is_not_taken_for_the_holder():
     me = os.getpid()
     assert process_alive(me, process_start(me))
