@@ -590,7 +590,7 @@ class LeaseStore:
                 f"cannot use lease database {self.path} ({e}): set CAMPAIGN_LEASE_DB to a writable local path"
             ) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            _flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, lock_path)
             yield
         finally:
             os.close(fd)  # closing drops the lock
@@ -902,6 +902,22 @@ def close_kept_connections() -> None:
 def _close_quietly(conn: sqlite3.Connection) -> None:
     with suppress(sqlite3.Error):
         conn.close()
+
+
+def _flock_within(fd: int, kind: int, lock_path: Path) -> None:
+    """flock, waiting at most the busy timeout: a process stopped inside a transaction (a
+    debugger, SIGSTOP) keeps its lock, and a wait without end would stop this one, its
+    heartbeat included, without a word."""
+    deadline = time.monotonic() + _busy_timeout_s()
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LeaseStoreBusy(f"lease database lock {lock_path} stayed held by another process for {_busy_timeout_s():g} s "
+                                     f"(one stopped in the middle of a lease change? `fuser {lock_path}` names it)") from None
+            time.sleep(0.005)
 
 
 def _busy_timeout_s() -> float:

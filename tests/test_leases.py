@@ -288,6 +288,31 @@ def test_garbage_file_is_moved_aside_and_rebuilt(tmp_path):
     assert store.acquire("new", {"d0": 1}, CAP)
 
 
+def test_a_process_stopped_holding_the_lock_file_makes_others_wait_only_the_busy_timeout(tmp_path, monkeypatch):
+    """A process stopped in the middle of a lease change (SIGSTOP, a debugger) keeps its lock on
+    the file's lock: a transaction waits for it only the busy timeout, then says so; so does a
+    rebuild, which needs the lock alone, while a stopped process holds it shared."""
+    import fcntl
+
+    monkeypatch.setenv("CAMPAIGN_LEASE_BUSY_S", "0.2")
+    path = tmp_path / "leases.db"
+    store = LeaseStore(path, heartbeat_timeout_s=30)
+    assert store.acquire("a", {"d0": 1}, CAP)
+    lock = os.open(f"{path}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # stopped in the middle of a rebuild
+        with pytest.raises(LeaseStoreBusy, match="stayed held by another process"):
+            store.acquire("b", {"d1": 1}, CAP)
+        fcntl.flock(lock, fcntl.LOCK_SH)  # stopped in the middle of a transaction
+        path.write_bytes(os.urandom(8192))  # and the file needs a rebuild
+        with pytest.raises(LeaseStoreBusy, match="stayed held by another process"):
+            LeaseStore(path, heartbeat_timeout_s=30).usage()
+    finally:
+        os.close(lock)
+    with pytest.warns(LeaseStoreRebuilt):  # once it is let go, the rebuild goes through
+        assert LeaseStore(path, heartbeat_timeout_s=30).usage() == {}
+
+
 def test_a_tampered_row_is_not_trusted(tmp_path):
     path = tmp_path / "leases.db"
     assert LeaseStore(path).acquire("t", {"d0": 4}, CAP)
