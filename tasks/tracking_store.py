@@ -385,7 +385,7 @@ def repair_tracking(spec: CampaignSpec) -> Repair:
     from the campaign's files, and the records rewritten to name the new runs."""
     from mlflow import MlflowClient
 
-    from tasks.tracking import CAMPAIGN_TAG, KIND_TAG, PARENT_TAG, _find_run, experiment_id
+    from tasks.tracking import CAMPAIGN_TAG, KIND_TAG, PARENT_TAG, TRIAL_TAG, _find_run, experiment_id
 
     uri = tracking_uri(spec.tracking)
     path = sqlite_file(uri)
@@ -421,6 +421,11 @@ def repair_tracking(spec: CampaignSpec) -> Repair:
                 client.set_tag(config.mlflow_run_id, PARENT_TAG, parent)
             report.kept.append(entry.id)
             continue
+        # A repair stopped between making this trial's run and naming it in the trial's config
+        # left that run behind: it goes (MLflow's deleted state), not a second run of the trial.
+        for stale in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{parent}' and tags.`{TRIAL_TAG}` = '{entry.id}' "
+                                                      "and tags.`campaign.rebuilt` = 'true'"):
+            client.delete_run(stale.info.run_id)
         run_id = _rebuild_trial(client, uri, spec, experiment, parent, entry, trial_dir, config, report)
         # Its config names its run: the next start writes it again, the check before it reads it now.
         write_atomic(campaign_files(root).trial(entry.id).config, replace(config, mlflow_run_id=run_id).to_json().encode())

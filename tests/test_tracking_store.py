@@ -196,6 +196,21 @@ def test_a_store_without_the_campaigns_runs_stops_resume_until_repaired(tmp_path
     assert refused.returncode == 2 and f"{db} does not have the campaign's run" in output, output
     assert "campaign repair-tracking params.yaml" in output, output
 
+    # A repair stopped between making the trial's run and naming it in the trial's config
+    # (here in this process: the config's write fails as a kill would end it)...
+    import tasks.tracking_store as tracking_store
+    from training.spec import load_spec
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    real_write, tracking_store.write_atomic = tracking_store.write_atomic, killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tracking_store.repair_tracking(load_spec(tmp_path / "params.yaml"))
+    finally:
+        tracking_store.write_atomic = real_write
+    # ...and run again to its end: one run of the trial, not two.
     repaired = campaign_cli("repair-tracking", "params.yaml", cwd=tmp_path)
     assert repaired.returncode == 0, repaired.stdout[-3000:] + repaired.stderr[-3000:]
     assert not any(p.name.startswith("mlflow.db.broken") for p in tmp_path.iterdir())  # a sound store stays where it is
