@@ -29,7 +29,8 @@ AUTO = "auto"  # training.stall_timeout_s unset: derived from the trial's own st
 FLOOR_S = 300.0  # auto never waits less: the first step pays imports, compile, data loading
 STEP_TIME_MULTIPLE = 10.0  # auto waits at least this many measured step times...
 GAP_MULTIPLE = 3.0  # ...and this many times the longest wait seen between two writes (an evaluation, a checkpoint, a report)
-RUNNING = "running"  # the one state in which a step that stands still is a stall (not held, resizing, finished)
+RUNNING = "running"  # the one state in which a step that stands still is a stall (not held, resizing)
+FINISHED = "finished"  # its result is written: processes still there past the limit hang in their teardown
 
 POLL_S = 1.0  # the progress file changes at most about once a second
 DUMP_WAIT_S = 5.0  # at most this long for the stack dumps to reach the log before the trial is stopped
@@ -66,10 +67,13 @@ class Stall:
     step: int
     waited_s: float
     silent: bool  # nothing written since the launch
+    finished: bool = False  # its result was written; its processes did not end (their teardown hangs)
 
     @property
     def reason(self) -> str:
         """What the trial's record says (`campaign status` shows it)."""
+        if self.finished:
+            return f"finished at step {self.step}, but its processes were still there {self.waited_s:.0f} s later"
         return f"stalled at step {self.step} for {self.waited_s:.0f} s" + (" (no progress since its launch)" if self.silent else "")
 
 
@@ -114,9 +118,12 @@ class StallClock:
             self.step_time_s = seen.step_time_s
         limit = self.limit_s()
         waited = now - self.changed_at
-        if limit is None or seen.state not in (None, RUNNING) or waited <= limit:
+        # Finished: the result is written, so stopping what is left (a teardown that hangs: a
+        # process group never destroyed, an exit hook joining a helper) frees the devices and
+        # changes nothing of the outcome (run_plan reads the result first).
+        if limit is None or seen.state not in (None, RUNNING, FINISHED) or waited <= limit:
             return None
-        return Stall(seen.step, waited, silent=seen.state is None)
+        return Stall(seen.step, waited, silent=seen.state is None, finished=seen.state == FINISHED)
 
 
 # --- the trial's processes -----------------------------------------------------------------

@@ -68,8 +68,20 @@ def test_a_function_trial_is_alive_while_it_reports_and_stalled_once_it_stops():
     assert clock.observe(Seen("running", 7, None, updated=56.0), 66.5).reason == "stalled at step 7 for 10 s"
 
 
-@pytest.mark.parametrize("state", ["held", "resizing", "finished"])
-def test_held_resizing_or_finished_is_never_a_stall(state):
+def test_a_finished_trial_whose_processes_outlive_the_limit_is_stopped_as_finished():
+    """Its result is written; a teardown that hangs (an exit hook joining a helper, a process
+    group never destroyed) would hold its devices for good: past the limit it is stopped, and
+    the stall says it had finished (run_plan records it finished from its result)."""
+    clock = StallClock(10.0, launched_at=0.0)
+    assert clock.observe(running(30), 1.0) is None
+    assert clock.observe(Seen("finished", 30, None, updated=2.0), 2.0) is None
+    assert clock.observe(Seen("finished", 30, None, updated=2.0), 12.0) is None
+    stall = clock.observe(Seen("finished", 30, None, updated=2.0), 12.5)
+    assert stall.finished and stall.reason == "finished at step 30, but its processes were still there 10 s later"
+
+
+@pytest.mark.parametrize("state", ["held", "resizing"])
+def test_held_or_resizing_is_never_a_stall(state):
     clock = StallClock(10.0, launched_at=0.0)
     assert clock.observe(running(3), 1.0) is None
     assert clock.observe(Seen(state, 3), 2.0) is None
@@ -188,6 +200,21 @@ def test_the_watchdog_dumps_and_stops_a_stalled_segment(tmp_path):
         assert not watchdog.stall.silent
         text = log.read_text()
         assert "stalled at step 3" in text and "in wait_forever" in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_watchdog_stops_a_finished_segment_whose_teardown_hangs(tmp_path):
+    proc, sleeper, log = start_hanging_trial(tmp_path)
+    try:
+        with Watchdog(tmp_path, 1.0, log, lambda: [proc.pid], every_s=0.1) as watchdog:
+            progress_now("running", 9, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)
+            progress_now("finished", 10, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)  # then it never exits
+            proc.wait(timeout=60)
+        assert watchdog.stall is not None and watchdog.stall.finished
+        assert "finished at step 10, but its processes were still there" in log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
