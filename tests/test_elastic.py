@@ -156,3 +156,29 @@ def test_preemption_saves_state_and_resumes_later(tmp_path, digits_npz):
     assert not Path(trial.result_path).exists()
     finish(start(trial, 1), trial)  # resumed later, on another number of devices
     assert_same_training(fixed, trial, control)
+
+
+def test_a_shrink_is_reported_applied_only_once_the_dropped_worker_has_exited(tmp_path, digits_npz):
+    """The campaign gives a dropped device back when the agent's state says the shrink is
+    applied: the worker that trained on it must be gone by then (it still holds its memory
+    there, a data set on a GPU included), not exiting a few hundred milliseconds later."""
+    from training.agent_state import read_agent_state
+
+    trial = trial_config(tmp_path / "shrunk", digits_npz, steps=400, checkpoint_every=1000, eval_every=1000)
+    proc = start(trial, 2)
+    config = Path(trial.trial_dir) / "trial.json"
+    try:
+        wait_for_step(trial, 20, proc)
+        assert worker_pids("w1", config)
+        resize(trial, 1, 1)
+        control = Path(trial.trial_dir) / "control"
+        deadline = time.time() + 120
+        while not ((state := read_agent_state(control)) is not None and state.seq == 1 and state.status == "running"):
+            assert proc.poll() is None and time.time() < deadline, "the shrink was never applied"
+            time.sleep(0.001)
+        assert list(state.devices) == ["cpu0"] and worker_pids("w1", config) == []
+        finish(proc, trial)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

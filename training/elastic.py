@@ -63,6 +63,7 @@ POLL_S = 0.005  # while a resize is under way: the pause waits on these polls
 # from a rank for a moment (the ranks of a CPU trial have one core each), and a command
 # waits for its joiners' start-up (seconds) anyway.
 IDLE_POLL_S = 0.1
+LEAVE_S = 60.0  # a worker told to leave has this long to exit before it is killed
 
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # read as a worker's interpreter and torch start
@@ -431,6 +432,10 @@ class Agent:
                     self.wait_for_exits()
                     self.write_state("finished" if outcome == FINISHED else "preempted")
                     return outcome
+                # The state says which devices the trial holds now: the campaign gives back the
+                # others on reading it, so the workers that left them must be gone by then (a
+                # leaver still holds its memory there, its data set on a GPU included).
+                self.wait_for_leavers()
                 self.write_state("running")
             time.sleep(IDLE_POLL_S)
 
@@ -493,6 +498,27 @@ class Agent:
         self.wait_for_exits()
         self.write_state("finished" if stopped is None else "preempted")
         return FINISHED if stopped is None else PREEMPTED
+
+    def wait_for_leavers(self, timeout_s: float = LEAVE_S) -> None:
+        """Until every worker told to leave has exited (the new generation trains meanwhile);
+        one still there after `timeout_s` is killed. A member's death is left to the caller's
+        next check."""
+        deadline, killed = time.monotonic() + timeout_s, False
+        while any(w.leaving for w in self.workers.values()):
+            try:
+                self.check_workers()
+            except WorkerDied:
+                return
+            if time.monotonic() > deadline:
+                if killed:
+                    return  # not even reaped after SIGKILL (a lost node's): nothing more to wait for
+                for wid, worker in self.workers.items():
+                    if worker.leaving and worker.proc.poll() is None:
+                        print(f"elastic agent: worker {wid} on {worker.device_id}, told to leave {timeout_s:.0f} s ago, "
+                              "is still there: killed", flush=True)
+                        worker.proc.kill()
+                deadline, killed = time.monotonic() + timeout_s, True
+            time.sleep(POLL_S)
 
     def wait_for_exits(self) -> None:
         """Until every worker told to leave (or finished) has exited."""
