@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,3 +79,63 @@ def test_a_checkpoint_logs_the_windows_still_in_flight_first(tmp_path, digits_np
     assert events[0][:2] == ["log", 7] and "train_loss" in events[0][2], events  # logged first...
     assert events[1] == ["save", 7]  # ...then the checkpoint that covers it
     assert events[-1] == ["pending", 0]
+
+
+def _train_on_two(rank: int, trial_dir: str, digits: str) -> None:
+    from elastic_helpers import trial_config
+    from training.trainer import DistEnv, Trainer
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{trial_dir}-rendezvous", rank=rank, world_size=2)
+    try:
+        cfg = trial_config(Path(trial_dir), Path(digits), model={"name": "mlp", "width": 32, "depth": 3}, steps=20, log_every=10,
+                           eval_every=10, trace=False, checkpoint_every=1000, async_checkpoints=False)
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.attach(DistEnv(rank, 2, 0))
+        trainer.train()
+        if rank == 0:
+            (Path(trial_dir) / "latest-at-the-end.json").write_text(json.dumps(trainer.latest))
+        trainer.detach()
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def latest_after_a_resume(trial_dir: str, digits: str) -> dict:
+    """Train 20 steps on two processes, then resume the final checkpoint on one: the latest
+    metrics at the end on rank 0, and those the resume read back."""
+    import torch.multiprocessing as mp
+
+    from elastic_helpers import trial_config
+    from training.trainer import DistEnv, Trainer
+
+    os.chdir(REPO)
+    mp.spawn(_train_on_two, args=(trial_dir, digits), nprocs=2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = trial_config(Path(trial_dir), Path(digits), model={"name": "mlp", "width": 32, "depth": 3}, steps=20, log_every=10,
+                           eval_every=10, trace=False, checkpoint_every=1000, async_checkpoints=False)
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.attach(DistEnv(0, 1, 0))
+        step = trainer.resume()
+        resumed = dict(trainer.latest)
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return {"step": step, "end": json.loads((Path(trial_dir) / "latest-at-the-end.json").read_text()), "resumed": resumed}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_several_processes_keeps_rank_0s_latest_metrics(tmp_path, digits_npz):
+    """Only rank 0 fills the latest metrics (the result is made of them); a checkpoint keeps one
+    copy of them, from whichever rank DCP's de-duplication picks (here, for this model, rank 1):
+    resumed from it, a trial must read rank 0's, not an empty set."""
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_checkpoint_logs import latest_after_a_resume as f; "
+            f"print('LATEST ' + json.dumps(f({str(tmp_path / 'trial')!r}, {str(digits_npz)!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("LATEST "))[len("LATEST "):])
+    assert found["step"] == 20 and "train_loss" in found["end"]
+    assert found["resumed"] == found["end"]

@@ -428,6 +428,7 @@ class Trainer(Stateful):
 
     def save_checkpoint(self, blocking: bool = True) -> None:
         self.sync_buffers()
+        self.sync_latest()
         if self.is_rank0:
             # A log window whose loss is still on its way from the device (a GPU's) is logged
             # now: a kill after this checkpoint resumes past its step, which would never be
@@ -442,6 +443,14 @@ class Trainer(Stateful):
         if self.buffers and self.env is not None and self.env.world_size > 1:
             for b in self.buffers:
                 dist.broadcast(b, src=0)
+
+    def sync_latest(self) -> None:
+        """Every process takes rank 0's latest metrics (only rank 0 fills them): a checkpoint
+        keeps one copy of them, from whichever rank DCP's de-duplication picks (collective)."""
+        if self.env is not None and self.env.world_size > 1:
+            box = [self.latest if self.is_rank0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.latest = box[0]
 
     def _seed(self, step: int, logical_rank: int) -> None:
         # Only the generators a step can use: torch.manual_seed would also seed every
