@@ -65,6 +65,56 @@ def test_a_trial_that_finishes_before_its_grow_lands_is_not_reported_resized(tmp
     assert [l.device_id for l in store.leases()] == [first]  # the device the grow took is free again
 
 
+def test_a_grow_whose_agent_failed_is_not_reported_applied_and_gives_its_new_device_back(tmp_path):
+    job, inventory, store, capacity = grow_to_two(tmp_path)
+    first = inventory.devices[0].id
+    agent_says(job, 1, "failed", [first])  # the agent took seq 1 and failed
+    assert "its agent failed before its resize" in serve_resizes(job, inventory, store, capacity)
+    assert job.device_ids == [first] and job.awaiting is None
+    assert read_json(trial_files(job.trial_dir).resize_answer)["status"] == "rejected"
+    assert [l.device_id for l in store.leases()] == [first]
+
+
+def gpus_with_auto_memory(tmp_path: Path):
+    """A [1, 2]-device trial on two 80 GiB GPUs that needs 18 GiB on each at 2 and 30 GiB at 1
+    (`memory_gb: auto`: fewer devices, more memory each), leased at 2."""
+    from cluster.types import Device, Inventory
+    from flows.run.live import claims
+
+    store = LeaseStore(tmp_path / "leases.db")
+    job, _, _ = running_trial(tmp_path, store)
+    store.release(job.holder)
+    inventory = Inventory(tuple(Device(f"n/gpu{i}", "n", i, "gpu", "H100", 80 * GIB) for i in range(2)))
+    capacity = {d.id: d.memory_bytes for d in inventory.devices}
+    job.devices = list(inventory.devices)
+    job.request = SizedRequest(job.trial.id, 1, 2, (30 * GIB, 18 * GIB))
+    assert store.acquire(job.holder, claims(job, job.devices), capacity)
+    return job, inventory, store, capacity
+
+
+GIB = 1 << 30
+
+
+def test_a_shrink_leases_the_memory_the_new_size_needs_on_the_devices_it_keeps(tmp_path):
+    job, inventory, store, capacity = gpus_with_auto_memory(tmp_path)
+    request_resize(job.trial_dir, 1)
+    assert "requested" in serve_resizes(job, inventory, store, capacity)
+    assert store.usage()["n/gpu0"] == 30 * GIB  # before the agent is told
+    agent_says(job, 1, "running", ["n/gpu0"])
+    assert "resized to 1" in serve_resizes(job, inventory, store, capacity)
+    assert store.usage() == {"n/gpu0": 30 * GIB}
+
+
+def test_a_shrink_onto_a_device_without_the_memory_it_needs_there_is_refused(tmp_path):
+    job, inventory, store, capacity = gpus_with_auto_memory(tmp_path)
+    assert store.acquire("other/t", {"n/gpu0": 55 * GIB, "n/gpu1": 55 * GIB}, capacity)  # another trial packed beside it
+    request_resize(job.trial_dir, 1)
+    assert serve_resizes(job, inventory, store, capacity) is None
+    answer = read_json(trial_files(job.trial_dir).resize_answer)
+    assert answer["status"] == "rejected" and "needs 30.0 GiB on each" in answer["detail"], answer
+    assert job.device_ids == ["n/gpu0", "n/gpu1"] and store.usage() == {"n/gpu0": 73 * GIB, "n/gpu1": 73 * GIB}
+
+
 def test_the_campaign_loop_waits_for_the_first_trial_to_end_on_the_trials_threads():
     """`first_finished` (the campaign loop's wait): None while nothing ended, then the future
     that ended. It waits on the task runner's thread futures, not on Prefect's SIGALRM

@@ -281,6 +281,12 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
             answer(job.trial_dir, request_id, "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
             return f"trial {job.trial.id} finished before its resize to {len(devices)} device(s)"
+        if state.status != "running":
+            # The agent failed (or was preempted) at the command: nothing runs on the new devices.
+            # Its task records how it ended and gives the rest back; a grow's are given back now.
+            store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
+            answer(job.trial_dir, request_id, "rejected", f"trial {job.trial.id}'s agent {state.status} before the resize landed")
+            return f"trial {job.trial.id}: its agent {state.status} before its resize to {len(devices)} device(s)"
         left = [d.id for d in job.devices if d not in devices]
         job.devices = devices
         store.release_devices(job.holder, left)
@@ -317,8 +323,14 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
             answer(job.trial_dir, request.id, "rejected", f"not enough free devices {where} to grow trial {job.trial.id} to {target}: see `campaign cluster`")
             return None
         devices = [inventory.device(d) for d in chosen]
-        if len(devices) > len(job.devices) and not store.acquire(job.holder, claims(job, devices), capacity):
-            answer(job.trial_dir, request.id, "rejected", f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign")
+        # Leased at the new size before the agent is told: a grow's new devices, and the memory
+        # per device the new size needs on every one (fewer devices take more each: a shrink's
+        # kept devices must have it too, or another trial could be packed into it).
+        if not store.acquire(job.holder, claims(job, devices), capacity):
+            why = (f"devices {', '.join(chosen[len(job.devices):])} were taken by another campaign" if len(devices) > len(job.devices)
+                   else f"at {target} device(s) trial {job.trial.id} needs {memory / (1 << 30):.1f} GiB on each, and "
+                        f"{', '.join(chosen)} have not that much free (another trial shares them)")
+            answer(job.trial_dir, request.id, "rejected", why)
             return None
         grow = new_host_nodes(job, devices)  # None: not in memory (a relaunch, below, if it changes nodes)
         if hosts is not None and grow:
