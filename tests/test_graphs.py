@@ -147,3 +147,21 @@ def test_the_flop_count_of_a_linear_model_is_the_hand_count():
     # a step of 2048 FLOPs every millisecond on a 1 GFLOP/s peak: 2048 / 1e-3 / 1e9
     assert abs(mfu(2048, 1e-3, 1e9) - 0.002048) < 1e-12
     assert matmul_dtype("bf16") is torch.bfloat16 and matmul_dtype("fp32") is torch.float32
+
+
+def test_a_process_attached_at_another_size_counts_the_flops_of_its_own_samples(tmp_path, digits_npz):
+    """MFU's FLOPs are counted once (a GPU's rank 0, at its first step) per sample; a resize
+    changes how many samples a process trains per step, so each attach scales them to its own."""
+    import shutil
+
+    shutil.copy(digits_npz, tmp_path / "d.npz")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = Trainer(_cfg(tmp_path, logical_ranks=2), torch.device("cpu"))
+        trainer.flops_per_sample = 1000.0  # as a GPU's rank 0 measured it at an earlier size
+        trainer.attach(DistEnv(0, 1, 0))
+        assert sum(s.size for s in trainer.spans) == 8 and trainer.flops_per_step == 8000.0  # the whole batch here
+        trainer.detach()
+        trainer.close()
+    finally:
+        dist.destroy_process_group()

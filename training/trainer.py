@@ -191,6 +191,7 @@ class Trainer(Stateful):
         # Model FLOPs utilisation on a GPU (training.flops): the FLOPs of this process's step, counted at its
         # first step, over the device's measured peak at the trial's precision; logged as `mfu`.
         self.flops_per_step: float | None = None
+        self.flops_per_sample: float | None = None  # the model's FLOPs per sample trained (a GPU's rank 0 measures them)
         self.peak_flops: float | None = None
 
     # --- binding to a process group -----------------------------------------------------
@@ -218,6 +219,8 @@ class Trainer(Stateful):
         self.ends_logical = tuple(i == len(self.spans) - 1 or self.spans[i + 1].logical_rank != s.logical_rank
                                   for i, s in enumerate(self.spans))
         self.noise_sizes = self._noise_sizes(env)
+        if self.flops_per_sample is not None:  # measured at an earlier size: this process's samples per step changed
+            self.flops_per_step = self.flops_per_sample * sum(s.size for s in self.spans)
         # Checkpoint writes run in a background thread: give their collectives a group of their own.
         self._async_group = dist.new_group(backend="gloo") if self.cfg.async_checkpoints and env.world_size > 1 else None
         self.checkpointer = Checkpointer(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints, env.rank, env.world_size, self._async_group,
@@ -608,7 +611,8 @@ class Trainer(Stateful):
         try:
             local = sum(s.size for s in self.spans)
             per_micro_batch = step_flops(lambda: build_model(self.cfg.model), self.objective, x, y, model=self.model)
-            self.flops_per_step = per_micro_batch * local / self.spans[0].size
+            self.flops_per_sample = per_micro_batch / self.spans[0].size
+            self.flops_per_step = self.flops_per_sample * local
             self.peak_flops = matmul_peak(self.device, matmul_dtype(self.cfg.precision))
             torch.cuda.reset_peak_memory_stats(self.device)  # the probe's matrices are not the trial's peak
         except Exception as exc:  # a model the meta device cannot run (data-dependent shapes): no MFU
