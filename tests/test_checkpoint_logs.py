@@ -68,14 +68,19 @@ def checkpoint_with_a_window_in_flight(trial_dir: str, digits: str) -> list:
     return events
 
 
-def test_a_checkpoint_logs_the_windows_still_in_flight_first(tmp_path, digits_npz):
+def in_a_process_of_its_own(function: str, *args: str) -> object:
+    """`function` of this module called with `args` in a new Python process, as a trial runs
+    (torch.distributed and DataLoader forks stay out of pytest's process); what it returned."""
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"from test_checkpoint_logs import checkpoint_with_a_window_in_flight as f; "
-            f"print('EVENTS ' + json.dumps(f({str(tmp_path / 'trial')!r}, {str(digits_npz)!r})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+            f"from test_checkpoint_logs import {function} as f; print('RETURNED ' + json.dumps(f(*{list(args)!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    events = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("EVENTS "))[len("EVENTS "):])
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RETURNED "))[len("RETURNED "):])
+
+
+def test_a_checkpoint_logs_the_windows_still_in_flight_first(tmp_path, digits_npz):
+    events = in_a_process_of_its_own("checkpoint_with_a_window_in_flight", str(tmp_path / "trial"), str(digits_npz))
     assert events[0][:2] == ["log", 7] and "train_loss" in events[0][2], events  # logged first...
     assert events[1] == ["save", 7]  # ...then the checkpoint that covers it
     assert events[-1] == ["pending", 0]
@@ -130,12 +135,6 @@ def test_a_checkpoint_of_several_processes_keeps_rank_0s_latest_metrics(tmp_path
     """Only rank 0 fills the latest metrics (the result is made of them); a checkpoint keeps one
     copy of them, from whichever rank DCP's de-duplication picks (here, for this model, rank 1):
     resumed from it, a trial must read rank 0's, not an empty set."""
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"from test_checkpoint_logs import latest_after_a_resume as f; "
-            f"print('LATEST ' + json.dumps(f({str(tmp_path / 'trial')!r}, {str(digits_npz)!r})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("LATEST "))[len("LATEST "):])
+    found = in_a_process_of_its_own("latest_after_a_resume", str(tmp_path / "trial"), str(digits_npz))
     assert found["step"] == 20 and "train_loss" in found["end"]
     assert found["resumed"] == found["end"]
