@@ -50,6 +50,18 @@ def test_a_second_run_is_refused_naming_the_first(tmp_path):
     assert not (tmp_path / "c" / RECORD_NAME).exists()
 
 
+def test_the_owner_lock_takes_its_mode_from_the_umask_so_a_group_sharing_the_runs_folder_can_take_it(tmp_path):
+    before = os.umask(0o002)  # a runs folder shared by a group
+    try:
+        run = claim_campaign(tmp_path / "c", "c", "launch")
+    finally:
+        os.umask(before)
+    try:
+        assert (tmp_path / "c" / "owner.lock").stat().st_mode & 0o777 == 0o664  # the group's next run may open it
+    finally:
+        run.release()
+
+
 def test_a_dead_runs_hold_is_taken_over(tmp_path):
     first = holder(tmp_path / "c")
     os.kill(first.pid, signal.SIGKILL)  # no cleanup: its record stays, naming a process that is gone

@@ -128,7 +128,9 @@ def claim_campaign(campaign_dir: Path, name: str, command: str) -> CampaignOwner
     while True:
         try:
             campaign_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(campaign_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Its mode from the umask, as every file of the runs folder: a folder shared by a
+            # group (umask 002) lets the group's next run open the lock after this one ended.
+            fd = os.open(campaign_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise CampaignError(f"cannot take campaign {name}'s owner lock in {campaign_dir} ({e}): the runs folder "
                                 "(tracking.runs_dir) must be writable") from e
