@@ -65,6 +65,14 @@ def test_a_trial_that_finishes_before_its_grow_lands_is_not_reported_resized(tmp
     assert [l.device_id for l in store.leases()] == [first]  # the device the grow took is free again
 
 
+def test_a_grow_that_landed_and_finished_before_the_campaign_looked_is_reported_applied(tmp_path):
+    job, inventory, store, capacity = grow_to_two(tmp_path)
+    both = [d.id for d in inventory.devices]
+    agent_says(job, 1, "finished", both)  # the short rest of training ran on both, and ended
+    assert "resized to 2" in serve_resizes(job, inventory, store, capacity)
+    assert job.device_ids == both and read_json(trial_files(job.trial_dir).resize_answer)["status"] == "applied"
+
+
 def test_a_grow_whose_agent_failed_is_not_reported_applied_and_gives_its_new_device_back(tmp_path):
     job, inventory, store, capacity = grow_to_two(tmp_path)
     first = inventory.devices[0].id

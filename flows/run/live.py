@@ -275,13 +275,16 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         if state is None or state.seq < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
         job.awaiting = None
-        if state.status == "finished":
+        landed = sorted(state.devices) == sorted(d.id for d in devices)
+        if state.status == "finished" and not landed:
             # The agent took the command but training ended before the resize landed: the
             # trial never ran on the new devices, so say so, and give back what a grow took.
+            # (Finished on the new devices, it did land: a short rest of training can end
+            # before the campaign reads the agent's "running".)
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
             answer(job.trial_dir, request_id, "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
             return f"trial {job.trial.id} finished before its resize to {len(devices)} device(s)"
-        if state.status != "running":
+        if state.status not in ("running", "finished"):
             # The agent failed (or was preempted) at the command: nothing runs on the new devices.
             # Its task records how it ended and gives the rest back; a grow's are given back now.
             store.release_devices(job.holder, [d.id for d in devices if d not in job.devices])
