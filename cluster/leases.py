@@ -96,7 +96,7 @@ class Lease:
     acquired_at: float  # wall-clock seconds, comparable across processes
     heartbeat_at: float
     capacity_bytes: int = 0  # the device's capacity as the holder saw it
-    origin: str = ""  # "host|boot id|pid namespace" in which `pid` means something
+    origin: str = ""  # "host|boot id|pid namespace" in which `pid` means something, then "|" the heartbeat timeout it renews by
     epoch: int = 0  # the grant: grows with every new grant on the host, kept while the holder renews or grows
 
 
