@@ -90,7 +90,8 @@ class StallClock:
     The clock restarts at each new write of the progress file (the project's loop writes it
     when its step has moved, about once a second, and at each change of state: a hold, a
     resize; a function trial when it reports); only a trial that is running, or has written
-    nothing since its launch, can stall. `timeout_s`: seconds, AUTO or None (never stalls).
+    nothing since its launch, can stall, and one that finished but whose processes outlive
+    the limit. `timeout_s`: seconds, AUTO or None (never stalls).
     """
 
     def __init__(self, timeout_s: float | str | None, launched_at: float):
