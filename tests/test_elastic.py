@@ -162,6 +162,7 @@ def test_a_shrink_is_reported_applied_only_once_the_dropped_worker_has_exited(tm
     """The campaign gives a dropped device back when the agent's state says the shrink is
     applied: the worker that trained on it must be gone by then (it still holds its memory
     there, a data set on a GPU included), not exiting a few hundred milliseconds later."""
+    from conftest import wait_for
     from training.agent_state import read_agent_state
 
     trial = trial_config(tmp_path / "shrunk", digits_npz, steps=400, checkpoint_every=1000, eval_every=1000)
@@ -172,10 +173,13 @@ def test_a_shrink_is_reported_applied_only_once_the_dropped_worker_has_exited(tm
         assert worker_pids("w1", config)
         resize(trial, 1, 1)
         control = Path(trial.trial_dir) / "control"
-        deadline = time.time() + 120
-        while not ((state := read_agent_state(control)) is not None and state.seq == 1 and state.status == "running"):
-            assert proc.poll() is None and time.time() < deadline, "the shrink was never applied"
-            time.sleep(0.001)
+
+        def applied():
+            assert proc.poll() is None, "the trial ended before its shrink was applied"
+            state = read_agent_state(control)
+            return state if state is not None and state.seq == 1 and state.status == "running" else None
+
+        state = wait_for(applied, 120, "the shrink applied", every=0.001)
         assert list(state.devices) == ["cpu0"] and worker_pids("w1", config) == []
         finish(proc, trial)
     finally:

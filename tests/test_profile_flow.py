@@ -200,6 +200,8 @@ def test_a_profile_whose_lease_was_reclaimed_while_it_ran_keeps_nothing(tmp_path
     """Another process's sweep took the profile's lease while it measured (its process had
     stalled past the heartbeat timeout): another trial may have shared the devices, so the
     figures are refused, with the reason, and nothing is logged."""
+    from contextlib import contextmanager
+
     from conftest import wait_for
     from flows.run.profile import DevicesBusyError
 
@@ -209,10 +211,11 @@ def test_a_profile_whose_lease_was_reclaimed_while_it_ran_keeps_nothing(tmp_path
     held = {}
     real_hold = LeaseStore.hold
 
+    @contextmanager
     def hold(self, *args, **kwargs):
-        context = real_hold(self, *args, **kwargs)
-        held["lease"] = context.__enter__()
-        return _Entered(context, held["lease"])
+        with real_hold(self, *args, **kwargs) as lease:
+            held["lease"] = lease
+            yield lease
 
     def measured_while_reclaimed(job):
         (lease,) = LeaseStore().leases()
@@ -225,16 +228,3 @@ def test_a_profile_whose_lease_was_reclaimed_while_it_ran_keeps_nothing(tmp_path
     with pytest.raises(DevicesBusyError, match="was reclaimed while trial .* was profiled"):
         profile_flow(str(params))
     assert not (tmp_path / "mlflow.db").exists() and LeaseStore().leases() == []
-
-
-class _Entered:
-    """A context manager already entered: `with` gets the lease and leaves through the real exit."""
-
-    def __init__(self, context, value) -> None:
-        self.context, self.value = context, value
-
-    def __enter__(self):
-        return self.value
-
-    def __exit__(self, *exc):
-        return self.context.__exit__(*exc)

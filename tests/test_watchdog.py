@@ -190,35 +190,33 @@ def test_the_stacks_go_to_the_log_and_only_processes_that_catch_it_are_signalled
         proc.wait()
 
 
-def test_the_watchdog_dumps_and_stops_a_stalled_segment(tmp_path):
-    proc, sleeper, log = start_hanging_trial(tmp_path)
+def watched_until_stopped(tmp_path: Path, *written: tuple[str, int]) -> tuple[Watchdog, str]:
+    """A hanging trial under a 1 s watchdog, its progress file written with each (state, step)
+    and then never again; the watchdog and the trial's log once the watchdog has stopped it."""
+    proc, _, log = start_hanging_trial(tmp_path)
     try:
         with Watchdog(tmp_path, 1.0, log, lambda: [proc.pid], every_s=0.1) as watchdog:
-            progress_now("running", 3, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)  # then nothing more
+            for state, step in written:
+                progress_now(state, step, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)
             proc.wait(timeout=60)  # the segment ends when its processes do: the watchdog stops them
-        assert watchdog.stall is not None and watchdog.stall.reason.startswith("stalled at step 3 for ")
-        assert not watchdog.stall.silent
-        text = log.read_text()
-        assert "stalled at step 3" in text and "in wait_forever" in text
+        return watchdog, log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_watchdog_dumps_and_stops_a_stalled_segment(tmp_path):
+    watchdog, text = watched_until_stopped(tmp_path, ("running", 3))
+    assert watchdog.stall is not None and watchdog.stall.reason.startswith("stalled at step 3 for ")
+    assert not watchdog.stall.silent
+    assert "stalled at step 3" in text and "in wait_forever" in text
 
 
 def test_the_watchdog_stops_a_finished_segment_whose_teardown_hangs(tmp_path):
-    proc, sleeper, log = start_hanging_trial(tmp_path)
-    try:
-        with Watchdog(tmp_path, 1.0, log, lambda: [proc.pid], every_s=0.1) as watchdog:
-            progress_now("running", 9, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)
-            progress_now("finished", 10, 10, 1, 8, {"step_time_s": 0.01}).write(tmp_path)  # then it never exits
-            proc.wait(timeout=60)
-        assert watchdog.stall is not None and watchdog.stall.finished
-        assert "finished at step 10, but its processes were still there" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    watchdog, text = watched_until_stopped(tmp_path, ("running", 9), ("finished", 10))  # then it never exits
+    assert watchdog.stall is not None and watchdog.stall.finished
+    assert "finished at step 10, but its processes were still there" in text
 
 
 def test_a_process_group_that_comes_after_the_stall_is_stopped_too(tmp_path):

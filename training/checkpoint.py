@@ -159,20 +159,17 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # written by a holder that lost its lease: never in view
             raise Fenced(problem)
         write_manifest(tmp, step, self.world_size, self.grant)
+        # The same step saved again (a resize or a move stopping on a checkpoint step, a
+        # resume's final save): the whole old one is set aside by a rename, not deleted, until
+        # the new one is in its place; a kill in between leaves it for clean_stale to put back
+        # (deleting first left nothing to resume from but older steps).
+        aside = final.with_name(f"{REPLACED_PREFIX}{final.name}")
         if final.exists():
-            # The same step saved again (a resize or a move stopping on a checkpoint step, a
-            # resume's final save): the whole old one is set aside by a rename, not deleted,
-            # until the new one is in its place; a kill in between leaves it for clean_stale
-            # to put back (deleting first left nothing to resume from but older steps).
-            aside = final.with_name(f"{REPLACED_PREFIX}{final.name}")
             shutil.rmtree(aside, ignore_errors=True)
             final.rename(aside)
-            tmp.rename(final)
-            fsync_dir(self.root)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            tmp.rename(final)
-            fsync_dir(self.root)
+        tmp.rename(final)
+        fsync_dir(self.root)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in list_checkpoints(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         if self.remote is not None:
