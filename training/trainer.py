@@ -431,12 +431,12 @@ class Trainer(Stateful):
 
     def save_checkpoint(self, blocking: bool = True) -> None:
         self.sync_buffers()
-        self.sync_latest()
         if self.is_rank0:
             # A log window whose loss is still on its way from the device (a GPU's) is logged
             # now: a kill after this checkpoint resumes past its step, which would never be
             # logged again (a hole in the curves).
             self._flush_logs(wait=True)
+        self.sync_latest()  # after the flush: the latest metrics the checkpoint keeps include that window's
         self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
         self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
 
