@@ -29,7 +29,8 @@ AUTO = "auto"  # training.stall_timeout_s unset: derived from the trial's own st
 FLOOR_S = 300.0  # auto never waits less: the first step pays imports, compile, data loading
 STEP_TIME_MULTIPLE = 10.0  # auto waits at least this many measured step times...
 GAP_MULTIPLE = 3.0  # ...and this many times the longest wait seen between two writes (an evaluation, a checkpoint, a report)
-RUNNING = "running"  # the one state in which a step that stands still is a stall (not held, resizing)
+RUNNING = "running"  # a step that stands still past the limit is a stall
+RESIZING = "resizing"  # between two generations: stalled past the limit too, and never sooner than FLOOR_S
 FINISHED = "finished"  # its result is written: processes still there past the limit hang in their teardown
 
 POLL_S = 1.0  # the progress file changes at most about once a second
@@ -68,12 +69,15 @@ class Stall:
     waited_s: float
     silent: bool  # nothing written since the launch
     finished: bool = False  # its result was written; its processes did not end (their teardown hangs)
+    resizing: bool = False  # between two generations: the next one never started training
 
     @property
     def reason(self) -> str:
         """What the trial's record says (`campaign status` shows it)."""
         if self.finished:
             return f"finished at step {self.step}, but its processes were still there {self.waited_s:.0f} s later"
+        if self.resizing:
+            return f"stalled in a resize at step {self.step} for {self.waited_s:.0f} s (its next generation never started training)"
         return f"stalled at step {self.step} for {self.waited_s:.0f} s" + (" (no progress since its launch)" if self.silent else "")
 
 
@@ -89,9 +93,13 @@ class StallClock:
 
     The clock restarts at each new write of the progress file (the project's loop writes it
     when its step has moved, about once a second, and at each change of state: a hold, a
-    resize; a function trial when it reports); only a trial that is running, or has written
-    nothing since its launch, can stall, and one that finished but whose processes outlive
-    the limit. `timeout_s`: seconds, AUTO or None (never stalls).
+    resize; a function trial when it reports); a trial stalls when it is running, has written
+    nothing since its launch, is between two generations of a resize (new workers that never
+    start training: a rendezvous, a state transfer or a checkpoint load that hangs), or has
+    finished but its processes outlive the limit. A resize gets at least FLOOR_S whatever the
+    setting: its new workers start afresh (imports, a CUDA context, a collective's setup),
+    which a limit chosen for one step does not allow for. `timeout_s`: seconds, AUTO or None
+    (never stalls).
     """
 
     def __init__(self, timeout_s: float | str | None, launched_at: float):
@@ -118,13 +126,15 @@ class StallClock:
         if seen.step_time_s:
             self.step_time_s = seen.step_time_s
         limit = self.limit_s()
+        if limit is not None and seen.state == RESIZING:
+            limit = max(limit, FLOOR_S)
         waited = now - self.changed_at
         # Finished: the result is written, so stopping what is left (a teardown that hangs: a
         # process group never destroyed, an exit hook joining a helper) frees the devices and
         # changes nothing of the outcome (run_plan reads the result first).
-        if limit is None or seen.state not in (None, RUNNING, FINISHED) or waited <= limit:
+        if limit is None or seen.state not in (None, RUNNING, RESIZING, FINISHED) or waited <= limit:
             return None
-        return Stall(seen.step, waited, silent=seen.state is None, finished=seen.state == FINISHED)
+        return Stall(seen.step, waited, silent=seen.state is None, finished=seen.state == FINISHED, resizing=seen.state == RESIZING)
 
 
 # --- the trial's processes -----------------------------------------------------------------

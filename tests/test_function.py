@@ -255,6 +255,24 @@ def test_save_and_load_give_back_plain_state_dicts(user_package):
     assert torch.equal(twin_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_progress_says_the_measured_step_time_whatever_the_function_reports_under_that_name(user_package):
+    """The watchdog's `auto` limit and the scheduler's speed are made of progress.json's step
+    time: a function's own `step_time_s` (in milliseconds, say) stays its metric and does not
+    replace the time measured between its reports."""
+    from training.progress import read_progress
+
+    cfg = dry_config(user_package)
+    ctx = TrialContext(cfg, 0, 1, 0, torch.device("cpu"), async_saves=False, quiet=True)
+    try:
+        ctx.report(0, loss=1.0)
+        ctx.report(5, loss=0.5, val_loss=0.4, step_time_s=250_000.0)  # a validation metric: written at once
+    finally:
+        ctx.close()
+    progress = read_progress(Path(cfg.trial_dir))
+    assert progress.step == 5 and 0 < progress.metrics["step_time_s"] < 60
+    assert ctx.latest["step_time_s"] == 250_000.0
+
+
 def test_empty_optimizer_and_scheduler_states_come_back_whole(user_package):
     """DCP keeps leaves only: an optimizer's `state` with nothing in it (plain SGD's, always;
     Adam's before its first step) came back without the key, and load_state_dict raised

@@ -80,16 +80,65 @@ def test_a_finished_trial_whose_processes_outlive_the_limit_is_stopped_as_finish
     assert stall.finished and stall.reason == "finished at step 30, but its processes were still there 10 s later"
 
 
-@pytest.mark.parametrize("state", ["held", "resizing"])
-def test_held_or_resizing_is_never_a_stall(state):
+def test_a_test_hold_is_never_a_stall():
     clock = StallClock(10.0, launched_at=0.0)
     assert clock.observe(running(3), 1.0) is None
-    assert clock.observe(Seen(state, 3), 2.0) is None
-    assert clock.observe(Seen(state, 3), 10_000.0) is None
-    # Running again (a hold released, a new generation): the clock starts at the change.
+    assert clock.observe(Seen("held", 3), 2.0) is None
+    assert clock.observe(Seen("held", 3), 10_000.0) is None
+    # Running again (the hold released): the clock starts at the change.
     assert clock.observe(running(3), 10_001.0) is None
     assert clock.observe(running(3), 10_010.0) is None
     assert clock.observe(running(3), 10_011.5).reason == "stalled at step 3 for 10 s"
+
+
+@pytest.mark.parametrize("timeout_s, limit_s", [(10.0, FLOOR_S), (AUTO, FLOOR_S), (900.0, 900.0)])
+def test_a_resize_whose_next_generation_never_trains_is_a_stall_after_at_least_the_floor(timeout_s, limit_s):
+    """Between two generations (new workers starting, a rendezvous, the state sent or loaded)
+    the progress file says `resizing`: a hang there would hold the trial's devices for good.
+    It is a stall past the limit, never sooner than FLOOR_S (new processes start afresh)."""
+    clock = StallClock(timeout_s, launched_at=0.0)
+    assert clock.observe(running(3), 1.0) is None
+    assert clock.observe(Seen("resizing", 3, None, updated=2.0), 2.0) is None
+    assert clock.observe(Seen("resizing", 3, None, updated=2.0), 2.0 + limit_s) is None
+    stall = clock.observe(Seen("resizing", 3, None, updated=2.0), 3.0 + limit_s)
+    assert stall.resizing and not stall.silent
+    assert stall.reason == f"stalled in a resize at step 3 for {limit_s + 1:.0f} s (its next generation never started training)"
+    # The next generation's first write ends the resize: the step's own limit again.
+    resized = StallClock(timeout_s, launched_at=0.0)
+    resized.observe(Seen("resizing", 3, None, updated=2.0), 2.0)
+    assert resized.observe(Seen("running", 3, None, updated=250.0), 250.0) is None
+    assert resized.observe(Seen("running", 3, None, updated=250.0), 250.0 + resized.limit_s() + 1).reason.startswith("stalled at step 3")
+
+
+def test_an_evaluation_writes_progress_as_it_goes(tmp_path, digits_npz, monkeypatch):
+    """A first evaluation longer than the limit must not read as a stall: nothing before it
+    told `auto` to expect one. Rank 0 writes its progress as the validation batches go by
+    (at most every PROGRESS_EVERY_S; here at each batch), at the step it evaluates."""
+    import torch
+    import torch.distributed as dist
+
+    import training.trainer as trainer_module
+    from training.config import TrialConfig
+    from training.progress import read_progress
+
+    cfg = TrialConfig(trial_id="e", seed=0, model={"name": "mlp", "width": 8}, data={"path": str(digits_npz)}, steps=4,
+                      batch_size=8, lr=0.05, trial_dir=str(tmp_path / "e"), async_checkpoints=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = trainer_module.Trainer(cfg, torch.device("cpu"))
+        trainer.attach(trainer_module.DistEnv(0, 1, 0))
+        batches = len(trainer.val_set) // trainer_module.EVAL_BATCH_MIN
+        monkeypatch.setattr(trainer_module, "PROGRESS_EVERY_S", 0.0)
+        written = []
+        write = trainer.write_progress
+        monkeypatch.setattr(trainer, "write_progress", lambda state: (write(state), written.append(read_progress(tmp_path / "e"))))
+        trainer.evaluate()
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+    assert batches >= 1 and len(written) >= batches
+    assert all(p.state == "running" and p.step == 0 for p in written)
+    assert sorted(p.updated for p in written) == [p.updated for p in written]
 
 
 def test_null_never_stalls():

@@ -198,6 +198,9 @@ class TrialContext:
         self._agreed = False  # should_stop's answer, once every rank agreed it is yes
         self._printed_at = self._progress_at = 0.0
         self._timing: tuple[int, float] | None = None  # (step, time) of the previous report: step time
+        # Measured between reports: what progress.json says, whatever the function reports
+        # under that name itself (the watchdog's limit and the scheduler's speed are made of it).
+        self.step_time_s: float | None = None
         # Rank 0's pruning decision and stop requests reach the others over gloo on the CPU:
         # agreeing costs no device sync, wherever the model trains.
         self._flags = dist.new_group(backend="gloo") if world_size > 1 else None
@@ -236,7 +239,8 @@ class TrialContext:
             number = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
             values[key] = number
         if self._timing is not None and step > self._timing[0]:
-            values.setdefault("step_time_s", (now - self._timing[1]) / (step - self._timing[0]))
+            self.step_time_s = (now - self._timing[1]) / (step - self._timing[0])
+            values.setdefault("step_time_s", self.step_time_s)
         self._timing = (step, now)
         self.latest.update(values)
         self.metrics.log(step, **values)
@@ -318,7 +322,10 @@ class TrialContext:
 
     # --- around the function --------------------------------------------------------------
     def write_progress(self, state: str) -> None:
-        progress_now(state, self.step, self.steps, self.world_size, self.cfg.batch_size, self.latest).write(self.cfg.trial_dir)
+        metrics = {k: v for k, v in self.latest.items() if k != "step_time_s"}
+        if self.step_time_s is not None:
+            metrics["step_time_s"] = self.step_time_s
+        progress_now(state, self.step, self.steps, self.world_size, self.cfg.batch_size, metrics).write(self.cfg.trial_dir)
 
     def _hold(self) -> None:
         """Tests: wait here while `<trial_dir>/hold` exists (a step a test can kill at)."""

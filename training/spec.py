@@ -282,7 +282,8 @@ class TrainingSection(Strict):
                     "launch, its first word) before it counts as stalled: its Python stacks go to its train.log, it is stopped, "
                     "recorded failed and not retried (tasks/watchdog.py). null: never; auto (unset): the longest of 300 s, "
                     "10 times its measured step time and 3 times the longest wait between two of its steps seen so far "
-                    "(evaluations and checkpoints included), so 300 s before its first step (imports, compile, data loading)")
+                    "(evaluations and checkpoints included), so 300 s before its first step (imports, compile, data loading); "
+                    "a resize's next generation gets at least 300 s")
 
     @field_validator("stall_timeout_s", mode="before")
     @classmethod

@@ -621,9 +621,13 @@ class Trainer(Stateful):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss (and accuracy, for class targets) over the validation set, on this process."""
+        """Mean loss (and accuracy, for class targets) over the validation set, on this process.
+        Rank 0 (the one that evaluates) writes its progress at most every PROGRESS_EVERY_S
+        while the batches go by: the campaign's watchdog reads a long evaluation as alive,
+        even the first one, which nothing before says to expect (tasks/watchdog.py)."""
         self.model.eval()
         loss_sum = correct = count = 0.0
+        progress_at = time.time()
         try:
             for x, y in eval_batches(self.val_set, max(self.cfg.batch_size, EVAL_BATCH_MIN), self.device,
                                      self.cfg.data.get("on_device", "auto"), self.cfg.data.get("workers", 0), self._val_cache):
@@ -638,6 +642,9 @@ class Trainer(Stateful):
                 else:
                     correct = None
                 count += n
+                if self.is_rank0 and time.time() - progress_at >= PROGRESS_EVERY_S:
+                    self.write_progress("running")
+                    progress_at = time.time()
         finally:
             self.model.train()
         metrics = {"val_loss": float(loss_sum / count)}
