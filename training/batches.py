@@ -19,25 +19,33 @@ Two feeds deliver a process's micro-batches in order:
 - `LoaderFeed`: any map-style dataset through a DataLoader (worker processes, pinned
   memory, prefetching) whose batch sampler walks the same order; on a GPU each batch is
   copied on a side stream while the step before it runs (`training.graphs.copied_ahead`).
+  Each micro-batch is fetched under random streams seeded from (the trial's seed, the
+  global position of its first sample) (`SeededFetch`), so a dataset that augments at random
+  gives each micro-batch the same draws at any number of processes, in a loader worker or
+  not, after any resize or resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import multiprocessing
 import multiprocessing.context
 import os
+import random
 import select
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from training.data import SampleOrder, shard_bounds
 from training.graphs import copied_ahead
+from training.hashing import GAMMA, MIX1, mix64
 from training.workload import WorkloadError, dataset_bytes, move, split_pair
 
 DEVICE_BYTES_AUTO = 2 * 2**30  # `on_device: auto` keeps a TensorDataset on a GPU up to this size...
@@ -129,20 +137,70 @@ class DeviceFeed:
 
 
 class SpanSampler:
-    """A DataLoader batch sampler: the index lists of a process's micro-batches, step after step."""
+    """A DataLoader batch sampler: a process's micro-batches, step after step, each a list of
+    (global position, dataset index) for `SeededFetch`."""
 
     def __init__(self, order: SampleOrder, phase: Phase, spans: tuple[Span, ...], first_step: int, last_step: int):
         self.order, self.phase, self.spans = order, phase, spans
         self.first_step, self.last_step = first_step, last_step
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.first_step, self.last_step):
-            batch = self.order.batch_at(self.phase.position(step), self.phase.batch_size)
+            position = self.phase.position(step)
+            batch = self.order.batch_at(position, self.phase.batch_size)
             for span in self.spans:
-                yield batch[span.start:span.stop].tolist()
+                yield [(position + span.start + k, int(i)) for k, i in enumerate(batch[span.start:span.stop])]
 
     def __len__(self) -> int:
         return (self.last_step - self.first_step) * len(self.spans)
+
+
+def fetch_seed(seed: int, position: int) -> int:
+    """The seed a micro-batch starting at global sample `position` is fetched under: a pure
+    function of the two (SplitMix64, as the trainer's step streams, on another combination)."""
+    return mix64(seed * MIX1 + position * GAMMA + 2) >> 1
+
+
+@contextlib.contextmanager
+def seeded_rngs(seed: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's CPU random streams (those augmentations draw from) seeded
+    with `seed` inside. Torch's is put back as it was after: in the trainer's own process a
+    fetch between two micro-batches does not move the step's streams (dropout). Python's and
+    NumPy's are left as the fetch left them, a pure function of the micro-batch fetched, so
+    the same in every run (saving and restoring NumPy's costs ~85 us, ten times the rest)."""
+    torch_state = torch.get_rng_state()
+    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: it would reseed the GPU's streams too
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+
+
+class SeededFetch(Dataset):
+    """The trial's dataset, each micro-batch (`SpanSampler`'s list of (position, index))
+    fetched under `seeded_rngs(fetch_seed(seed, its first position))`. A dataset that augments
+    at random (a crop, a flip, noise) then draws the same for a micro-batch whichever process
+    fetches it and whenever: a loader worker's own seed (drawn per iterator), the trainer's
+    step streams and the number of processes no longer say what it draws, so a resize or a
+    resume trains on exactly the samples the trial would have without one. The micro-batches
+    themselves never depend on the number of processes (`local_spans`)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        indices = [index for _, index in keys]
+        with seeded_rngs(fetch_seed(self.seed, keys[0][0])):
+            many = getattr(self.dataset, "__getitems__", None)  # a dataset's own batched fetch, if it has one
+            return list(many(indices)) if many else [self.dataset[i] for i in indices]
 
 
 def loader_options(device: torch.device, workers: int) -> dict[str, Any]:
@@ -195,8 +253,11 @@ class LoaderFeed:
 
     def batches(self, first_step: int, last_step: int, spans: tuple[Span, ...]) -> Iterator[tuple[Any, Any]]:
         loader = DataLoader(
-            self.dataset, batch_sampler=SpanSampler(self.order, self.phase, spans, first_step, last_step),
+            SeededFetch(self.dataset, self.order.seed), batch_sampler=SpanSampler(self.order, self.phase, spans, first_step, last_step),
             persistent_workers=False, **loader_options(self.device, self.workers),
+            # The workers' base seed from a generator of the loader's own: a new iterator
+            # (a resize, a resume) does not draw it from the trainer's streams.
+            generator=torch.Generator().manual_seed(self.order.seed),
         )
         self._iterator = iter(loader)
         pairs = (split_pair(batch) for batch in self._iterator)
