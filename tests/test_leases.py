@@ -591,6 +591,53 @@ def test_a_worker_stops_before_the_renew_deadline_it_cannot_see_renewed(tmp_path
     assert "gone" in fence.check()
 
 
+@pytest.mark.parametrize("renews", [True, False], ids=["re-registers", "never-renews"])
+def test_a_rebuild_does_not_stop_a_live_holders_workers_before_it_re_registers(tmp_path, renews):
+    """A rebuilt file has no rows until each live holder's next heartbeat puts its own back.
+    Meanwhile its workers are not told "gone" (they would stop a trial that keeps its
+    devices): within the grace period nobody else takes a lease, so they keep the deadline
+    they knew, and stop by it if the holder never comes back."""
+    from training.fence import Fence
+
+    clock = Clock()
+    holder = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=8, clock=clock)
+    assert holder.acquire("a", {"d0": 4}, CAP)
+    fence = Fence(holder.fence("a"), clock=clock)
+    assert fence.check() is None
+    (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+    clock.now += 2
+    with pytest.warns(LeaseStoreRebuilt):
+        LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=8, clock=clock).reclaim()  # another campaign notices first
+    assert fence.check() is None  # not re-registered yet: not gone
+    clock.now += 2
+    if renews:
+        holder.renew("a")  # its heartbeat: back in the new file, under the same grant
+        clock.now += 5  # past the old deadline (8 s after the last renewal before the rebuild)
+        assert fence.check() is None and fence.deadline == clock.now - 5 + 8
+    else:
+        assert fence.check() is None
+        clock.now += 3.5  # 7.5 s since its last renewal: the next check would be past the deadline
+        assert "renew deadline" in fence.check()
+        clock.now += 20  # the grace period over: gone now
+        assert "gone" in fence.check()
+
+
+def test_a_checkpoint_commits_in_a_rebuilds_grace_period_before_its_holder_re_registers(tmp_path):
+    from training.fence import commit_guard
+
+    holder = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=600)
+    assert holder.acquire("a", {"d0": 4}, CAP)
+    guard = commit_guard(holder.fence("a"))
+    (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+    with pytest.warns(LeaseStoreRebuilt):
+        LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=600).reclaim()
+    assert guard() is None  # nobody else may hold it for 600 s: the commit is safe
+    holder.renew("a")
+    assert guard() is None
+    older = holder.fence("a")["epoch"] - 1
+    assert "epoch" in commit_guard({**holder.fence("a"), "epoch": older})()  # rows of another grant are proof, grace or not
+
+
 def fenced_child(lease: dict, body: str, alarm_blocked: bool = False) -> subprocess.Popen:
     """A process that watches `lease` as a trial's worker does, then runs `body`; started
     with SIGALRM blocked when `alarm_blocked` (a mask its parent left it)."""

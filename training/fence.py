@@ -40,19 +40,26 @@ class Fenced(RuntimeError):
     """The holder's lease was lost when a checkpoint was about to be committed: it was not."""
 
 
-def read_fence(path: str | Path, holder: str, epoch: int) -> tuple[float | None, str | None]:
+def read_fence(path: str | Path, holder: str, epoch: int, now: float | None = None,
+               grace_s: float = 0.0) -> tuple[float | None, str | None]:
     """(when the holder's leases were last renewed, None) or (None, why they are no longer
-    its grant), read-only: for a trial's workers watching their holder (Fence).
-    sqlite3.Error when the file cannot be read now (the caller keeps what it knew).
+    its grant), read-only: for a trial's workers watching their holder (Fence); (None, None)
+    when the file was rebuilt less than `grace_s` before `now` and the holder has not
+    re-registered yet (it does at its next heartbeat, and nobody else takes a lease
+    meanwhile: the caller keeps the deadline it knew). sqlite3.Error when the file cannot be
+    read now (the caller keeps what it knew).
 
     The file and its schema are cluster/leases.py's (a worker is below the cluster layer:
-    it reads just these three columns of its table, never writes)."""
+    it reads just these columns of its tables, never writes)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.5)
     try:
         rows = conn.execute("SELECT epoch, heartbeat_at FROM leases WHERE holder = ?", (holder,)).fetchall()
+        rebuilt = conn.execute("SELECT value FROM meta WHERE key = 'rebuilt_at'").fetchone() if not rows else None
     finally:
         conn.close()
     if not rows:
+        if rebuilt is not None and now is not None and now - float(rebuilt[0]) < grace_s:
+            return None, None
         return None, f"the leases of {holder} are gone (reclaimed or released)"
     if any(int(e) != epoch for e, _ in rows):
         return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})"
@@ -77,7 +84,9 @@ class Fence:
         """None while this process may go on using its devices, else why it must stop."""
         now = self.clock()
         try:
-            renewed_at, problem = read_fence(self.db, self.holder, self.epoch)
+            # Within a rebuild's grace period (one heartbeat timeout) a holder not re-registered
+            # yet is not gone: the deadline known so far holds, and it falls inside that period.
+            renewed_at, problem = read_fence(self.db, self.holder, self.epoch, now, grace_s=self.timeout_s)
         except sqlite3.Error as e:  # unreadable now: the deadline known so far still holds
             renewed_at, problem = None, None
             if now + self.every_s >= self.deadline:
@@ -178,7 +187,7 @@ def commit_guard(lease: dict[str, Any] | None):
 
     def check() -> str | None:
         try:
-            renewed_at, problem = read_fence(db, holder, epoch)
+            renewed_at, problem = read_fence(db, holder, epoch, time.time(), grace_s=timeout_s)  # a rebuild's grace: nobody else holds it
         except sqlite3.Error:
             return None
         if problem is not None:
