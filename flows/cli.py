@@ -238,8 +238,18 @@ def _own_the_run(spec, command: str) -> None:
             LeaseStore().leases()
         except LeaseError:
             pass  # busy: the flow waits it out as it runs
-        _ownership = claim_campaign(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), spec.campaign.name, command)
+        _ownership = claim_campaign(campaign_dir(spec.tracking.runs_dir, spec.campaign.name), spec.campaign.name, command,
+                                    on_lost=_stop_for_new_owner)
     atexit.register(_ownership.release)  # refused input too: a folder it made for the lock alone is removed
+
+
+def _stop_for_new_owner(owner) -> None:
+    """A run on another host took this campaign over (its shared folder carries no lock across
+    hosts, and this run was not seen renewing its record): this one stops as on SIGTERM, its
+    trials recorded stopped, so that the two do not train them at once."""
+    console.print(f"[red]campaign taken over by {owner.describe()} (this run was not seen renewing its owner record): "
+                  "stopping this run[/red]", highlight=False)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _report_to_ui() -> None:

@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+import flows.run.owner as owner
 from flows.run.owner import RECORD_NAME, CampaignBusy, claim_campaign, read_owner
 from training.files import write_json_atomic
 
@@ -74,17 +76,75 @@ def test_a_dead_runs_hold_is_taken_over(tmp_path):
         ours.release()
 
 
-def test_a_fresh_record_of_another_host_refuses_a_stale_one_does_not(tmp_path):
-    """A folder shared between hosts whose file system keeps locks per host: the record decides."""
+class AnotherHost:
+    """A run on another host of a shared folder whose file system carries no locks across
+    hosts: only its record is seen here, renewed from a thread with that host's clock."""
+
+    def __init__(self, folder: Path, skew_s: float = 0.0, host: str | None = None, boot: str = "another-boot"):
+        self.folder, self.skew_s = folder, skew_s
+        self.record = {"host": host or f"not-{socket.gethostname()}", "pid": 1, "user": "someone",
+                       "since": time.time() + skew_s - 100, "renewed": time.time() + skew_s, "command": "launch", "boot": boot}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, daemon=True)
+        write_json_atomic(folder / RECORD_NAME, self.record)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(0.05):
+            write_json_atomic(self.folder / RECORD_NAME, self.record | {"renewed": time.time() + self.skew_s})
+
+    def __enter__(self) -> "AnotherHost":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def quick_watch(monkeypatch):
+    monkeypatch.setattr(owner, "OBSERVE_S", 1.0)
+    monkeypatch.setattr(owner, "RENEW_S", 0.1)
+
+
+@pytest.mark.parametrize("skew_s", [0.0, -3600.0, 3600.0], ids=["same clock", "clock an hour behind", "clock an hour ahead"])
+def test_another_hosts_run_is_alive_while_its_record_is_renewed_whatever_its_clock(tmp_path, quick_watch, skew_s):
+    """The record decides, judged by whether it is renewed while watched, not by comparing
+    that host's clock with this one's: an hour of skew either way changes nothing."""
     folder = tmp_path / "c"
     folder.mkdir()
-    other = {"host": f"not-{socket.gethostname()}", "pid": 1, "user": "someone", "since": time.time() - 100,
-             "renewed": time.time(), "command": "launch"}
-    write_json_atomic(folder / RECORD_NAME, other)
-    with pytest.raises(CampaignBusy, match=f"on host not-{socket.gethostname()}, pid 1"):
-        claim_campaign(folder, "c", "launch")
-    write_json_atomic(folder / RECORD_NAME, other | {"renewed": time.time() - 600})  # that run died long ago
+    with AnotherHost(folder, skew_s):
+        with pytest.raises(CampaignBusy, match=f"on host not-{socket.gethostname()}, pid 1"):
+            claim_campaign(folder, "c", "launch")
+    # That run died (its record stays, renewed no more, however fresh its clock says it is).
     claim_campaign(folder, "c", "launch").release()
+    assert not (folder / RECORD_NAME).exists()
+
+
+def test_a_run_on_another_machine_with_this_hostname_is_told_by_its_boot_id(tmp_path, quick_watch):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    with AnotherHost(folder, host=socket.gethostname()):  # pid 1 is alive here too: it must not be judged by it
+        with pytest.raises(CampaignBusy, match="pid 1"):
+            claim_campaign(folder, "c", "launch")
+
+
+def test_a_run_taken_over_by_another_host_stops_renewing_and_says_so(tmp_path, quick_watch):
+    """This run stalled (not seen renewing) and a run on another host took the campaign over:
+    the next renewal finds the record not its own, writes nothing, and calls on_lost."""
+    folder = tmp_path / "c"
+    taken = threading.Event()
+    lost = []
+    ours = claim_campaign(folder, "c", "launch", on_lost=lambda other: (lost.append(other), taken.set()))
+    try:
+        with AnotherHost(folder):
+            assert taken.wait(10)
+            assert lost[0].host == f"not-{socket.gethostname()}" and ours.lost == lost[0]
+            time.sleep(0.3)  # three renew periods: ours would have been written again by now
+            assert read_owner(folder).pid == 1
+    finally:
+        ours.release()
+    assert read_owner(folder).pid == 1  # its end leaves the new owner's record alone
 
 
 def write_params(folder: Path, digits: Path, steps: int) -> None:

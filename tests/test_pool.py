@@ -467,6 +467,54 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
 
 @pytest.mark.slow
 @pytest.mark.waits
+def test_a_killed_campaigns_segment_is_ended_before_its_trial_is_launched_again(tmp_path, digits_npz, lab):
+    """SIGKILL to `campaign launch` leaves its trial's segment training on the node (it lives
+    there, not in the campaign's process). Launched again, the campaign cancels that segment
+    and waits for it to end before it sends the trial again: never two copies of the trial,
+    and the node's devices are free for the new one, which finishes from the checkpoint."""
+    head, api, nodes = lab
+    ns, address = nodes["a"]
+    worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
+    launch = None
+    try:
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "twice", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50},
+            "resources": {"devices": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "twice",
+                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+        }))
+        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+        trial_dir = tmp_path / "runs" / "twice" / trial_id
+        trial_dir.mkdir(parents=True)
+        trial_files(trial_dir).hold.touch()
+        env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")}
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+            env={**env, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT)}, stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+        wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held"
+                 or (launch.poll() is not None and pytest.fail((tmp_path / "launch.log").read_text()[-3000:])), 240, "the trial held")
+        trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert trial_pids
+        launch.kill()
+        launch.wait(timeout=60)
+        assert all(Path(f"/proc/{pid}").exists() for pid in trial_pids)  # the segment trains on, held, on node a
+
+        again = subprocess.run([sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        said = again.stdout + again.stderr
+        assert again.returncode == 0, said[-4000:]
+        assert "from an earlier launch is still running" in said, said[-4000:]
+        assert not any(Path(f"/proc/{pid}").exists() for pid in trial_pids)
+        result = read_json(trial_files(trial_dir).result)
+        assert result["steps"] == 150 and result["resumed_from_step"] == 50  # from the killed launch's checkpoint
+    finally:
+        end_launch_and_workers(launch, [worker])
+
+
+@pytest.mark.slow
+@pytest.mark.waits
 def test_nobody_without_the_pools_secret_runs_code_on_a_node(tmp_path, lab):
     """The lab's server requires the pool's auth string, and node a's real worker serves it.
     A flow run of the pool's deployment asked for without the auth string, or with a wrong

@@ -9,6 +9,13 @@ the nodes share or copied from the nodes' own folders (`flows/pool/mirror.py`). 
 `{"node_lost": node}` (like a preemption, an answer and not an error: the trial did
 nothing wrong), and the campaign queues the trial again on the nodes that are left, where
 it resumes from its last checkpoint.
+
+A segment lives on its node, not in the campaign's process: a campaign killed outright
+(SIGKILL, its machine gone) leaves its segments training there. So each flow run sent for a
+trial is written down in the trial's folder (`segments.json`) before it is followed, and a
+later launch of the trial first cancels those of an earlier launch that have not ended and
+waits for them to end (`end_earlier_segments`): the trial never trains twice at once, nor
+two writers share its folder.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode
 from tasks.records import completed_result, log_allocation
 from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
 from training.config import TrialConfig
-from training.files import write_json_atomic
+from training.files import read_json, write_json_atomic
 from training.layout import trial_files
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
@@ -80,10 +87,46 @@ def _mark_crashed(flow_run_id, message: str) -> None:
     call(lambda client: client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True))
 
 
-def _cancel(flow_run_id) -> None:
+def _cancel(flow_run_id, message: str = "the campaign is stopping") -> None:
     from prefect.states import Cancelling
 
-    call(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message="the campaign is stopping"), force=True))
+    call(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message=message), force=True))
+
+
+def remember_segment(trial_dir: Path, node: str, flow_run_id) -> None:
+    """Write down a flow run sent for the trial (`end_earlier_segments` reads them)."""
+    path = trial_files(trial_dir).segments
+    runs = (read_json(path) or {}).get("flow_runs", [])
+    write_json_atomic(path, {"flow_runs": [*runs, {"node": node, "id": str(flow_run_id)}]})
+
+
+def end_earlier_segments(config: TrialConfig, pool: str, wait_s: float = RECALL_WAIT_S) -> None:
+    """Before a trial is sent again: every flow run an earlier launch sent for it and that has
+    not ended (its campaign was killed, and the segment trains on) is cancelled, and waited
+    for, so that its processes and its lease in the node's file are gone first. One on a node
+    no longer beating is marked crashed (nothing there can be ended). TrialFailed, naming it,
+    if one on a live node does not end within `wait_s`."""
+    path = trial_files(config.trial_dir).segments
+    earlier = (read_json(path) or {}).get("flow_runs", [])
+    running = [run for run in earlier if not _ended(run["id"])]
+    for run in running:
+        print(f"trial {config.trial_id}: its segment on node {run['node']} from an earlier launch is still running "
+              f"(flow run {run['id']}): cancelling it before the trial starts again", flush=True)
+        _cancel(run["id"], "the trial was launched again: this segment of an earlier launch ends first")
+    deadline = time.time() + wait_s
+    while running := [run for run in running if not _ended(run["id"])]:
+        if time.time() > deadline:
+            alive = {n.name for n in pool_nodes(pool) if n.live}
+            if live := [run for run in running if run["node"] in alive]:
+                raise TrialFailed(f"trial {config.trial_id}: its segment on node {live[0]['node']} from an earlier launch (flow run "
+                                  f"{live[0]['id']}) did not end when cancelled: stop it (the Prefect UI, or that node's "
+                                  f"`campaign worker`), then launch again")
+            for run in running:
+                _mark_crashed(run["id"], f"node {run['node']} stopped beating")
+            break
+        time.sleep(POLL_S)
+    if earlier:
+        write_json_atomic(path, {"flow_runs": []})
 
 
 LOST_WITHIN_S = MISSED_HEARTBEATS * HEARTBEAT_S + 2 * POLL_S  # a dead node's heartbeats are missed by then
@@ -140,6 +183,7 @@ def start_host(config: TrialConfig, node: str, devices: list[Device], node_devic
         params["files"] = mirror.add(node)
     run = run_deployment(deployment, parameters=signed_segment(load_secret(pool), params), work_queue_name=node,
                          timeout=0, flow_run_name=f"{config.trial_id} host on {node}")
+    remember_segment(Path(config.trial_dir), node, run.id)
     return str(run.id)
 
 
@@ -179,6 +223,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     """
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
+    end_earlier_segments(config, pool)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
@@ -225,10 +270,12 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
     def send(node: str):
         if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
             segments[node]["files"] = mirror.add(node)
-        return run_deployment(
+        run_id = run_deployment(
             deployment, parameters=signed_segment(secret, segments[node]),  # a new attempt each send: a node runs each once
             work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
         ).id
+        remember_segment(Path(config.trial_dir), node, run_id)
+        return run_id
 
     runs = {node: send(node) for node in segments}
 
