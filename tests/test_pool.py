@@ -515,6 +515,47 @@ def test_a_killed_campaigns_segment_is_ended_before_its_trial_is_launched_again(
 
 @pytest.mark.slow
 @pytest.mark.waits
+def test_a_trial_across_nodes_that_stalls_is_stopped_on_every_node_and_failed(tmp_path, digits_npz, lab):
+    """No node's own watchdog can judge a trial over two nodes (rank 0 writes its progress on
+    one of them); the campaign does, from its copy of the progress: past the limit every
+    segment is cancelled, the trial's processes end on both nodes, their leases go, and the
+    trial fails for good with the stall as its reason."""
+    from tasks.records import read_trial_record
+    from user_workload import PACKAGE, write_package
+    from cluster.leases import LeaseStore
+
+    head, api, nodes = lab
+    workers = [start_live_worker(api, tmp_path, node, *nodes[node], 1) for node in ("a", "b")]
+    try:
+        write_package(tmp_path)
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({
+            "campaign": {"name": "hung", "seed": 3}, "data": {"path": str(digits_npz)},
+            "model": {"target": f"{PACKAGE}.nets:stalls_at", "kwargs": {"step": 3}},
+            "training": {"steps": 30, "batch_size": 16, "lr": 0.05, "checkpoint_every": 10, "stall_timeout_s": 20},
+            "resources": {"devices": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "hung",
+                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+        }))
+        (trial_id,) = [t.id for t in expand_grid(load_spec(params, pool="lab"))]
+        launch = subprocess.run([sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")})
+        said = launch.stdout[-4000:] + launch.stderr[-4000:]
+        assert launch.returncode != 0, said
+        record = read_trial_record(tmp_path / "runs" / "hung" / trial_id)
+        assert record.state == "failed" and record.reason.startswith("stalled at step"), (record, said)
+        assert record.attempts == 1, said  # not retried into the same hang
+        wait_for(lambda: not [pid for node in ("a", "b") for pid in processes_of(node)
+                              if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()], 60, "the trial's processes to end")
+        for node in ("a", "b"):
+            assert not LeaseStore(tmp_path / f"leases-{node}.db").leases(), node
+    finally:
+        end_launch_and_workers(None, workers)
+
+
+@pytest.mark.slow
+@pytest.mark.waits
 def test_nobody_without_the_pools_secret_runs_code_on_a_node(tmp_path, lab):
     """The lab's server requires the pool's auth string, and node a's real worker serves it.
     A flow run of the pool's deployment asked for without the auth string, or with a wrong

@@ -32,11 +32,13 @@ from cluster.types import Device, Inventory
 from flows.pool.mirror import CampaignMirror
 from flows.pool.secret import load_secret, signed_segment
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
-from tasks.records import completed_result, log_allocation
-from tasks.trial import TrialFailed, TrialStopped, campaign_stopping, log_tail
+from tasks.records import completed_result, log_allocation, update_record
+from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
+from tasks.watchdog import Stall, StallClock, seen_in
 from training.config import TrialConfig
 from training.files import read_json, write_json_atomic
 from training.layout import trial_files
+from training.progress import read_progress
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
@@ -314,12 +316,34 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
             record_nodes("node back")
             print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
+    def stalled(stall: Stall) -> dict[str, Any]:
+        """Its step stood still past the limit: every segment cancelled and waited for, then
+        the trial failed for good, as a stall on one machine (tasks/watchdog.py)."""
+        print(f"trial {config.trial_id} {stall.reason}: its segments on {', '.join(runs)} are cancelled "
+              "(training.stall_timeout_s)", flush=True)
+        for node, run_id in runs.items():
+            if node not in states:
+                _cancel(run_id, f"the trial {stall.reason} (training.stall_timeout_s)")
+        _all_ended(runs, states, RECALL_WAIT_S)
+        copy_files(last=True)
+        if (result := completed_result(Path(config.trial_dir))) is not None:
+            return result  # it finished as it was stopped
+        update_record(Path(config.trial_dir), state="failed", reason=stall.reason)
+        raise TrialStalled(f"trial {config.trial_id} {stall.reason}: stopped on {', '.join(runs)}, not retried "
+                           f"(training.stall_timeout_s: {config.stall_timeout_s}; raise it, or null, if it was only slow)")
+
     host = next(iter(segments))  # the first node, which holds the rendezvous
     states: dict[str, Any] = {}
     away: set[str] = set()  # nodes it went on without
+    # Over several nodes no node's own watchdog can judge it (rank 0 may write its progress on
+    # another node), so the campaign does, from its copy of the trial's progress.
+    clock = StallClock(config.stall_timeout_s, time.monotonic()) if len(runs) > 1 and config.stall_timeout_s is not None else None
+    launched_at = time.time()
     while len(states) < len(runs):
         time.sleep(POLL_S)
         copy_files()
+        if clock is not None and (stall := clock.observe(seen_in(read_progress(config.trial_dir), launched_at), time.monotonic())):
+            return stalled(stall)
         for node, run_id in runs.items():
             if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
                 states[node] = state
