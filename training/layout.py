@@ -75,10 +75,6 @@ class TrialFiles:
         return self.root / "resizes.jsonl"
 
     @property
-    def segments(self) -> Path:  # a pool trial's flow runs on its nodes, each launch's (flows.pool.remote)
-        return self.root / "segments.json"
-
-    @property
     def checkpoints(self) -> Path:  # step-NNNNNNNN/ folders (training.manifest)
         return self.root / "checkpoints"
 

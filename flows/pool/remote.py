@@ -12,10 +12,10 @@ it resumes from its last checkpoint.
 
 A segment lives on its node, not in the campaign's process: a campaign killed outright
 (SIGKILL, its machine gone) leaves its segments training there. So each flow run sent for a
-trial is written down in the trial's folder (`segments.json`) before it is followed, and a
-later launch of the trial first cancels those of an earlier launch that have not ended and
-waits for them to end (`end_earlier_segments`): the trial never trains twice at once, nor
-two writers share its folder.
+trial carries the trial's tag (`segment_tag`, set as Prefect creates it: no moment where it
+runs untracked), and a later launch of the trial first cancels those of an earlier launch
+that have not ended and waits for them to end (`end_earlier_segments`): the trial never
+trains twice at once, nor do two writers share its folder.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tasks.records import completed_result, log_allocation, update_record
 from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
 from tasks.watchdog import Stall, StallClock, seen_in
 from training.config import TrialConfig
-from training.files import read_json, write_json_atomic
+from training.files import write_json_atomic
 from training.layout import trial_files
 from training.progress import read_progress
 
@@ -95,40 +95,44 @@ def _cancel(flow_run_id, message: str = "the campaign is stopping") -> None:
     call(lambda client: client.set_flow_run_state(flow_run_id, Cancelling(message=message), force=True))
 
 
-def remember_segment(trial_dir: Path, node: str, flow_run_id) -> None:
-    """Write down a flow run sent for the trial (`end_earlier_segments` reads them)."""
-    path = trial_files(trial_dir).segments
-    runs = (read_json(path) or {}).get("flow_runs", [])
-    write_json_atomic(path, {"flow_runs": [*runs, {"node": node, "id": str(flow_run_id)}]})
+def segment_tag(campaign: str, trial_id: str) -> str:
+    """The Prefect tag of every flow run sent for the trial (its segments, its hosts)."""
+    return f"segment:{campaign}/{trial_id}"
 
 
-def end_earlier_segments(config: TrialConfig, pool: str, wait_s: float = RECALL_WAIT_S) -> None:
+def _unended(tag: str) -> list:
+    """The flow runs tagged `tag` that have not ended (running, pending, being cancelled...)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+    from prefect.client.schemas.objects import StateType
+
+    final = [StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED]
+    runs = FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]), state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final)))
+    return call(lambda client: client.read_flow_runs(flow_run_filter=runs))
+
+
+def end_earlier_segments(config: TrialConfig, campaign: str, pool: str, wait_s: float = RECALL_WAIT_S) -> None:
     """Before a trial is sent again: every flow run an earlier launch sent for it and that has
     not ended (its campaign was killed, and the segment trains on) is cancelled, and waited
-    for, so that its processes and its lease in the node's file are gone first. One on a node
-    no longer beating is marked crashed (nothing there can be ended). TrialFailed, naming it,
-    if one on a live node does not end within `wait_s`."""
-    path = trial_files(config.trial_dir).segments
-    earlier = (read_json(path) or {}).get("flow_runs", [])
-    running = [run for run in earlier if not _ended(run["id"])]
+    for. One on a node no longer beating is marked crashed (nothing there can be ended).
+    TrialFailed, naming it, if one on a live node does not end within `wait_s`."""
+    tag = segment_tag(campaign, config.trial_id)
+    running = _unended(tag)
     for run in running:
-        print(f"trial {config.trial_id}: its segment on node {run['node']} from an earlier launch is still running "
-              f"(flow run {run['id']}): cancelling it before the trial starts again", flush=True)
-        _cancel(run["id"], "the trial was launched again: this segment of an earlier launch ends first")
+        print(f"trial {config.trial_id}: its segment on node {run.work_queue_name} from an earlier launch is still running "
+              f"(flow run {run.id}): cancelling it before the trial starts again", flush=True)
+        _cancel(run.id, "the trial was launched again: this segment of an earlier launch ends first")
     deadline = time.time() + wait_s
-    while running := [run for run in running if not _ended(run["id"])]:
+    while running := _unended(tag):
         if time.time() > deadline:
             alive = {n.name for n in pool_nodes(pool) if n.live}
-            if live := [run for run in running if run["node"] in alive]:
-                raise TrialFailed(f"trial {config.trial_id}: its segment on node {live[0]['node']} from an earlier launch (flow run "
-                                  f"{live[0]['id']}) did not end when cancelled: stop it (the Prefect UI, or that node's "
+            if live := [run for run in running if run.work_queue_name in alive]:
+                raise TrialFailed(f"trial {config.trial_id}: its segment on node {live[0].work_queue_name} from an earlier launch "
+                                  f"(flow run {live[0].id}) did not end when cancelled: stop it (the Prefect UI, or that node's "
                                   f"`campaign worker`), then launch again")
             for run in running:
-                _mark_crashed(run["id"], f"node {run['node']} stopped beating")
+                _mark_crashed(run.id, f"node {run.work_queue_name} stopped beating")
             break
         time.sleep(POLL_S)
-    if earlier:
-        write_json_atomic(path, {"flow_runs": []})
 
 
 LOST_WITHIN_S = MISSED_HEARTBEATS * HEARTBEAT_S + 2 * POLL_S  # a dead node's heartbeats are missed by then
@@ -184,8 +188,7 @@ def start_host(config: TrialConfig, node: str, devices: list[Device], node_devic
             return None
         params["files"] = mirror.add(node)
     run = run_deployment(deployment, parameters=signed_segment(load_secret(pool), params), work_queue_name=node,
-                         timeout=0, flow_run_name=f"{config.trial_id} host on {node}")
-    remember_segment(Path(config.trial_dir), node, run.id)
+                         timeout=0, flow_run_name=f"{config.trial_id} host on {node}", tags=[segment_tag(campaign, config.trial_id)])
     return str(run.id)
 
 
@@ -225,7 +228,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     """
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
-    end_earlier_segments(config, pool)
+    end_earlier_segments(config, campaign, pool)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
@@ -247,16 +250,17 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         mirror.start()  # the nodes find the campaign's files (and the trial's record) when they begin
         _mirrors[config.trial_id] = mirror  # its host segments' files travel with this attempt's (start_host)
     try:
-        return _follow_segments(config, devices, pool, elastic, attempt, across, segments, mirror, deployment)
+        return _follow_segments(config, devices, pool, elastic, attempt, across, segments, mirror, deployment,
+                                segment_tag(campaign, config.trial_id))
     finally:
         if mirror is not None and _mirrors.get(config.trial_id) is mirror:
             del _mirrors[config.trial_id]
 
 
 def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elastic: bool, attempt: str, across: bool,
-                     segments: dict[str, dict], mirror: CampaignMirror | None, deployment: str) -> dict[str, Any]:
-    """run_remote_trial's segments (`segments`: node -> its parameters), sent and followed until
-    the trial ends on them."""
+                     segments: dict[str, dict], mirror: CampaignMirror | None, deployment: str, tag: str) -> dict[str, Any]:
+    """run_remote_trial's segments (`segments`: node -> its parameters), sent with `tag` and
+    followed until the trial ends on them."""
     from prefect.deployments import run_deployment
 
     secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
@@ -272,12 +276,10 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
     def send(node: str):
         if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
             segments[node]["files"] = mirror.add(node)
-        run_id = run_deployment(
+        return run_deployment(
             deployment, parameters=signed_segment(secret, segments[node]),  # a new attempt each send: a node runs each once
-            work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}",
+            work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}", tags=[tag],
         ).id
-        remember_segment(Path(config.trial_dir), node, run_id)
-        return run_id
 
     runs = {node: send(node) for node in segments}
 
