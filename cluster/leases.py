@@ -502,8 +502,10 @@ class LeaseStore:
         return f"{_this_host()}|{self.heartbeat_timeout_s!r}"
 
     def _in_grace(self, conn: sqlite3.Connection, now: float) -> bool:
-        rebuilt_at = _meta(conn).get("rebuilt_at")
-        return rebuilt_at is not None and now - float(rebuilt_at) < self.heartbeat_timeout_s
+        meta = _meta(conn)
+        rebuilt_at = meta.get("rebuilt_at")
+        grace = max(self.heartbeat_timeout_s, float(meta.get("grace_s", 0)))  # the rebuilder's, if longer than ours
+        return rebuilt_at is not None and now - float(rebuilt_at) < grace
 
     def _reregister(self, conn: sqlite3.Connection, holder: str, held: _Held, now: float) -> str:
         """Puts back a live holder's leases in a rebuilt file, if nobody took them since."""
@@ -660,6 +662,10 @@ class LeaseStore:
                     {
                         "generation": uuid.uuid4().hex,
                         "rebuilt_at": repr(self._clock()),
+                        # How long nobody may take a lease: stores with shorter timeouts wait
+                        # this long too, and live holders' workers stop before its end unless
+                        # their holder re-registered (training.fence).
+                        "grace_s": repr(self.heartbeat_timeout_s),
                         "moved_to": str(aside),
                     },
                 )

@@ -562,7 +562,7 @@ def test_every_grant_has_a_new_epoch_kept_while_its_holder_renews_or_grows(tmp_p
     store.renew("a")
     assert store.acquire("a", {"d1": 4}, CAP)  # a grow: the same grant
     assert store.fence("a")["epoch"] == epoch
-    assert read_fence(store.path, "a", epoch) == (clock.now, None)
+    assert read_fence(store.path, "a", epoch) == (clock.now, None, None)
     assert store.acquire("b", {"d2": 4}, CAP) and store.fence("b")["epoch"] > epoch
     assert "epoch" in read_fence(store.path, "a", epoch - 1)[1]  # a worker of an older grant must stop
     store.release("a")
@@ -620,6 +620,32 @@ def test_a_rebuild_does_not_stop_a_live_holders_workers_before_it_re_registers(t
         assert "renew deadline" in fence.check()
         clock.now += 20  # the grace period over: gone now
         assert "gone" in fence.check()
+
+
+def test_a_rebuild_by_a_campaign_with_a_shorter_timeout_never_lets_two_holders_use_a_device(tmp_path):
+    """Campaigns may renew by different timeouts. The grace period is the rebuilder's, recorded
+    in the file: every store waits at least that long before it gives a lease, and a holder
+    with a longer timeout (renewing less often than that period) has its workers stop before
+    its end, with a quarter of it to spare, the reclaim margin."""
+    from training.fence import Fence
+
+    clock = Clock()
+    slow = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=120, clock=clock)
+    assert slow.acquire("a", {"d0": 4}, CAP)
+    fence = Fence(slow.fence("a"), clock=clock)
+    assert fence.check() is None and fence.deadline == clock.now + 120
+    (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+    rebuilt_at = clock.now
+    quick, quicker = (LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=t, clock=clock) for t in (10, 4))
+    with pytest.warns(LeaseStoreRebuilt):
+        quick.reclaim()  # rebuilt by the 10 s campaign: 10 s of grace
+    assert fence.check() is None and fence.deadline == rebuilt_at + 7.5
+    clock.now += 6.6  # the next check (every second) would come past 7.5 s
+    assert "renew deadline" in fence.check()
+    clock.now += 0.9  # within the grace period: nobody takes it, whatever its own timeout
+    assert not quicker.acquire("b", {"d0": 4}, CAP) and not quick.acquire("b", {"d0": 4}, CAP)
+    clock.now += 2.6  # past it: a quarter of the grace after the workers stopped
+    assert quicker.acquire("b", {"d0": 4}, CAP)
 
 
 def test_a_checkpoint_commits_in_a_rebuilds_grace_period_before_its_holder_re_registers(tmp_path):

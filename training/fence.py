@@ -40,30 +40,37 @@ class Fenced(RuntimeError):
     """The holder's lease was lost when a checkpoint was about to be committed: it was not."""
 
 
+GRACE_SHARE = 0.75  # a worker not re-registered stops by this share of a rebuild's grace: the rest is the reclaim margin
+
+
 def read_fence(path: str | Path, holder: str, epoch: int, now: float | None = None,
-               grace_s: float = 0.0) -> tuple[float | None, str | None]:
-    """(when the holder's leases were last renewed, None) or (None, why they are no longer
-    its grant), read-only: for a trial's workers watching their holder (Fence); (None, None)
-    when the file was rebuilt less than `grace_s` before `now` and the holder has not
-    re-registered yet (it does at its next heartbeat, and nobody else takes a lease
-    meanwhile: the caller keeps the deadline it knew). sqlite3.Error when the file cannot be
-    read now (the caller keeps what it knew).
+               grace_s: float = 0.0) -> tuple[float | None, str | None, float | None]:
+    """What a trial's workers watching their holder (Fence) read, read-only: (when the
+    holder's leases were last renewed, None, None), or (None, why they are no longer its
+    grant, None), or, when the file was rebuilt and the holder has not re-registered yet
+    (it does at its next heartbeat), (None, None, the moment its workers must stop by): within
+    the rebuild's grace period nobody else takes a lease, so they go on to the earlier of the
+    deadline they knew and GRACE_SHARE of that period (`grace_s` where the file does not
+    record its own). sqlite3.Error when the file cannot be read now (the caller keeps what it
+    knew).
 
     The file and its schema are cluster/leases.py's (a worker is below the cluster layer:
     it reads just these columns of its tables, never writes)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.5)
     try:
         rows = conn.execute("SELECT epoch, heartbeat_at FROM leases WHERE holder = ?", (holder,)).fetchall()
-        rebuilt = conn.execute("SELECT value FROM meta WHERE key = 'rebuilt_at'").fetchone() if not rows else None
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('rebuilt_at', 'grace_s')").fetchall()) if not rows else {}
     finally:
         conn.close()
     if not rows:
-        if rebuilt is not None and now is not None and now - float(rebuilt[0]) < grace_s:
-            return None, None
-        return None, f"the leases of {holder} are gone (reclaimed or released)"
+        if "rebuilt_at" in meta and now is not None:
+            stop_by = float(meta["rebuilt_at"]) + GRACE_SHARE * float(meta.get("grace_s", grace_s))
+            if now < stop_by:
+                return None, None, stop_by
+        return None, f"the leases of {holder} are gone (reclaimed or released)", None
     if any(int(e) != epoch for e, _ in rows):
-        return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})"
-    return min(float(h) for _, h in rows), None
+        return None, f"the leases of {holder} were granted again (epoch {rows[0][0]}, this trial runs under {epoch})", None
+    return min(float(h) for _, h in rows), None, None
 
 
 class Fence:
@@ -84,17 +91,19 @@ class Fence:
         """None while this process may go on using its devices, else why it must stop."""
         now = self.clock()
         try:
-            # Within a rebuild's grace period (one heartbeat timeout) a holder not re-registered
-            # yet is not gone: the deadline known so far holds, and it falls inside that period.
-            renewed_at, problem = read_fence(self.db, self.holder, self.epoch, now, grace_s=self.timeout_s)
+            # Within a rebuild's grace period a holder not re-registered yet is not gone: the
+            # deadline known so far holds, brought forward to before that period's end.
+            renewed_at, problem, stop_by = read_fence(self.db, self.holder, self.epoch, now, grace_s=self.timeout_s)
         except sqlite3.Error as e:  # unreadable now: the deadline known so far still holds
-            renewed_at, problem = None, None
+            renewed_at, problem, stop_by = None, None, None
             if now + self.every_s >= self.deadline:
                 return f"the lease file {self.db} could not be read ({e}) and the renew deadline of {self.holder} is near"
         if problem is not None:
             return problem
         if renewed_at is not None:
             self.deadline = renewed_at + self.timeout_s
+        if stop_by is not None:
+            self.deadline = min(self.deadline, stop_by)
         if now + self.every_s >= self.deadline:  # the next check would be too late
             return f"the lease of {self.holder} was not renewed for {now - self.deadline + self.timeout_s:.1f} s " \
                    f"(its campaign stalled or cannot reach the lease file): renew deadline reached"
@@ -187,7 +196,8 @@ def commit_guard(lease: dict[str, Any] | None):
 
     def check() -> str | None:
         try:
-            renewed_at, problem = read_fence(db, holder, epoch, time.time(), grace_s=timeout_s)  # a rebuild's grace: nobody else holds it
+            # In a rebuild's grace period (before its stop_by) nobody else holds the devices.
+            renewed_at, problem, _ = read_fence(db, holder, epoch, time.time(), grace_s=timeout_s)
         except sqlite3.Error:
             return None
         if problem is not None:
