@@ -33,7 +33,7 @@ from cluster.types import Device
 from tasks import timings
 from tasks.records import TrialRecord, completed_result, read_trial_record, update_record
 from tasks.trial_log import LogForwarder
-from tasks.watchdog import Watchdog, trial_processes
+from tasks.watchdog import RESIZE_STALL, Watchdog, trial_processes
 from training.config import TrialConfig
 from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
@@ -1085,6 +1085,13 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     if config.trial_id in _revoked:
         update(state="lease lost", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
+    if watchdog.stall is not None and watchdog.stall.resizing and not (held.reason or "").startswith(RESIZE_STALL):
+        # A resize that hung (a worker that never let go, a checkpoint pulled too slowly):
+        # the resize's stop saved the trial's state, so it is queued again like a preemption
+        # and resumes from that checkpoint. Once: a second such stall is final (it would
+        # come back into the same hang at every resize).
+        update(state="preempted", exit_code=code, reason=watchdog.stall.reason)
+        return {"preempted": True}
     if watchdog.stall is not None:  # stopped by its watchdog: a final failure, its devices free for the queue
         update(state="failed", exit_code=code, reason=watchdog.stall.reason)
         raise TrialStalled(f"trial {config.trial_id} {watchdog.stall.reason}: stopped, not retried (training.stall_timeout_s: "

@@ -33,6 +33,8 @@ RUNNING = "running"  # a step that stands still past the limit is a stall
 RESIZING = "resizing"  # between two generations: stalled past the limit too, and never sooner than FLOOR_S
 FINISHED = "finished"  # its result is written: processes still there past the limit hang in their teardown
 
+RESIZE_STALL = "stalled in a resize"  # the reason's start: run_plan queues such a trial again once
+
 POLL_S = 1.0  # the progress file changes at most about once a second
 DUMP_WAIT_S = 5.0  # at most this long for the stack dumps to reach the log before the trial is stopped
 DUMP_QUIET_S = 0.5  # the log unchanged this long: the dumps are written
@@ -69,7 +71,7 @@ class Stall:
     waited_s: float
     silent: bool  # nothing written since the launch
     finished: bool = False  # its result was written; its processes did not end (their teardown hangs)
-    resizing: bool = False  # between two generations: the next one never started training
+    resizing: bool = False  # between two generations: the next one never stepped past where the resize stopped
 
     @property
     def reason(self) -> str:
@@ -77,7 +79,7 @@ class Stall:
         if self.finished:
             return f"finished at step {self.step}, but its processes were still there {self.waited_s:.0f} s later"
         if self.resizing:
-            return f"stalled in a resize at step {self.step} for {self.waited_s:.0f} s (its next generation never started training)"
+            return f"{RESIZE_STALL} at step {self.step} for {self.waited_s:.0f} s (its next generation never trained a step)"
         return f"stalled at step {self.step} for {self.waited_s:.0f} s" + (" (no progress since its launch)" if self.silent else "")
 
 
@@ -97,9 +99,9 @@ class StallClock:
     nothing since its launch, is between two generations of a resize (new workers that never
     start training: a rendezvous, a state transfer or a checkpoint load that hangs), or has
     finished but its processes outlive the limit. A resize gets at least FLOOR_S whatever the
-    setting: its new workers start afresh (imports, a CUDA context, a collective's setup),
-    which a limit chosen for one step does not allow for. `timeout_s`: seconds, AUTO or None
-    (never stalls).
+    setting, until the next generation has stepped past where it stopped: its new workers
+    start afresh (imports, a CUDA context, a collective's setup, a compile), which a limit
+    chosen for one step does not allow for. `timeout_s`: seconds, AUTO or None (never stalls).
     """
 
     def __init__(self, timeout_s: float | str | None, launched_at: float):
@@ -108,6 +110,10 @@ class StallClock:
         self.last: tuple[str, int, float] | None = None  # (state, step, updated) last seen; None: nothing since the launch
         self.step_time_s: float | None = None
         self.longest_gap_s = 0.0  # between two writes seen while running
+        # The step a resize stopped at, until the next generation steps past it: its start
+        # (imports, its data and model made, a compile; a function trial's whole setup comes
+        # after its first "running") is a resize's too, with the resize's floor.
+        self.resized_at: int | None = None
 
     def limit_s(self) -> float | None:
         if self.timeout_s is None:
@@ -125,8 +131,12 @@ class StallClock:
             self.last, self.changed_at = key, now
         if seen.step_time_s:
             self.step_time_s = seen.step_time_s
+        if seen.state == RESIZING:
+            self.resized_at = seen.step
+        elif seen.state == RUNNING and self.resized_at is not None and seen.step > self.resized_at:
+            self.resized_at = None
         limit = self.limit_s()
-        if limit is not None and seen.state == RESIZING:
+        if limit is not None and self.resized_at is not None:
             limit = max(limit, FLOOR_S)
         waited = now - self.changed_at
         # Finished: the result is written, so stopping what is left (a teardown that hangs: a
@@ -134,7 +144,8 @@ class StallClock:
         # changes nothing of the outcome (run_plan reads the result first).
         if limit is None or seen.state not in (None, RUNNING, RESIZING, FINISHED) or waited <= limit:
             return None
-        return Stall(seen.step, waited, silent=seen.state is None, finished=seen.state == FINISHED, resizing=seen.state == RESIZING)
+        return Stall(seen.step, waited, silent=seen.state is None, finished=seen.state == FINISHED,
+                     resizing=self.resized_at is not None and seen.state != FINISHED)
 
 
 # --- the trial's processes -----------------------------------------------------------------

@@ -102,12 +102,21 @@ def test_a_resize_whose_next_generation_never_trains_is_a_stall_after_at_least_t
     assert clock.observe(Seen("resizing", 3, None, updated=2.0), 2.0 + limit_s) is None
     stall = clock.observe(Seen("resizing", 3, None, updated=2.0), 3.0 + limit_s)
     assert stall.resizing and not stall.silent
-    assert stall.reason == f"stalled in a resize at step 3 for {limit_s + 1:.0f} s (its next generation never started training)"
-    # The next generation's first write ends the resize: the step's own limit again.
+    assert stall.reason == f"stalled in a resize at step 3 for {limit_s + 1:.0f} s (its next generation never trained a step)"
+    # The next generation writes "running" as it starts, then sets up (a function trial's
+    # whole setup is there): the floor holds until it steps past where the resize stopped...
     resized = StallClock(timeout_s, launched_at=0.0)
     resized.observe(Seen("resizing", 3, None, updated=2.0), 2.0)
     assert resized.observe(Seen("running", 3, None, updated=250.0), 250.0) is None
-    assert resized.observe(Seen("running", 3, None, updated=250.0), 250.0 + resized.limit_s() + 1).reason.startswith("stalled at step 3")
+    assert resized.observe(Seen("running", 3, None, updated=250.0), 250.0 + limit_s) is None
+    late = resized.observe(Seen("running", 3, None, updated=250.0), 251.0 + limit_s)
+    assert late.resizing and late.reason.startswith("stalled in a resize at step 3")
+    # ...then the step's own limit again.
+    resized = StallClock(timeout_s, launched_at=0.0)
+    resized.observe(Seen("resizing", 3, None, updated=2.0), 2.0)
+    assert resized.observe(Seen("running", 4, None, updated=250.0), 250.0) is None
+    stall = resized.observe(Seen("running", 4, None, updated=250.0), 250.0 + resized.limit_s() + 1)
+    assert not stall.resizing and stall.reason.startswith("stalled at step 4")
 
 
 def test_an_evaluation_writes_progress_as_it_goes(tmp_path, digits_npz, monkeypatch):
