@@ -626,7 +626,7 @@ class LeaseStore:
             try:
                 empty = _app_id(conn) == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone()
                 if empty:
-                    _create(conn, {"generation": uuid.uuid4().hex})
+                    _create(conn, {"generation": uuid.uuid4().hex, "epoch": first_epoch(self._clock())})
                 conn.execute("COMMIT")
             except BaseException:
                 _rollback(conn)
@@ -661,6 +661,7 @@ class LeaseStore:
                     conn,
                     {
                         "generation": uuid.uuid4().hex,
+                        "epoch": first_epoch(self._clock()),
                         "rebuilt_at": repr(self._clock()),
                         # How long nobody may take a lease: stores with shorter timeouts wait
                         # this long too, and live holders' workers stop before its end unless
@@ -816,6 +817,14 @@ def _waiting_ahead(conn: sqlite3.Connection, live: list[Lease], campaign: str, n
     ahead = [(len(held.get(c, ())), since, c) for c, (since, _) in waiters.items() if c != campaign]
     ahead = [a for a in ahead if a[:2] < ours]
     return min(ahead)[2] if ahead else None
+
+
+def first_epoch(now: float) -> str:
+    """A new file's epoch counter: the time in milliseconds, so that a file made again (deleted,
+    rebuilt) hands out epochs above every one the lost file did. Checkpoints carry their
+    grant's epoch, and one written under a lower epoch than an older one of the same lease
+    file is taken for a late write by a holder that had lost its lease (training.manifest)."""
+    return str(int(now * 1000))
 
 
 def _next_epoch(conn: sqlite3.Connection, at_least: int = 0) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import multiprocessing as mp
 import os
@@ -568,6 +570,31 @@ def test_every_grant_has_a_new_epoch_kept_while_its_holder_renews_or_grows(tmp_p
     store.release("a")
     assert "gone" in read_fence(store.path, "a", epoch)[1]
     assert store.acquire("a", {"d0": 4}, CAP) and store.fence("a")["epoch"] > store.fence("b")["epoch"]
+
+
+@pytest.mark.parametrize("remade", ["rebuilt", "deleted"])
+def test_a_file_made_again_hands_out_epochs_above_the_lost_ones(tmp_path, remade):
+    """Checkpoints carry their grant's epoch, and a lower one than an older checkpoint's reads
+    as a late write by a holder that lost its lease: a file made again (rebuilt, or deleted and
+    made by a store that never used it) must not count from 1 again."""
+    clock = Clock()
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=10, clock=clock)
+    for k in range(5):
+        assert store.acquire(f"t{k}", {"d0": 4}, CAP)
+        store.release(f"t{k}")
+    assert store.acquire("before", {"d0": 4}, CAP)
+    before = store.fence("before")["epoch"]
+    for leftover in tmp_path.glob("leases.db*"):
+        leftover.unlink()
+    if remade == "rebuilt":
+        (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+    clock.now += 60
+    fresh = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=10, clock=clock)
+    with pytest.warns(LeaseStoreRebuilt) if remade == "rebuilt" else contextlib.nullcontext():
+        fresh.reclaim()
+    clock.now += 10  # past a rebuild's grace period
+    assert fresh.acquire("after", {"d1": 4}, CAP)
+    assert fresh.fence("after")["epoch"] > before
 
 
 def test_a_worker_stops_before_the_renew_deadline_it_cannot_see_renewed(tmp_path):
