@@ -110,6 +110,7 @@ class _Held:
     generation: str
     acquired_at: float
     epoch: int = 0
+    renewed_at: float = 0.0  # its last renewal that went through (0: not known): a rebuild never brings back an expired one
 
 
 class HeldLease:
@@ -289,6 +290,7 @@ class LeaseStore:
                 generation,
                 acquired_at or self._clock(),
                 epoch,
+                self._clock(),
             )
         return True
 
@@ -363,12 +365,12 @@ class LeaseStore:
                 raise LeaseLost(f"the leases of {holder} passed their renew deadline (the campaign stalled "
                                 f"{now - max(r.heartbeat_at for r in rows):.1f} s); its workers stopped")
             _write(conn, [replace(r, heartbeat_at=now) for r in rows])
-            return generation
+            return generation, now
 
-        generation = self._run(beat)
+        generation, renewed_at = self._run(beat)
         if held is not None:
             with self._held_lock:
-                held.generation = generation
+                held.generation, held.renewed_at = generation, renewed_at
 
     def release(self, holder: str) -> None:
         """Gives back every device of `holder` (nothing happens if it holds none)."""
@@ -507,8 +509,13 @@ class LeaseStore:
         grace = max(self.heartbeat_timeout_s, float(meta.get("grace_s", 0)))  # the rebuilder's, if longer than ours
         return rebuilt_at is not None and now - float(rebuilt_at) < grace
 
-    def _reregister(self, conn: sqlite3.Connection, holder: str, held: _Held, now: float) -> str:
-        """Puts back a live holder's leases in a rebuilt file, if nobody took them since."""
+    def _reregister(self, conn: sqlite3.Connection, holder: str, held: _Held, now: float) -> tuple[str, float]:
+        """Puts back a live holder's leases in a rebuilt file, if nobody took them since and its
+        renew deadline has not passed (its workers stopped by it, and the lost file may have
+        given its devices to another holder meanwhile, whose row the rebuild lost)."""
+        if held.renewed_at and now - held.renewed_at > self.heartbeat_timeout_s:
+            raise LeaseLost(f"the lease file was rebuilt after the leases of {holder} passed their renew deadline "
+                            f"({now - held.renewed_at:.1f} s since their last renewal); its workers stopped")
         live, _ = self._sweep(conn, now)
         lease = Lease(
             holder, "", 0, held.pid, process_start(held.pid), held.acquired_at, now, 0, self._origin(), held.epoch
@@ -517,7 +524,7 @@ class LeaseStore:
         if not _fit_and_write(conn, live, lease, held.claims, held.capacity):
             raise LeaseLost(f"the lease file was rebuilt and {holder}'s devices were taken meanwhile")
         log.warning("re-registered the leases of %s in the rebuilt lease file", holder)
-        return _generation(conn)
+        return _generation(conn), now
 
     def _heartbeat(self, handle: HeldLease, period: float, stop: threading.Event) -> None:
         while not stop.wait(period):

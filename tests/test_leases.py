@@ -675,6 +675,24 @@ def test_a_rebuild_by_a_campaign_with_a_shorter_timeout_never_lets_two_holders_u
     assert quicker.acquire("b", {"d0": 4}, CAP)
 
 
+def test_a_holder_that_stalled_past_its_deadline_is_not_brought_back_by_a_rebuild(tmp_path):
+    """Its workers stopped at its renew deadline and another holder may have taken its devices
+    in the lost file (a row the rebuild lost with it): waking up after the rebuild, it must not
+    re-register them."""
+    clock = Clock()
+    stalled = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=60, clock=clock)
+    assert stalled.acquire("h", {"d0": 10}, CAP)
+    clock.now += 30
+    stalled.renew("h")
+    clock.now += 170  # stopped (SIGSTOP, a VM pause) 140 s past its deadline
+    for leftover in tmp_path.glob("leases.db*"):
+        leftover.unlink()
+    (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+    with pytest.warns(LeaseStoreRebuilt), pytest.raises(LeaseLost, match="passed their renew deadline"):
+        stalled.renew("h")
+    assert LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=60, clock=clock).leases() == []
+
+
 def test_a_checkpoint_commits_in_a_rebuilds_grace_period_before_its_holder_re_registers(tmp_path):
     from training.fence import commit_guard
 
