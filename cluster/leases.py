@@ -372,6 +372,14 @@ class LeaseStore:
             with self._held_lock:
                 held.generation, held.renewed_at = generation, renewed_at
 
+    def rebuilt(self) -> bool:
+        """Whether the file was made again since this store's holders last wrote to it (one
+        read): their heartbeat then renews at once, re-registering them early in the rebuild's
+        grace period, which may be shorter than their own renew period."""
+        with self._held_lock:
+            known = {held.generation for held in self._held.values()}
+        return bool(known) and self._run(_generation, write=False) not in known
+
     def release(self, holder: str) -> None:
         """Gives back every device of `holder` (nothing happens if it holds none)."""
         self._run(lambda conn: conn.execute("DELETE FROM leases WHERE holder = ?", (holder,)))

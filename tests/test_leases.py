@@ -770,6 +770,32 @@ def test_a_holder_passes_its_device_on_in_one_transaction_and_a_waiting_campaign
     assert store.acquire("other/x@1", whole, CAP, campaign="other")
 
 
+def test_a_campaigns_heartbeat_re_registers_its_holders_soon_after_a_rebuild_not_at_its_next_renewal(tmp_path):
+    """A campaign renewing every 60 s (a 240 s timeout) and a rebuild by one with a 30 s
+    timeout: the grace period is 30 s and the holder's workers stop at 22.5 s unless it is
+    back. Its heartbeat sees the new file within seconds and re-registers it then."""
+    from flows.run.live import REBUILT_POLL_S, LeaseHeartbeat
+    from training.fence import Fence
+
+    holder = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=240)
+    assert holder.acquire("c/a@1", {"d0": 10}, CAP, campaign="c")
+    beat = LeaseHeartbeat(holder, period_s=60)
+    beat.add("c/a@1")
+    try:
+        for leftover in tmp_path.glob("leases.db-*"):
+            leftover.unlink()
+        (tmp_path / "leases.db").write_bytes(os.urandom(4096))
+        quick = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=30)
+        with pytest.warns(LeaseStoreRebuilt):
+            quick.reclaim()
+        rebuilt_at = time.time()
+        _wait_for(lambda: [lease.holder for lease in quick.leases()] == ["c/a@1"], 4 * REBUILT_POLL_S, "the holder re-registered")
+        assert time.time() - rebuilt_at < 22.5
+        assert Fence(holder.fence("c/a@1")).check() is None
+    finally:
+        beat.close()
+
+
 def test_a_lease_another_process_passed_on_is_adopted_renewed_and_never_called_lost(tmp_path):
     """A warm worker moves the device from the ended trial to the next in its own store object
     (tasks/warm_worker.py): the campaign's store adopts the grant (renewed and fenced from then

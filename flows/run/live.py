@@ -30,6 +30,12 @@ from training.layout import trial_files
 log = logging.getLogger(__name__)
 
 
+# Between renewals the heartbeat looks whether the lease file was made again this often: its
+# holders re-register at once, within the grace period of a rebuild by a campaign whose
+# timeout is shorter than theirs (their trials' workers stop at 3/4 of it: training.fence).
+REBUILT_POLL_S = 2.0
+
+
 class LeaseHeartbeat:
     """Renews this campaign's leases while trials run, so other campaigns see us alive."""
 
@@ -99,7 +105,15 @@ class LeaseHeartbeat:
         return self.renewed_at + self.store.heartbeat_timeout_s
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        due = time.monotonic() + self.period_s
+        while not self._stop.wait(min(self.period_s, REBUILT_POLL_S)):
+            if time.monotonic() < due:
+                try:
+                    if not self.store.rebuilt():
+                        continue
+                except Exception:  # a locked file: the renewal when due says what is wrong
+                    continue
+            due = time.monotonic() + self.period_s
             with self._lock:
                 holders = list(self.holders)
             started, ok = time.time(), True
