@@ -65,6 +65,16 @@ def seen_in(progress: Progress | None, launched_at: float) -> Seen:
     return Seen(progress.state, progress.step, float(step_time) if step_time else None, progress.updated)
 
 
+def seen_since(progress: Progress | None, before: Progress | None) -> Seen:
+    """`progress` as this segment's, `before` being what the file held at its launch: for a
+    reader on another host than the writer (the campaign watching a trial across nodes), whose
+    clock says nothing of the writer's, any change of the file is this segment's."""
+    if progress is None or (before is not None and progress.updated == before.updated):
+        return Seen(None, progress.step if progress is not None else 0)
+    step_time = progress.metrics.get("step_time_s")
+    return Seen(progress.state, progress.step, float(step_time) if step_time else None, progress.updated)
+
+
 @dataclass(frozen=True)
 class Stall:
     step: int
@@ -114,6 +124,13 @@ class StallClock:
         # (imports, its data and model made, a compile; a function trial's whole setup comes
         # after its first "running") is a resize's too, with the resize's floor.
         self.resized_at: int | None = None
+        self.floor_s = FLOOR_S
+
+    def restarted(self, step: int, floor_s: float, now: float) -> None:
+        """The trial restarts from its checkpoint without saying so in its progress (torchrun
+        across nodes going on without a lost node, or taking it back): a resize's floor,
+        `floor_s`, from `now` until a step past `step`."""
+        self.resized_at, self.floor_s, self.changed_at = step, max(self.floor_s, floor_s), now
 
     def limit_s(self) -> float | None:
         if self.timeout_s is None:
@@ -134,10 +151,10 @@ class StallClock:
         if seen.state == RESIZING:
             self.resized_at = seen.step
         elif seen.state == RUNNING and self.resized_at is not None and seen.step > self.resized_at:
-            self.resized_at = None
+            self.resized_at, self.floor_s = None, FLOOR_S
         limit = self.limit_s()
         if limit is not None and self.resized_at is not None:
-            limit = max(limit, FLOOR_S)
+            limit = max(limit, self.floor_s)
         waited = now - self.changed_at
         # Finished: the result is written, so stopping what is left (a teardown that hangs: a
         # process group never destroyed, an exit hook joining a helper) frees the devices and

@@ -416,6 +416,31 @@ def run_pool_campaign(tmp_path, digits_npz, api, nodes, workers, folder, apart, 
         end_launch_and_workers(launch, workers.values())
 
 
+def launch_held(tmp_path: Path, digits_npz: Path, api: str, name: str) -> tuple[Path, Path, dict, subprocess.Popen]:
+    """`campaign launch --pool lab` of one 2-device trial, returned once the trial is held at
+    HOLD_AT on its node: (params, the trial's folder, the launch's environment less the
+    hold, the launch)."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "campaign": {"name": name, "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
+        "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50},
+        "resources": {"devices": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": name,
+                     "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
+    }))
+    (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
+    trial_dir = tmp_path / "runs" / name / trial_id
+    trial_dir.mkdir(parents=True)
+    trial_files(trial_dir).hold.touch()
+    env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")}
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
+        env={**env, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT)}, stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
+    wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held"
+             or (launch.poll() is not None and pytest.fail((tmp_path / "launch.log").read_text()[-3000:])), 240, "the trial held")
+    return params, trial_dir, env, launch
+
+
 @pytest.mark.slow
 @pytest.mark.waits
 def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, lab):
@@ -428,25 +453,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
     worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
     launch = None
     try:
-        params = tmp_path / "params.yaml"
-        params.write_text(yaml.safe_dump({
-            "campaign": {"name": "stopped", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
-            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50},
-            "resources": {"devices": 2},
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "stopped",
-                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
-        }))
-        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
-        trial_dir = tmp_path / "runs" / "stopped" / trial_id
-        trial_dir.mkdir(parents=True)
-        trial_files(trial_dir).hold.touch()
-        launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
-            env={**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT),
-                 "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")},
-            stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
-        wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held"
-                 or (launch.poll() is not None and pytest.fail((tmp_path / "launch.log").read_text()[-3000:])), 240, "the trial held")
+        _, _, _, launch = launch_held(tmp_path, digits_npz, api, "stopped")
         node_leases = LeaseStore(tmp_path / "leases-a.db")
         assert {lease.device_id for lease in node_leases.leases()} == {"a/cpu0", "a/cpu1"}
         trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -477,24 +484,7 @@ def test_a_killed_campaigns_segment_is_ended_before_its_trial_is_launched_again(
     worker = start_live_worker(api, tmp_path, "a", ns, address, 2)
     launch = None
     try:
-        params = tmp_path / "params.yaml"
-        params.write_text(yaml.safe_dump({
-            "campaign": {"name": "twice", "seed": 3}, "data": {"path": str(digits_npz)}, "model": {"name": "mlp", "width": 8},
-            "training": {"steps": 150, "batch_size": 32, "lr": 0.05, "checkpoint_every": 50},
-            "resources": {"devices": 2},
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "twice",
-                         "runs_dir": str(tmp_path / "runs"), "summary": str(tmp_path / "summary.json")},
-        }))
-        (trial_id,) = [t.id for t in expand_grid(load_spec(params))]
-        trial_dir = tmp_path / "runs" / "twice" / trial_id
-        trial_dir.mkdir(parents=True)
-        trial_files(trial_dir).hold.touch()
-        env = {**os.environ, "PREFECT_API_URL": api, "CAMPAIGN_LEASE_DB": str(tmp_path / "leases-head.db")}
-        launch = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "launch", str(params), "--pool", "lab", "--no-live"], cwd=tmp_path,
-            env={**env, "CAMPAIGN_HOLD_AT_STEP": str(HOLD_AT)}, stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT)
-        wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held"
-                 or (launch.poll() is not None and pytest.fail((tmp_path / "launch.log").read_text()[-3000:])), 240, "the trial held")
+        params, trial_dir, env, launch = launch_held(tmp_path, digits_npz, api, "twice")
         trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert trial_pids
         launch.kill()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.watchdog import AUTO, FLOOR_S, Seen, StallClock, Watchdog, catches, default_limit_s, dump_stacks, seen_in
-from training.progress import progress_now
+from tasks.watchdog import AUTO, FLOOR_S, Seen, StallClock, Watchdog, catches, default_limit_s, dump_stacks, seen_in, seen_since
+from training.progress import Progress, progress_now
 from training.spec import SpecError, parse_spec
 
 from conftest import wait_for
@@ -148,6 +148,31 @@ def test_an_evaluation_writes_progress_as_it_goes(tmp_path, digits_npz, monkeypa
     assert batches >= 1 and len(written) >= batches
     assert all(p.state == "running" and p.step == 0 for p in written)
     assert sorted(p.updated for p in written) == [p.updated for p in written]
+
+
+def test_a_reader_on_another_host_judges_by_change_not_by_its_clock():
+    """The campaign watching a trial across nodes reads a progress file written with a node's
+    clock, which may be far from its own: what the file held at the launch is an earlier
+    segment's, any change is this one's."""
+    before = progress_now("running", 40, 100, 2, 8, {})
+    behind = Progress(**{**before.__dict__, "step": 41, "updated": before.updated - 3600.0})  # a node an hour behind
+    assert seen_since(before, before) == Seen(None, 40)
+    assert seen_since(behind, before) == Seen("running", 41, None, behind.updated)
+    assert seen_since(None, None) == Seen(None, 0) and seen_since(before, None).state == "running"
+
+
+def test_a_restart_that_no_progress_says_gets_its_floor_until_a_step_past_it():
+    """torchrun across nodes going on without a lost node restarts from a checkpoint and writes
+    no "resizing": the campaign says so, and the clock allows the floor given from then."""
+    clock = StallClock(20.0, launched_at=0.0)
+    assert clock.observe(running(50, updated=1.0), 1.0) is None
+    clock.restarted(50, 900.0, now=10.0)
+    assert clock.observe(running(50, updated=1.0), 909.0) is None
+    assert clock.observe(running(50, updated=1.0), 911.0).resizing
+    clock = StallClock(20.0, launched_at=0.0)
+    clock.restarted(50, 900.0, now=10.0)
+    assert clock.observe(running(51, updated=100.0), 100.0) is None  # a step past it: its own limit again
+    assert clock.observe(running(51, updated=100.0), 121.0).reason == "stalled at step 51 for 21 s"
 
 
 def test_null_never_stalls():

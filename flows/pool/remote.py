@@ -34,7 +34,7 @@ from flows.pool.secret import load_secret, signed_segment
 from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
 from tasks.records import completed_result, log_allocation, update_record
 from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
-from tasks.watchdog import Stall, StallClock, seen_in
+from tasks.watchdog import FLOOR_S, Stall, StallClock, seen_since
 from training.config import TrialConfig
 from training.files import write_json_atomic
 from training.layout import trial_files
@@ -115,26 +115,29 @@ def end_earlier_segments(config: TrialConfig, campaign: str, pool: str, wait_s: 
     not ended (its campaign was killed, and the segment trains on) is cancelled, and waited
     for. One on a node no longer beating is marked crashed (nothing there can be ended).
     TrialFailed, naming it, if one on a live node does not end within `wait_s`."""
-    tag = segment_tag(campaign, config.trial_id)
-    running = _unended(tag)
-    for run in running:
-        print(f"trial {config.trial_id}: its segment on node {run.work_queue_name} from an earlier launch is still running "
-              f"(flow run {run.id}): cancelling it before the trial starts again", flush=True)
-        _cancel(run.id, "the trial was launched again: this segment of an earlier launch ends first")
+    # Those found now, and only those: a host segment this launch starts meanwhile carries the tag too.
+    running = {run.id: run.work_queue_name for run in _unended(segment_tag(campaign, config.trial_id))}
+    for run_id, node in running.items():
+        print(f"trial {config.trial_id}: its segment on node {node} from an earlier launch is still running "
+              f"(flow run {run_id}): cancelling it before the trial starts again", flush=True)
+        _cancel(run_id, "the trial was launched again: this segment of an earlier launch ends first")
     deadline = time.time() + wait_s
-    while running := _unended(tag):
+    while running := {run_id: node for run_id, node in running.items() if not _ended(run_id)}:
         if time.time() > deadline:
             alive = {n.name for n in pool_nodes(pool) if n.live}
-            if live := [run for run in running if run.work_queue_name in alive]:
-                raise TrialFailed(f"trial {config.trial_id}: its segment on node {live[0].work_queue_name} from an earlier launch "
-                                  f"(flow run {live[0].id}) did not end when cancelled: stop it (the Prefect UI, or that node's "
+            if live := [(run_id, node) for run_id, node in running.items() if node in alive]:
+                raise TrialFailed(f"trial {config.trial_id}: its segment on node {live[0][1]} from an earlier launch "
+                                  f"(flow run {live[0][0]}) did not end when cancelled: stop it (the Prefect UI, or that node's "
                                   f"`campaign worker`), then launch again")
-            for run in running:
-                _mark_crashed(run.id, f"node {run.work_queue_name} stopped beating")
+            for run_id, node in running.items():
+                _mark_crashed(run_id, f"node {node} stopped beating")
             break
         time.sleep(POLL_S)
 
 
+# How long the peers of a node that vanished (powered off, cut off: no connection reset) may
+# wait in a collective before torchrun restarts them: NCCL's default timeout (gloo's is shorter).
+COLLECTIVE_TIMEOUT_S = 600.0
 LOST_WITHIN_S = MISSED_HEARTBEATS * HEARTBEAT_S + 2 * POLL_S  # a dead node's heartbeats are missed by then
 
 
@@ -151,7 +154,12 @@ def _lost_within(pool: str, nodes: list[str], seconds: float) -> str | None:
 
 
 def _ended(flow_run_id) -> bool:
-    state = call(lambda client: client.read_flow_run(flow_run_id)).state
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        state = call(lambda client: client.read_flow_run(flow_run_id)).state
+    except ObjectNotFound:  # deleted (by hand, by retention): nothing of it runs
+        return True
     return state is not None and state.is_final()
 
 
@@ -304,6 +312,7 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
             _mark_crashed(runs[node], f"node {node} stopped beating; the trial goes on without it")
             states[node] = None
             away.add(node)
+            restarting()
             record_nodes("node left")
             print(f"trial {config.trial_id}: node {node} stopped beating; it goes on without it from its last checkpoint "
                   f"on {', '.join(n for n in runs if n not in away)}", flush=True)
@@ -315,6 +324,7 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
             away.discard(node)
             states.pop(node, None)
             runs[node] = send(node)
+            restarting()
             record_nodes("node back")
             print(f"trial {config.trial_id}: node {node} is back; it takes the node in again from its last checkpoint", flush=True)
 
@@ -340,11 +350,16 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
     # Over several nodes no node's own watchdog can judge it (rank 0 may write its progress on
     # another node), so the campaign does, from its copy of the trial's progress.
     clock = StallClock(config.stall_timeout_s, time.monotonic()) if len(runs) > 1 and config.stall_timeout_s is not None else None
-    launched_at = time.time()
+    at_launch = read_progress(config.trial_dir)  # what an earlier segment left: judged by change, not by the nodes' clocks
+
+    def restarting() -> None:  # the nodes left restart it from its checkpoint: a resize's time, and their peers' collective timeout
+        if clock is not None:
+            now = read_progress(config.trial_dir) or at_launch
+            clock.restarted(now.step if now is not None else 0, FLOOR_S + COLLECTIVE_TIMEOUT_S, time.monotonic())
     while len(states) < len(runs):
         time.sleep(POLL_S)
         copy_files()
-        if clock is not None and (stall := clock.observe(seen_in(read_progress(config.trial_dir), launched_at), time.monotonic())):
+        if clock is not None and (stall := clock.observe(seen_since(read_progress(config.trial_dir), at_launch), time.monotonic())):
             return stalled(stall)
         for node, run_id in runs.items():
             if node not in states and (state := call(lambda client: client.read_flow_run(run_id)).state) is not None and state.is_final():
