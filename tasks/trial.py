@@ -1091,7 +1091,7 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
         # and resumes from that checkpoint. Once: a second such stall is final (it would
         # come back into the same hang at every resize).
         update(state="preempted", exit_code=code, reason=watchdog.stall.reason)
-        return {"preempted": True}
+        return {"preempted": True, "stalled": watchdog.stall.reason}
     if watchdog.stall is not None:  # stopped by its watchdog: a final failure, its devices free for the queue
         update(state="failed", exit_code=code, reason=watchdog.stall.reason)
         raise TrialStalled(f"trial {config.trial_id} {watchdog.stall.reason}: stopped, not retried (training.stall_timeout_s: "

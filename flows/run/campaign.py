@@ -699,6 +699,13 @@ class CampaignRun:
         if result.get("preempted") and job.relaunch is not None:
             self.relaunch(job)
             return False
+        if stalled := result.get("stalled"):  # a resize that hung (tasks/trial.py run_plan): not a preemption anyone asked for
+            self.logger.error(f"trial {job.trial.id} {stalled}: stopped; it resumes from its checkpoint")
+            if job.awaiting is not None:
+                answer(job.trial_dir, job.awaiting[2], "rejected", f"trial {job.trial.id} {stalled}: stopped; it resumes from "
+                       "its checkpoint where the scheduler places it")
+            self.requeue(job)  # unpinned: a person's size did not hold
+            return False
         if result.get("preempted"):
             self.logger.info(f"trial {job.trial.id} preempted: its devices are free, it resumes from its checkpoint later")
             self.pending.append(job.trial)
