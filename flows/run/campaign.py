@@ -314,6 +314,9 @@ class CampaignRun:
             node_devices = [d for d in self.inventory.devices if d.node == devices[0].node] if elastic else []
             if elastic:  # the campaign's command folder starts empty: the node relays from sequence 1
                 clear_commands(trial_files(self.root / trial.id).control)
+                # Its agent's address is this launch's to say: an earlier agent's would start a
+                # host (start_host) that waits for a store nobody listens on.
+                trial_files(self.root / trial.id).agent_store.unlink(missing_ok=True)
             future = run_remote_trial.with_options(name=f"trial {trial.label} on {nodes}", **self.task_names(trial)).submit(
                 config, devices, str(Path.cwd()), self.deployment, self.pool, self.name, elastic, node_devices,
                 self.shared_storage, placement.shared_bytes)
