@@ -55,6 +55,8 @@ def test_a_late_write_under_an_older_grant_is_not_trusted_as_newer(tmp_path):
 
 
 def test_grants_in_order_and_grants_of_another_lease_file_are_trusted(tmp_path):
+    other = LeaseStore(tmp_path / "other-node.db", 6.0)
+    other.leases()  # made first: its epochs count from an earlier time (cluster.leases.first_epoch)
     store = LeaseStore(tmp_path / "leases.db", 6.0)
     old = grant(store, "campaign-a")
     store.release("campaign-a")
@@ -63,8 +65,7 @@ def test_grants_in_order_and_grants_of_another_lease_file_are_trusted(tmp_path):
     Checkpointer(in_order, keep=3, rank=0, world_size=1, grant=grant_of(old)).save(10, state(10))
     Checkpointer(in_order, keep=3, rank=0, world_size=1, grant=grant_of(new)).save(20, state(20))
     assert checkpoint_report(in_order)[0].name == "step-00000020"
-    # Epochs grow per lease file: a trial resumed on another node's file starts its own count.
-    other = LeaseStore(tmp_path / "other-node.db", 6.0)
+    # Epochs grow per lease file: a trial resumed on another node's file has its own count.
     moved = grant(other, "campaign-a")
     assert moved["epoch"] < new["epoch"]
     Checkpointer(in_order, keep=3, rank=0, world_size=1, grant=grant_of(moved)).save(30, state(30))
