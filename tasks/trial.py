@@ -1087,9 +1087,9 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
     if watchdog.stall is not None and watchdog.stall.resizing and not (held.reason or "").startswith(RESIZE_STALL):
         # A resize that hung (a worker that never let go, a checkpoint pulled too slowly):
-        # the resize's stop saved the trial's state, so it is queued again like a preemption
-        # and resumes from that checkpoint. Once: a second such stall is final (it would
-        # come back into the same hang at every resize).
+        # nothing says a fresh start hangs too, so it is queued again like a preemption and
+        # resumes from its last checkpoint. Once: a second such stall in a row is final (it
+        # would come back into the same hang at every resize).
         update(state="preempted", exit_code=code, reason=watchdog.stall.reason)
         return {"preempted": True, "stalled": watchdog.stall.reason}
     if watchdog.stall is not None:  # stopped by its watchdog: a final failure, its devices free for the queue

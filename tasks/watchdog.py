@@ -27,6 +27,12 @@ from training.progress import Progress, read_progress
 
 AUTO = "auto"  # training.stall_timeout_s unset: derived from the trial's own step time
 FLOOR_S = 300.0  # auto never waits less: the first step pays imports, compile, data loading
+RESIZE_FLOOR_ENV = "CAMPAIGN_RESIZE_FLOOR_S"  # tests: a resize's floor in seconds, for a hang they can wait out
+
+
+def resize_floor_s() -> float:
+    """What a resize gets at least, whatever the limit: FLOOR_S (tests may set less)."""
+    return float(os.environ.get(RESIZE_FLOOR_ENV, FLOOR_S))
 STEP_TIME_MULTIPLE = 10.0  # auto waits at least this many measured step times...
 GAP_MULTIPLE = 3.0  # ...and this many times the longest wait seen between two writes (an evaluation, a checkpoint, a report)
 RUNNING = "running"  # a step that stands still past the limit is a stall
@@ -124,7 +130,7 @@ class StallClock:
         # (imports, its data and model made, a compile; a function trial's whole setup comes
         # after its first "running") is a resize's too, with the resize's floor.
         self.resized_at: int | None = None
-        self.floor_s = FLOOR_S
+        self.floor_s = resize_floor_s()
 
     def restarted(self, step: int, floor_s: float, now: float) -> None:
         """The trial restarts from its checkpoint without saying so in its progress (torchrun
@@ -151,7 +157,7 @@ class StallClock:
         if seen.state == RESIZING:
             self.resized_at = seen.step
         elif seen.state == RUNNING and self.resized_at is not None and seen.step > self.resized_at:
-            self.resized_at, self.floor_s = None, FLOOR_S
+            self.resized_at, self.floor_s = None, resize_floor_s()
         limit = self.limit_s()
         if limit is not None and self.resized_at is not None:
             limit = max(limit, self.floor_s)

@@ -367,3 +367,74 @@ def test_a_stalled_trial_is_dumped_stopped_and_failed_and_the_next_one_runs(tmp_
     assert events.index((stalled.trial_id, "failed")) < events.index((healthy.trial_id, "start")), events
     shown = campaign_cli("status", "hang", "--runs-dir", str(runs), cwd=tmp_path)
     assert f"trial {stalled.trial_id} failed: stalled at step" in " ".join(shown.stdout.split()), shown.stdout + shown.stderr
+
+
+@pytest.mark.slow
+def test_a_resize_whose_next_generation_hangs_is_stopped_answered_and_queued_again(tmp_path, digits_npz, monkeypatch):
+    """A [1, 2]-device trial grown by hand while held at step 100: its generation on two
+    processes hangs at its first step, while its progress still says "resizing" (a new
+    generation does until its first step). Past the limit the trial is stopped, its stacks in
+    its log, queued again (not failed), starts afresh from its last checkpoint and finishes
+    (the model hangs only once)."""
+    import contextlib
+    import threading
+
+    from cluster.inventory import discover
+    from cluster.leases import LeaseStore
+    from flows.run.campaign import HOLD_ENV, campaign_flow
+    from tasks.records import read_trial_record
+    from tasks.watchdog import RESIZE_FLOOR_ENV
+    from training.files import read_json
+    from training.layout import trial_files
+    from user_workload import PACKAGE, write_package
+
+    write_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(HOLD_ENV, "100")
+    monkeypatch.setenv(RESIZE_FLOOR_ENV, "5")  # below the limit: the limit (45 s) decides
+    runs = tmp_path / "runs"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "campaign": {"name": "regrow"}, "data": {"path": str(digits_npz)},
+        "model": {"target": f"{PACKAGE}.nets:hangs_once_grown", "kwargs": {"marker": str(tmp_path / "hung-once")}},
+        # Seconds: a launch on a loaded host writes its first progress well within them.
+        "training": {"steps": 300, "batch_size": 30, "lr": 0.05, "checkpoint_every": 50, "eval_every": 300,
+                     "stall_timeout_s": 45},
+        "resources": {"devices": [1, 2]}, "cluster": {"cpu_slots": 2},
+        "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db", "runs_dir": str(runs), "summary": str(tmp_path / "s.json")},
+    }))
+    answered: list[subprocess.CompletedProcess] = []
+    # Another campaign holds the second slot, so the trial starts on one (renewed while held).
+    slots = discover(cpu_slots=2)
+    capacity = {d.id: d.memory_bytes for d in slots.devices}
+    someone_else = contextlib.ExitStack()
+    someone_else.enter_context(LeaseStore().hold("someone-else/x", {slots.devices[1].id: capacity[slots.devices[1].id]}, capacity))
+
+    def grow_while_held():
+        record = wait_for(lambda: read_json(runs / "regrow" / "campaign.json"), 120, "the campaign's record")
+        trial_dir = runs / "regrow" / record["trials"][0]["id"]
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        trial_files(trial_dir).hold.touch()
+        wait_for(lambda: (read_json(trial_dir / "progress.json") or {}).get("state") == "held", 120, "the trial held")
+        someone_else.close()
+        answered.append(subprocess.run([sys.executable, "-m", "flows.cli", "resize", record["trials"][0]["id"], "2",
+                                        "--runs-dir", str(runs), "--wait-s", "300"], capture_output=True, text=True, timeout=360))
+        trial_files(trial_dir).hold.unlink()
+
+    driver = threading.Thread(target=grow_while_held)
+    driver.start()
+    try:
+        summary = campaign_flow(str(tmp_path / "params.yaml"))
+    finally:
+        driver.join()
+        someone_else.close()
+    said = answered[0].stdout + answered[0].stderr
+    assert answered[0].returncode == 0 and "now on" in said, said  # the grow landed: its generation started, then hung
+    assert (tmp_path / "hung-once").exists()
+    assert summary["finished"] == 1, summary
+    (trial_id,) = [t["id"] for t in read_json(runs / "regrow" / "campaign.json")["trials"]]
+    record = read_trial_record(runs / "regrow" / trial_id)
+    assert record.state == "finished" and record.attempts >= 2, record
+    log = trial_files(runs / "regrow" / trial_id).log.read_text()
+    assert "stalled in a resize at step" in log and "wait_forever" in log, log[-3000:]  # two processes: their dumps interleave
+

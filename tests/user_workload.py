@@ -70,6 +70,30 @@ def stalls_at(step=0):
     return StallsAt(step)
 
 
+class HangsOnceGrown(nn.Module):
+    """A linear model whose first training step on more than one process blocks for good, the
+    first time only (`marker`, a file, says it did): a resize whose next generation hangs."""
+
+    def __init__(self, marker, classes=10):
+        super().__init__()
+        self.marker = marker
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, classes))
+
+    def forward(self, x):
+        import os
+
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized() and dist.get_world_size() > 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            wait_forever()
+        return self.body(x)
+
+
+def hangs_once_grown(marker):
+    return HangsOnceGrown(marker)
+
+
 class RaisesAt(nn.Module):
     """A linear model whose training forward pass indexes out of bounds at step `step` (0:
     never): a bug in the user's own code, which no retry can fix."""

@@ -222,7 +222,8 @@ def _serve_function(cfg: TrialConfig, wid: str, store: dist.TCPStore, trial, bac
               f"calling {cfg.function['target']}", flush=True)
     report = (lambda: record_resize(trial, assignment, timings)) if rank == 0 else None
     timings["held_before"] = trial.held_s
-    result = trial.train(after_first_step=report)
+    # After a resize (a generation other than the agent's first) the start is the resize's.
+    result = trial.train(after_first_step=report, starting="resizing" if gen > 0 else "running")
     if rank == 0:
         if result is not None:
             print(result_line(cfg.trial_id, result), flush=True)
@@ -280,7 +281,7 @@ def _serve(cfg: TrialConfig, wid: str, store: dist.TCPStore, trainer: Trainer, b
         report = (lambda: record_resize(trainer, assignment, timings)) if rank == 0 else None
         should_stop = StopFlag(Path(assignment["stop_path"]), rank, cfg.control_every, trainer.device, _stop_store(assignment, store))
         timings["held_before"] = trainer.held_s
-        result = trainer.train(should_stop, after_first_step=report)
+        result = trainer.train(should_stop, after_first_step=report, starting="resizing" if gen > 0 else "running")
         if result is not None:  # finished: the result is written, nothing more to do
             if rank == 0:
                 print(result_line(cfg.trial_id, result), flush=True)

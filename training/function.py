@@ -186,6 +186,7 @@ class TrialContext:
         self.quiet = quiet  # a dry run (check_function): nothing to train.log or the flow's log
         self.latest: dict[str, float] = {}
         self.step = 0  # the latest step reported or saved: the trial's progress
+        self.progress_state = "running"  # the state last written to progress.json (a test's hold puts it back)
         self.started_step: int | None = None  # the step the function resumed from (load), if it did
         self.pruned = False
         self.stopped = False  # should_stop said yes for a reason other than pruning
@@ -322,6 +323,7 @@ class TrialContext:
 
     # --- around the function --------------------------------------------------------------
     def write_progress(self, state: str) -> None:
+        self.progress_state = state
         metrics = {k: v for k, v in self.latest.items() if k != "step_time_s"}
         if self.step_time_s is not None:
             metrics["step_time_s"] = self.step_time_s
@@ -330,10 +332,15 @@ class TrialContext:
     def _hold(self) -> None:
         """Tests: wait here while `<trial_dir>/hold` exists (a step a test can kill at)."""
         hold = trial_files(self.cfg.trial_dir).hold
-        if self.is_rank0 and hold.exists():
+        if not hold.exists():
+            return
+        before = self.progress_state
+        if self.is_rank0:
             self.write_progress("held")
         while hold.exists():
             time.sleep(HOLD_POLL_S)
+        if self.is_rank0:  # as before the hold: a report that does not come from here is a stall
+            self.write_progress(before)
 
     def close(self) -> None:
         """Wait for the save in flight, let the process groups go, send the last metrics."""
@@ -384,15 +391,16 @@ class FunctionTrial:
         self.ctx.checkpointer.clean_stale()
         self.metrics = self.ctx.metrics
 
-    def train(self, after_first_step: Callable[[], None] | None = None) -> dict[str, Any] | None:
+    def train(self, after_first_step: Callable[[], None] | None = None, starting: str = "running") -> dict[str, Any] | None:
         """Call the function: its result once it returned (and rank 0 wrote result.json), or
-        None when it returned because the campaign asked for its devices."""
+        None when it returned because the campaign asked for its devices. `starting`: the
+        state progress.json says until its first report (see Trainer.train)."""
         ctx, cfg = self.ctx, self.cfg
         ctx.on_first_report = after_first_step
         started = time.time()
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
         if ctx.is_rank0:
-            ctx.write_progress("running")
+            ctx.write_progress(starting)
         # A stopping campaign SIGTERMs its trials and waits a grace period before SIGKILL: in
         # it, should_stop() says yes and the function saves where it is (the main thread only
         # can take signals; an agent's generations are ended by their agent instead).

@@ -148,6 +148,7 @@ class Trainer(Stateful):
         self.step = 0
         self.start_lr = cfg.lr
         self.samples_seen = 0  # the data position: global samples trained on
+        self.progress_state = "running"  # the state last written to progress.json (a test's hold puts it back)
         # This phase's batch and data-parallel width: the trial's own, unless goodput (attach).
         self.batch_size, self.width = cfg.batch_size, cfg.logical_ranks
         self.phase = Phase(0, 0, cfg.batch_size)
@@ -654,14 +655,18 @@ class Trainer(Stateful):
 
     def write_progress(self, state: str) -> None:
         # A status for people and the scheduler, written often: no fsync on the training path.
+        self.progress_state = state
         progress_now(state, self.progress_step, self.cfg.steps, self.env.world_size, self.batch_size, self.latest,
                      samples_seen=self.samples_seen).write(self.cfg.trial_dir)
 
-    def train(self, should_stop: StopCheck | None = None, after_first_step: Callable[[], None] | None = None) -> dict[str, Any] | None:
+    def train(self, should_stop: StopCheck | None = None, after_first_step: Callable[[], None] | None = None,
+              starting: str = "running") -> dict[str, Any] | None:
         """Train to the end (returns the result) or until `should_stop` says so (returns None).
 
         `should_stop` is called on every rank at the same steps (it may be collective);
-        `after_first_step` once, when the first step of this call has completed.
+        `after_first_step` once, when the first step of this call has completed. `starting`:
+        the state progress.json says until then ("resizing" for a generation after a resize:
+        the campaign's watchdog gives its start a resize's time, tasks/watchdog.py).
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
@@ -673,7 +678,7 @@ class Trainer(Stateful):
         if self.is_rank0:
             if cfg.goodput:  # the batch and learning rate this size trains with, on the trial's record
                 self.metrics.log(self.progress_step, batch_size=self.batch_size)
-            self.write_progress("running")
+            self.write_progress(starting)
         while not self.done:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
                 self._batches_next = self.step  # a later call at this step goes on with the same feed
@@ -812,12 +817,15 @@ class Trainer(Stateful):
         hold = trial_files(self.cfg.trial_dir).hold
         if not hold.exists() or (stop_requested is not None and stop_requested()):
             return
+        before = self.progress_state
         if self.is_rank0:
             self.write_progress("held")
         since = time.time()
         while hold.exists() and not (stop_requested is not None and stop_requested()):
             time.sleep(HOLD_POLL_S)
         self.held_s += time.time() - since
+        if self.is_rank0:  # as before the hold: a step that stands still from here is a stall
+            self.write_progress(before)
 
     def close(self) -> None:
         self.feed.close()
