@@ -67,6 +67,11 @@ def seen_in(progress: Progress | None, launched_at: float) -> Seen:
         return Seen(None, 0)
     if progress.updated < launched_at:
         return Seen(None, progress.step)
+    return _written(progress)
+
+
+def _written(progress: Progress) -> Seen:
+    """A write of this segment's, as the rule sees it."""
     step_time = progress.metrics.get("step_time_s")
     return Seen(progress.state, progress.step, float(step_time) if step_time else None, progress.updated)
 
@@ -77,8 +82,7 @@ def seen_since(progress: Progress | None, before: Progress | None) -> Seen:
     clock says nothing of the writer's, any change of the file is this segment's."""
     if progress is None or (before is not None and progress.updated == before.updated):
         return Seen(None, progress.step if progress is not None else 0)
-    step_time = progress.metrics.get("step_time_s")
-    return Seen(progress.state, progress.step, float(step_time) if step_time else None, progress.updated)
+    return _written(progress)
 
 
 @dataclass(frozen=True)
