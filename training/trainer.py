@@ -131,6 +131,53 @@ class LogWindow:
         return self.mean_loss.item()
 
 
+class LossSums:
+    """A log window's training loss, summed per logical rank on the device.
+
+    Each process adds its micro-batches' losses (times their sizes) into its logical ranks'
+    entries. At a log step the entries meet across processes: an all-reduce in which each entry
+    has one nonzero term, so no rounding; then they are summed in logical order. The logged loss
+    is the whole batch's mean, not rank 0's share, and in `reduction: exact` the same bits at any
+    number of processes (each logical rank's losses are the same computation wherever it runs).
+    """
+
+    def __init__(self, logical_ranks: int, device: torch.device):
+        self.sums = torch.zeros(logical_ranks, dtype=torch.float32, device=device)
+        self.samples = 0  # the whole batch's samples the window has summed, over all processes
+
+    def add(self, span: Span, loss: torch.Tensor) -> None:
+        self.sums[span.logical_rank].add_(loss.detach().float(), alpha=span.size)
+
+    def take_mean(self, world_size: int) -> torch.Tensor:
+        """The window's mean loss (collective when `world_size` > 1); the window starts again."""
+        if world_size > 1:
+            dist.all_reduce(self.sums)
+        mean = self.sums.sum() / self.samples
+        self.sums.zero_()  # after the sum, in stream order: the mean is its own tensor
+        self.samples = 0
+        return mean
+
+    def whole(self, world_size: int) -> dict[str, Any]:
+        """The window so far, every logical rank's sum (collective when `world_size` > 1): what
+        a checkpoint keeps and a resize carries, so that a window cut by a stop is logged as
+        whole. Exact: each entry's other terms are zeros."""
+        sums = self.sums.clone()
+        if world_size > 1:
+            dist.all_reduce(sums)
+        return {"sums": sums.tolist(), "samples": self.samples}
+
+    def carry(self, window: dict[str, Any], held: set[int]) -> None:
+        """Go on with `window` (from `whole`), holding the logical ranks in `held`. At another
+        width (a goodput trial's resize) its total goes to logical rank 0."""
+        sums = window["sums"]
+        if len(sums) == len(self.sums):
+            for rank in held:
+                self.sums[rank] = sums[rank]
+        elif 0 in held:
+            self.sums[0] = math.fsum(sums)
+        self.samples = int(window["samples"])
+
+
 class Trainer(Stateful):
     def __init__(self, cfg: TrialConfig, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -163,6 +210,8 @@ class Trainer(Stateful):
         self.held_s = 0.0  # time a test has held it at a step (hold_at_step), in all: not part of a resize's pause
         self.latest: dict[str, float] = {}
         self._record_kept = True  # a checkpoint holds the result's record (False: loading one written before it did)
+        self._window_kept = True  # ... and the log window its step cuts
+        self.window: dict[str, Any] | None = None  # that window, gathered, for the next `train` call to go on with
         self.env: DistEnv | None = None
         self.ddp: DDP | None = None
         self.forward: Callable | None = None  # the module a step calls: DDP's wrapper, compiled or not
@@ -216,6 +265,7 @@ class Trainer(Stateful):
         module = self.ddp or self.model
         self.forward = torch.compile(module) if self.cfg.compile else module
         self.spans = local_spans(self.batch_size, self.width, env.world_size, env.rank, self.cfg.max_device_batch)
+        self.loss_sums = LossSums(self.width, self.device)
         # Where a logical rank's micro-batches end: exact reduction files its gradient there.
         self.ends_logical = tuple(i == len(self.spans) - 1 or self.spans[i + 1].logical_rank != s.logical_rank
                                   for i, s in enumerate(self.spans))
@@ -328,12 +378,16 @@ class Trainer(Stateful):
             # the latest metrics (an evaluation's, the last window's loss), so that a resumed
             # trial's result is an uninterrupted one's. Left out when loading a checkpoint
             # written before they were kept (`checkpoint_has`).
-            **({"record": {"noise": self.noise.state_dict(), "latest": json.dumps(self.latest)}} if self._record_kept else {}),
+            **({"record": {"noise": self.noise.state_dict(), "latest": json.dumps(self.latest),
+                           # the log window the checkpoint's step cuts (save_checkpoint gathers it)
+                           **({"window": json.dumps(self.window)} if self._window_kept else {})}}
+               if self._record_kept else {}),
         }
 
     def checkpoint_has(self, keys: set[str]) -> None:
         """Told by the checkpointer, before a load, which keys the checkpoint holds."""
         self._record_kept = any(k.startswith("trainer.record.") for k in keys)
+        self._window_kept = "trainer.record.window" in keys
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._release_graph()
@@ -355,14 +409,15 @@ class Trainer(Stateful):
         if "record" in state:
             self.noise.load_state_dict(state["record"]["noise"])
             self.latest = {k: float(v) for k, v in json.loads(state["record"]["latest"]).items()}
-        self._record_kept = True  # every checkpoint written from now on keeps it
+            self.window = json.loads(state["record"].get("window", "null"))
+        self._record_kept = self._window_kept = True  # every checkpoint written from now on keeps them
 
     def state_bytes(self) -> bytes:
         """The whole training state, for a process joining through memory (not disk)."""
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
-                    "samples_seen": self.samples_seen, "noise": self.noise.state_dict()}, buf)
+                    "samples_seen": self.samples_seen, "noise": self.noise.state_dict(), "window": json.dumps(self.window)}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, payload: bytes) -> None:
@@ -377,6 +432,7 @@ class Trainer(Stateful):
         self.samples_seen = int(state["samples_seen"])
         if "noise" in state:
             self.noise.load_state_dict(state["noise"])
+        self.window = json.loads(state.get("window", "null"))
 
     # --- the data position and the learning rate ------------------------------------------
     @property
@@ -438,6 +494,7 @@ class Trainer(Stateful):
             # logged again (a hole in the curves).
             self._flush_logs(wait=True)
         self.sync_latest()  # after the flush: the latest metrics the checkpoint keeps include that window's
+        self.window = self.loss_sums.whole(self.env.world_size)  # every process's part of it (collective)
         self.metrics.sync_journal()  # every step this checkpoint covers is on disk before it is
         self.checkpointer.save(self.step, {"trainer": self}, blocking=blocking)
 
@@ -469,12 +526,13 @@ class Trainer(Stateful):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
-    def train_step(self, step: int, batches) -> torch.Tensor:
-        """One optimizer step over this process's micro-batches (pulled from `batches`);
-        the mean loss over its samples, left on the device (reading it would make the host
-        wait for the device on every step)."""
+    def train_step(self, step: int, batches) -> None:
+        """One optimizer step over this process's micro-batches (pulled from `batches`); their
+        losses are added to the log window's sums (`self.loss_sums`), left on the device (reading
+        them would make the host wait for the device on every step)."""
         if self.step_graph is not None:
-            return self._graph_step(step, batches)
+            self._graph_step(step, batches)
+            return
         cfg, spans = self.cfg, self.spans
         # One multiplication; DDP then averages over world_size, so each sample's gradient
         # ends up scaled by 1 / batch_size at every world size (exact: summed, not averaged).
@@ -483,7 +541,7 @@ class Trainer(Stateful):
         # processes): rank 0 runs every other logical rank from the step's starting buffers.
         keep_buffers = self.buffers and self.env.rank == 0 and spans[-1].logical_rank > 0
         start_buffers = kept = None
-        total = small_sq = None
+        small_sq = None
         measure = self.noise_sizes is not None and (step + 1) % self.noise_every == 0  # the step before a log step
         if measure and self.local_norm is not None:
             self.local_norm.armed = True
@@ -510,12 +568,7 @@ class Trainer(Stateful):
                 self.scaler.scale(loss if factor == 1.0 else loss * factor).backward()
             if measure and i == 0 and self.noise_sizes[0] == "micro":
                 small_sq = squared_norm(p.grad for p in self.model.parameters())
-            # The step's loss, for logging: a micro-batch's mean as it is (no op), or a sum of
-            # them weighted by size (one fused add per micro-batch), divided once at the end.
-            if last == 0:
-                total = loss.detach()
-            else:
-                total = loss.detach() * span.size if total is None else total.add(loss.detach(), alpha=span.size)
+            self.loss_sums.add(span, loss)
             if self.ordered is not None and self.ends_logical[i]:
                 self.ordered.take(span.logical_rank)
             if self.trace is not None:
@@ -531,7 +584,6 @@ class Trainer(Stateful):
         if measure:
             self._measure_noise(small_sq)
         self._optimizer_step()
-        return total if last == 0 else total / sum(span.size for span in spans)
 
     def _optimizer_step(self) -> None:
         """After the step's gradients: clipping, the optimizer and the schedule (outside any graph)."""
@@ -562,7 +614,7 @@ class Trainer(Stateful):
         print(f"{'warning: training.cuda_graphs is on, but ' if warn else ''}cuda_graphs {line}", flush=True)
         self.metrics.tag("cuda_graphs", line[:500])
 
-    def _graph_step(self, step: int, batches) -> torch.Tensor:
+    def _graph_step(self, step: int, batches) -> None:
         """One step of one micro-batch: its forward and backward from the graph (captured at the
         third step; eager before it, and for good after a failed capture), then the optimizer."""
         span = self.spans[0]
@@ -570,11 +622,10 @@ class Trainer(Stateful):
         if self.flops_per_step is None:
             self._count_flops(x, y)
         self._seed(step, span.logical_rank)  # read by the replay: the eager step's random draws
-        loss = self.step_graph.step(x, y)
+        self.loss_sums.add(span, self.step_graph.step(x, y))
         if self.step_graph.failed is not None:
             self._say_graphs(f"off: {self.step_graph.failed}", warn=self.cfg.cuda_graphs == "on")
         self._optimizer_step()
-        return loss
 
     def _graphed_micro_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the forward with the loss, the backward, and (exact) the
@@ -670,7 +721,11 @@ class Trainer(Stateful):
         """
         cfg = self.cfg
         started, start_step = time.time(), self.step
-        window_loss, window_steps, window_start = None, 0, time.perf_counter()
+        self.loss_sums = LossSums(self.width, self.device)
+        if self.window is not None:  # the window a stop or a checkpoint cut goes on
+            self.loss_sums.carry(self.window, {span.logical_rank for span in self.spans})
+            self.window = None
+        window_steps, window_start = 0, time.perf_counter()
         progress_at = 0.0
         self._start_phase()  # at the position this call starts from: loaded, or where the last call stopped
         self.start_lr = self.lr  # what this call's first step trains with: a resize's record says it
@@ -682,12 +737,13 @@ class Trainer(Stateful):
         while not self.done:
             if should_stop is not None and self.step % cfg.control_every == 0 and self.step > start_step and should_stop(self.step):
                 self._batches_next = self.step  # a later call at this step goes on with the same feed
+                self.window = self.loss_sums.whole(self.env.world_size)  # the next call's first log step logs it whole
                 self._flush_logs(wait=True)
                 return None
             if cfg.hold_at_step is not None and (self.step == cfg.hold_at_step or (
                     self.step > cfg.hold_at_step and self.step % cfg.control_every == 0)):
                 self.hold(getattr(should_stop, "requested", None))
-            loss = self.train_step(self.step, batches)
+            self.train_step(self.step, batches)
             self.step += 1
             self.last_step_at = time.time()
             if self.step == start_step + 1:
@@ -697,18 +753,19 @@ class Trainer(Stateful):
                     after_first_step()
             evaluate = self.step % cfg.eval_every == 0 or self.done
             stop_here = False
-            if self.is_rank0:
-                # The step's loss is a fresh tensor nothing else holds: summed in place.
-                window_loss = loss if window_loss is None else window_loss.add_(loss)
-                window_steps += 1
-                if evaluate or self.step % cfg.log_every == 0:
+            window_steps += 1
+            self.loss_sums.samples += self.batch_size
+            if evaluate or self.step % cfg.log_every == 0:
+                # The window's loss is the whole batch's, not rank 0's share: every process's
+                # sums meet here (collective, at the same steps everywhere; no host wait on a GPU).
+                window_loss = self.loss_sums.take_mean(self.env.world_size)
+                step_time_s, window_steps = (time.perf_counter() - window_start) / window_steps, 0
+                if self.is_rank0:
                     # Logged every log_every steps, as means over the window (a metric costs CPU
                     # on the training core). On a GPU the window's loss comes back by an
                     # asynchronous copy, logged at a later log step once it has landed: reading
                     # it now would wait for the device. An evaluation waits anyway: all land.
-                    window = LogWindow(self.progress_step, self.lr, (time.perf_counter() - window_start) / window_steps,
-                                       window_loss / window_steps)
-                    window_loss, window_steps = None, 0
+                    window = LogWindow(self.progress_step, self.lr, step_time_s, window_loss)
                     if evaluate or self.device.type != "cuda":
                         self._pending_logs.append(window)
                         self._flush_logs(wait=True, hold_last_line=evaluate)
@@ -722,7 +779,7 @@ class Trainer(Stateful):
                         # each log step (a curve of repeats); the latest stay in progress.json and the log.
                         self.metrics.log(self.progress_step, **{k: v for k, v in self.latest.items() if k.startswith("val_")})
                         print(progress_line(cfg.trial_id, self.progress_step, cfg.steps, self.latest), flush=True)
-                    window_start = time.perf_counter()  # an evaluation is not a training step
+                window_start = time.perf_counter()  # an evaluation is not a training step
             if self.pruning is not None and evaluate and not self.done and self.agree(stop_here):
                 self.pruned = True  # early stopping: end here, with a result that says so
                 self.metrics.tag("pruned_at_step", str(self.progress_step))
