@@ -91,3 +91,24 @@ def test_a_lease_file_unreadable_at_commit_time_does_not_refuse_a_healthy_commit
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000010"]
     store.release("campaign-a")
     assert "campaign-a" in commit_guard(lease)()  # read, and gone: refused
+
+
+def test_a_commit_of_a_launch_the_trial_no_longer_runs_under_is_refused(tmp_path):
+    """A pool node the campaign lost but that lives on (cut off from the server, the shared
+    folder still mounted) keeps its own lease: the trial folder's `launch.json`, which the
+    campaign writes before it sends the trial again, is what refuses its commits."""
+    from training.files import write_json_atomic
+
+    store = LeaseStore(tmp_path / "leases.db", 6.0)
+    marker = tmp_path / "launch.json"
+    lease = {**grant(store, "campaign-a"), "launch": "first", "launch_file": str(marker)}
+    root = tmp_path / "checkpoints"
+    saver = Checkpointer(root, keep=3, rank=0, world_size=1, guard=commit_guard(lease), grant=grant_of(lease))
+    saver.save(10, state(10))  # no launch named yet (or unreadable): no proof, the commit goes through
+    write_json_atomic(marker, {"launch": "first"})
+    saver.save(20, state(20))
+    write_json_atomic(marker, {"launch": "second"})  # the campaign launched the trial again elsewhere
+    with pytest.raises(Fenced, match="launched again"):
+        saver.save(30, state(30))
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000020", "step-00000010"]
+    assert "launched again" in commit_guard(lease)() and commit_guard({**lease, "launch": "second"})() is None

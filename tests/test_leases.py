@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -733,6 +734,40 @@ def test_a_worker_whose_fence_thread_cannot_run_is_still_ended_before_its_device
         taker = LeaseStore(store.path, heartbeat_timeout_s=4.0)
         _wait_for(lambda: taker.acquire("b", {"d0": 10}, CAP), 30, "the stalled holder's devices for another holder")
         assert child.poll() == -signal.SIGALRM, "the worker still ran when its devices changed hands"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_worker_of_a_launch_the_campaign_replaced_stops_itself(tmp_path):
+    """Its node's lease is renewed all along (the node lives, cut off from the campaign): the
+    trial folder's `launch.json` naming a later launch is what ends the worker, within its
+    fence's period."""
+    from training.files import write_json_atomic
+
+    store = LeaseStore(tmp_path / "leases.db", heartbeat_timeout_s=4.0)
+    assert store.acquire("a", {"d0": 4}, CAP)
+    marker = tmp_path / "launch.json"
+    write_json_atomic(marker, {"launch": "first"})
+    child = fenced_child({**store.fence("a"), "launch": "first", "launch_file": str(marker)},
+                         "import time\nwhile True:\n    time.sleep(0.05)")
+    try:
+        assert child.stdout.readline() == b"watching\n"
+        renewing = threading.Event()
+
+        def renew() -> None:  # the node's heartbeat goes on: only the launch can end it
+            while not renewing.wait(0.5):
+                store.renew("a")
+
+        thread = threading.Thread(target=renew, daemon=True)
+        thread.start()
+        try:
+            write_json_atomic(marker, {"launch": "second"})
+            assert child.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            renewing.set()
+            thread.join()
+        assert [lease.holder for lease in store.leases()] == ["a"]  # the lease was never what ended it
     finally:
         child.kill()
         child.wait()

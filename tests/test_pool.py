@@ -503,6 +503,47 @@ def test_a_killed_campaigns_segment_is_ended_before_its_trial_is_launched_again(
         end_launch_and_workers(launch, [worker])
 
 
+def cut_off(ns: str) -> None:
+    """The node's network down (its link to the head), its processes and the folders it
+    shares left as they are: a node alive but cut off from the campaign."""
+    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    for name in (line.split(":")[1].strip().split("@")[0] for line in out.splitlines()):
+        if name != "lo":
+            ip("-n", ns, "link", "set", "dev", name, "down")
+
+
+def trial_processes(node: str) -> list[int]:
+    return [pid for pid in processes_of(node) if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_node_cut_off_but_alive_stops_its_segment_once_the_trial_is_launched_again(tmp_path, digits_npz, lab):
+    """The node holding the trial loses its network to the head, not its shared folder, nor
+    its own lease file: the campaign sees it dead and launches the trial on the other node,
+    and the cut-off node's processes stop themselves (the folder's launch is no longer theirs)
+    instead of training on into the trial's folder beside the new ones."""
+    head, api, nodes = lab
+    workers = [start_live_worker(api, tmp_path, node, *nodes[node], 2) for node in ("a", "b")]
+    launch = None
+    try:
+        _, trial_dir, _, launch = launch_held(tmp_path, digits_npz, api, "cut")
+        first = next(node for node in ("a", "b") if trial_processes(node))
+        other = "b" if first == "a" else "a"
+        stale = trial_processes(first)
+        cut_off(nodes[first][0])
+        wait_for(lambda: trial_processes(other), 180, f"the trial launched again on node {other}")
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in stale), 60,
+                 f"the trial's processes on the cut-off node {first} to stop")
+        assert "the trial was launched again" in trial_files(trial_dir).log.read_text()
+        trial_files(trial_dir).hold.unlink()
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+        result = read_json(trial_files(trial_dir).result)
+        assert result["steps"] == 150 and result["resumed_from_step"] == 50
+    finally:
+        end_launch_and_workers(launch, workers)
+
+
 @pytest.mark.slow
 @pytest.mark.waits
 def test_a_trial_across_nodes_that_stalls_is_stopped_on_every_node_and_failed(tmp_path, digits_npz, lab):

@@ -17,10 +17,19 @@ armed as a kernel timer (ITIMER_REAL, whose SIGALRM is left at its default actio
 process). If the thread falls behind, the kernel ends the process at the deadline it last
 saw, with no Python code needing to run: starvation can cost a worker its run (it resumes
 from its checkpoint), never a device shared.
+
+A pool trial's folder may be shared by its nodes. A node cut off from the campaign but alive
+(its network to the Prefect server down, its storage still mounted) keeps its lease, since
+its lease file is its own, and would train on into the folder while the campaign, which sees
+the node dead, launches the trial again elsewhere. So each launch names itself in the
+trial's folder (`launch.json`, written by the campaign before it sends the segments), and a
+worker whose lease carries a launch that is no longer the folder's stops the same way, and
+commits no checkpoint once it is not.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,10 +82,28 @@ def read_fence(path: str | Path, holder: str, epoch: int, now: float | None = No
     return min(float(h) for _, h in rows), None, None
 
 
+def launched_again(lease: dict[str, Any]) -> str | None:
+    """Why a worker of `lease`'s launch must stop because the trial was launched again (the
+    trial folder's `launch.json` names another launch), or None: the same launch, no launch
+    named (a trial not on a pool's shared folder), or the file unreadable this instant (no proof)."""
+    path = lease.get("launch_file")
+    if not path:
+        return None
+    try:
+        current = json.loads(Path(path).read_text())["launch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if current == lease["launch"]:
+        return None
+    return (f"the trial was launched again (launch {current}; this process is of launch {lease['launch']}, "
+            f"whose node the campaign lost)")
+
+
 class Fence:
     """The holder's renew deadline as this process last saw it; `check` refreshes it."""
 
     def __init__(self, lease: dict[str, Any], clock=time.time):
+        self.lease = lease
         self.db, self.holder, self.epoch = str(lease["db"]), str(lease["holder"]), int(lease["epoch"])
         self.timeout_s = float(lease["timeout_s"])
         # Twice per heartbeat period (timeout / 4), at most a second apart: the deadline is
@@ -89,6 +116,8 @@ class Fence:
 
     def check(self) -> str | None:
         """None while this process may go on using its devices, else why it must stop."""
+        if (superseded := launched_again(self.lease)) is not None:
+            return superseded
         now = self.clock()
         try:
             # Within a rebuild's grace period a holder not re-registered yet is not gone: the
@@ -183,18 +212,21 @@ def lease_problem(lease: dict[str, Any] | None) -> str | None:
 
 def commit_guard(lease: dict[str, Any] | None):
     """What a checkpoint commit asks just before it makes a checkpoint visible: None while
-    the holder still holds its grant, else why not (None for a trial run by hand). The
+    the holder still holds its grant and its launch is the trial's, else why not (None for a
+    trial run by hand). The
     fence's thread checks twice a heartbeat period; this closes the gap for the one write
     that matters, the one a resume would trust.
 
-    Only proof refuses a commit: the lease gone or granted again, or its renew deadline
-    read and passed. A lease file that cannot be read this instant (a writer's lock) is not
+    Only proof refuses a commit: the lease gone or granted again, its renew deadline read
+    and passed, or the trial launched again. A lease file that cannot be read this instant (a writer's lock) is not
     proof; the fence's thread, which knows the deadline, acts on that near it."""
     if not lease:
         return None
     db, holder, epoch, timeout_s = str(lease["db"]), str(lease["holder"]), int(lease["epoch"]), float(lease["timeout_s"])
 
     def check() -> str | None:
+        if (superseded := launched_again(lease)) is not None:
+            return superseded
         try:
             # In a rebuild's grace period (before its stop_by) nobody else holds the devices.
             renewed_at, problem, _ = read_fence(db, holder, epoch, time.time(), grace_s=timeout_s)

@@ -111,6 +111,10 @@ class TrialFiles:
     def stop(self, attempt: str) -> Path:  # asks one attempt of a pool trial across nodes to stop (training.train.StopFile)
         return self.control / f"stop-{attempt}"
 
+    @property
+    def launch(self) -> Path:  # the pool launch whose processes may write here (a shared folder): training.fence
+        return self.root / "launch.json"
+
 
 @dataclass(frozen=True)
 class CampaignFiles:
@@ -213,4 +217,4 @@ def latest_pointer(runs_dir: str | Path) -> Path:
 # Every file name above: no other module may spell one (tests/test_layout.py).
 FILE_NAMES = ("trial.json", "train.log", "record.json", "progress.json", "result.json", "metrics.jsonl", "failure.json", "batch.json", "resizes.jsonl",
               "state.json", "request.json", "request-result.json", "campaign.json", "allocations.jsonl", "agent-store.json",
-              "search.journal", "search.db")
+              "search.journal", "search.db", "launch.json")

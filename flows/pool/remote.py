@@ -239,6 +239,11 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     end_earlier_segments(config, campaign, pool)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
+    if shared_storage:
+        # This launch is the trial's now: a segment of an earlier one on a node the campaign
+        # lost but that lives on (cut off from the server, the folder still mounted) stops
+        # itself and commits nothing more here (training.fence.launched_again).
+        write_json_atomic(trial_files(config.trial_dir).launch, {"launch": attempt, "at": time.time()})
     across = len(groups) > 1 and config.function is None  # rides through the loss of a node other than the host
     # On one node under our agent, which grows it onto other nodes in memory (hosts there: start_host).
     agent_across = agent_across_nodes(config, elastic, len(groups))
@@ -249,6 +254,8 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
                 if len(groups) > 1 else None)
         segments[node] = {"config": asdict(config), "devices": [asdict(d) for d in mine], "cwd": cwd, "campaign": campaign,
                           "span": span, "elastic": elastic, "node_devices": [asdict(d) for d in node_devices]}
+        if shared_storage:
+            segments[node]["launch_id"] = attempt
         if agent_across:
             segments[node]["agent_across"] = True
         if memory_bytes is not None:

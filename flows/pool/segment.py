@@ -111,7 +111,7 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
                   span: dict[str, Any] | None = None, elastic: bool = False,
                   node_devices: list[dict[str, Any]] | None = None, files: dict[str, str] | None = None,
                   signature: str | None = None, agent_across: bool = False, host: dict[str, Any] | None = None,
-                  memory_bytes: int | None = None, attempt_id: str | None = None,
+                  memory_bytes: int | None = None, launch_id: str | None = None, attempt_id: str | None = None,
                   expires_at: float | None = None) -> dict[str, Any]:
     """`node_devices`: every device of this node (an elastic trial may grow onto any of them).
     `memory_bytes`: the trial's memory per device where it shares its devices by memory (None:
@@ -126,6 +126,8 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     whose agent runs on another node, from the campaign's command `seq` on, until the agent's
     state (the campaign's copy, sent down with `files` when nothing is shared) no longer
     names them (training.elastic_host).
+    `launch_id`: the campaign's launch of the trial this segment is part of, named in the
+    trial's shared folder while it is the trial's (training.fence.launched_again).
     `signature`: the pool key's over the other parameters; nothing runs without it (flows/pool/secret.py).
     `attempt_id`, `expires_at`: what the signature binds the segment to: this node runs each
     attempt once, and none past its expiry (a replay of a signed segment is refused)."""
@@ -134,12 +136,13 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     params |= ({"agent_across": True} if agent_across else {}) | ({"host": host} if host is not None else {})
     params |= {"memory_bytes": memory_bytes} if memory_bytes is not None else {}
     params |= {"files": files} if files is not None else {}
+    params |= {"launch_id": launch_id} if launch_id is not None else {}
     # Only those sent: a segment signed without them verifies, and is then refused for lacking them.
     params |= {key: value for key, value in (("attempt_id", attempt_id), ("expires_at", expires_at)) if value is not None}
     accept_segment(node_secret(), params, signature, node=os.environ.get(NODE_ENV, ""))  # before anything is leased or run
     cfg = TrialConfig(**config)
     if files is None:
-        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host, memory_bytes)
+        return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host, memory_bytes, launch_id)
     local = node_trial_dir(campaign, cfg.trial_id)
     # Over several nodes (torchrun's, or our agent's with hosts elsewhere) rank 0 writes each
     # whole checkpoint on its node: a node that resumes the trial alone pulls it from the remote.
@@ -158,7 +161,8 @@ def node_claims(placed: list[Device], memory_bytes: int) -> dict[str, int]:
 
 def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
                  elastic: bool, node_devices: list[dict[str, Any]] | None, agent_across: bool = False,
-                 host: dict[str, Any] | None = None, memory_bytes: int | None = None) -> dict[str, Any]:
+                 host: dict[str, Any] | None = None, memory_bytes: int | None = None,
+                 launch_id: str | None = None) -> dict[str, Any]:
     placed = [Device(**d) for d in devices]
     memory = WHOLE_DEVICE if memory_bytes is None else memory_bytes
     node = os.environ.get(NODE_ENV, "")
@@ -175,7 +179,10 @@ def _run_segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, camp
                           f"{', '.join(d.id for d in placed)}")
     heartbeat = LeaseHeartbeat(store, period_s=max(1.0, store.heartbeat_timeout_s / 4), on_lost=lambda _: revoke(cfg.trial_id))
     heartbeat.add(holder)
-    cfg = dataclasses.replace(cfg, lease=store.fence(holder))  # its workers watch the node's lease (training.fence)
+    lease = store.fence(holder)
+    if launch_id is not None:  # ... and, in a shared folder, that this launch is still the trial's
+        lease |= {"launch": launch_id, "launch_file": str(trial_files(cfg.trial_dir).launch)}
+    cfg = dataclasses.replace(cfg, lease=lease)  # its workers watch the node's lease (training.fence)
     try:
         if host is not None:
             return _host_segment(cfg, placed, host, store.fence(holder), node)
