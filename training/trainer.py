@@ -160,22 +160,32 @@ class LossSums:
     def whole(self, world_size: int) -> dict[str, Any]:
         """The window so far, every logical rank's sum (collective when `world_size` > 1): what
         a checkpoint keeps and a resize carries, so that a window cut by a stop is logged as
-        whole. Exact: each entry's other terms are zeros."""
+        whole. Exact: each entry's other terms are zeros. Left on the device (a stop does not
+        wait for it); `window_record` reads it where it is written out."""
         sums = self.sums.clone()
         if world_size > 1:
             dist.all_reduce(sums)
-        return {"sums": sums.tolist(), "samples": self.samples}
+        return {"sums": sums, "samples": self.samples}
 
     def carry(self, window: dict[str, Any], held: set[int]) -> None:
-        """Go on with `window` (from `whole`), holding the logical ranks in `held`. At another
-        width (a goodput trial's resize) its total goes to logical rank 0."""
-        sums = window["sums"]
+        """Go on with `window` (from `whole`, or its record), holding the logical ranks in
+        `held`. At another width (a goodput trial's resize) its total goes to logical rank 0."""
+        sums = torch.as_tensor(window["sums"], dtype=torch.float32, device=self.sums.device)
         if len(sums) == len(self.sums):
-            for rank in held:
+            for rank in held:  # a copy on the device each (a list index would copy it from the host, and wait)
                 self.sums[rank] = sums[rank]
         elif 0 in held:
-            self.sums[0] = math.fsum(sums)
+            self.sums[0] = sums.sum()
         self.samples = int(window["samples"])
+
+
+def window_record(window: dict[str, Any] | None) -> str:
+    """A window from `LossSums.whole` as a checkpoint or a joiner keeps it (JSON: a float32
+    reads back as the same bits)."""
+    if window is None:
+        return "null"
+    sums = window["sums"]
+    return json.dumps({"sums": sums.tolist() if isinstance(sums, torch.Tensor) else sums, "samples": window["samples"]})
 
 
 class Trainer(Stateful):
@@ -380,7 +390,7 @@ class Trainer(Stateful):
             # written before they were kept (`checkpoint_has`).
             **({"record": {"noise": self.noise.state_dict(), "latest": json.dumps(self.latest),
                            # the log window the checkpoint's step cuts (save_checkpoint gathers it)
-                           **({"window": json.dumps(self.window)} if self._window_kept else {})}}
+                           **({"window": window_record(self.window)} if self._window_kept else {})}}
                if self._record_kept else {}),
         }
 
@@ -406,6 +416,7 @@ class Trainer(Stateful):
                                f"{self.cfg.logical_ranks}: its results would differ; start the trial afresh")
         self.step = int(progress["step"])
         self.samples_seen = int(progress.get("samples_seen", self.step * self.cfg.batch_size))
+        self.window = None  # the window of a stop before this load is not this position's
         if "record" in state:
             self.noise.load_state_dict(state["record"]["noise"])
             self.latest = {k: float(v) for k, v in json.loads(state["record"]["latest"]).items()}
@@ -417,7 +428,7 @@ class Trainer(Stateful):
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
-                    "samples_seen": self.samples_seen, "noise": self.noise.state_dict(), "window": json.dumps(self.window)}, buf)
+                    "samples_seen": self.samples_seen, "noise": self.noise.state_dict(), "window": window_record(self.window)}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, payload: bytes) -> None:
