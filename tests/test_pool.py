@@ -544,6 +544,58 @@ def test_a_node_cut_off_but_alive_stops_its_segment_once_the_trial_is_launched_a
         end_launch_and_workers(launch, workers)
 
 
+def stop_prefect_server(port: int) -> None:
+    """SIGTERM to the lab's Prefect server (each in a session of its own), waited for."""
+    leaders = [int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit() and _cmdline_has(proc, b"flows.servers.warmup", f"{port}".encode())]
+    for pid in leaders:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and b"warmup" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                             for pid in leaders), 60, "the Prefect server to stop")
+
+
+def _cmdline_has(proc: Path, *parts: bytes) -> bool:
+    try:
+        args = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return all(part in args or any(arg.endswith(part) for arg in args) for part in parts)
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_npz, lab):
+    """The pool's Prefect server stops for longer than its client's own retries cover (a
+    crash, a restart of the host's service), and starts again on the same port and database.
+    The trial's segment trains on meanwhile; the campaign waits for the server instead of
+    failing the trial (and leaving its segment training with nobody following it), takes no
+    node for dead while its heartbeats had nowhere to go, and the trial finishes without a
+    restart."""
+    head, api, nodes = lab
+    port = int(api.rsplit(":", 1)[1].split("/")[0])
+    worker = start_live_worker(api, tmp_path, "a", *nodes["a"], 2)
+    launch, restarted = None, None
+    try:
+        _, trial_dir, _, launch = launch_held(tmp_path, digits_npz, api, "outage")
+        pids = trial_processes("a")
+        stop_prefect_server(port)
+        log = tmp_path / "launch.log"
+        wait_for(lambda: "does not answer" in log.read_text() or launch.poll() is not None, 300, "the campaign to miss the server")
+        assert launch.poll() is None, log.read_text()[-3000:]
+        restarted = start_servers("http://no-mlflow-here", tmp_path / "server-logs-again", prefect_port=port, host=head,
+                                  prefect_home=tmp_path / "prefect-head", auth_string=os.environ[CLIENT_AUTH_ENV])
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)  # trained on, held, through the outage
+        trial_files(trial_dir).hold.unlink()
+        assert launch.wait(timeout=300) == 0, log.read_text()[-3000:]
+        result = read_json(trial_files(trial_dir).result)
+        assert result["steps"] == 150 and result["resumed_from_step"] == 0, result  # never restarted
+        assert "answers again" in log.read_text()
+    finally:
+        end_launch_and_workers(launch, [worker])
+        if restarted is not None:
+            stop_servers(restarted)
+
+
 @pytest.mark.slow
 @pytest.mark.waits
 def test_a_trial_across_nodes_that_stalls_is_stopped_on_every_node_and_failed(tmp_path, digits_npz, lab):

@@ -14,12 +14,15 @@ inventory are pure.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from cluster.types import Device, Inventory, Link
 from training.errors import CampaignError
@@ -93,14 +96,63 @@ def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
 
 # ---------------------------------------------------------------- Prefect
 
+AWAY_POLL_S = 5.0  # how often a patient caller asks a server that does not answer again
+_patience = threading.local()  # this thread's `server_patience`, if any
+_answered_again_at = -math.inf  # time.monotonic() when the server last answered after not answering
+
+
+@contextlib.contextmanager
+def server_patience(seconds: float, say: Callable[[str], None]):
+    """Calls in this thread wait out a server that does not answer, for up to `seconds` in
+    all (then PoolError, as without), saying so once through `say`, and once it is back. For
+    the campaign following its trials' segments: they train on meanwhile, and a restart of the
+    server (a crash, its host's service restarted) is no reason to fail them."""
+    _patience.limit = (seconds, say)
+    try:
+        yield
+    finally:
+        _patience.limit = None
+
+
+def answered_again_within(seconds: float) -> bool:
+    """Whether the server answered again, after not answering, within the last `seconds`: the
+    nodes' heartbeats had nowhere to go meanwhile, so none is judged dead by them yet."""
+    return time.monotonic() - _answered_again_at < seconds
+
+
 def call(coro_fn):
     """Run `coro_fn(client)` with a Prefect client, from sync code (the CLI, the campaign's
-    loop, a segment's file copies); a server that does not answer is a PoolError that says so.
+    loop, a segment's file copies); a server that does not answer is a PoolError that says so
+    (within `server_patience`, once it has not answered for that long).
 
     The client is kept, with its connection and CSRF token, on an event loop of its own in a
     daemon thread, for as long as this process talks to the same server: a trial on the
     pool polls it several times a second, and a new client per call cost a connection and a
     token fetch before every write (each POST was two requests)."""
+    global _answered_again_at
+    limit = getattr(_patience, "limit", None)
+    away_since = None
+    while True:
+        try:
+            result = _call_once(coro_fn)
+        except PoolError as e:
+            if limit is None:
+                raise
+            now = time.monotonic()
+            if away_since is None:
+                away_since = now
+                limit[1](f"{e}; waiting for it (up to {limit[0]:.0f} s)")
+            if now - away_since > limit[0]:
+                raise
+            time.sleep(AWAY_POLL_S)
+            continue
+        if away_since is not None:
+            _answered_again_at = time.monotonic()
+            limit[1](f"the Prefect server answers again, after {_answered_again_at - away_since:.0f} s")
+        return result
+
+
+def _call_once(coro_fn):
     import asyncio
 
     import httpx

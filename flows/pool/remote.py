@@ -31,7 +31,8 @@ from prefect import task
 from cluster.types import Device, Inventory
 from flows.pool.mirror import CampaignMirror
 from flows.pool.secret import load_secret, signed_segment
-from flows.pool.nodes import HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, call, ensure_segment_deployment, pool_inventory, read_pool
+from flows.pool.nodes import (HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, answered_again_within, call, ensure_segment_deployment,
+                             pool_inventory, read_pool, server_patience)
 from tasks.records import completed_result, log_allocation, update_record
 from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
 from tasks.watchdog import FLOOR_S, Stall, StallClock, seen_since
@@ -42,6 +43,7 @@ from training.progress import read_progress
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
+SERVER_PATIENCE_S = 1800.0  # how long a trial's segments are followed through a Prefect server that does not answer
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
 _mirrors: dict[str, CampaignMirror] = {}  # a running trial's copy of its files (no shared storage): its hosts' too
@@ -236,6 +238,15 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
     """
     if campaign_stopping(config.trial_id):
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
+    # A server that stops answering (a crash, its host's service restarted) is waited for: the
+    # segments train on meanwhile, and failing the trial would leave them with nobody following.
+    with server_patience(SERVER_PATIENCE_S, lambda line: print(f"trial {config.trial_id}: {line}", flush=True)):
+        return _run_remote_trial(config, devices, cwd, deployment, pool, campaign, elastic, node_devices, shared_storage,
+                                 memory_bytes)
+
+
+def _run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
+                      elastic: bool, node_devices: list[Device], shared_storage: bool, memory_bytes: int | None) -> dict[str, Any]:
     end_earlier_segments(config, campaign, pool)
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
@@ -402,6 +413,8 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
         if campaign_stopping(config.trial_id):
             cancel_others()
             raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
+        if answered_again_within(LOST_WITHIN_S):
+            continue  # the nodes' heartbeats had nowhere to go while the server was away: none is judged by them yet
         alive = {n.name for n in pool_nodes(pool) if n.live}
         if lost := [node for node in runs if node not in states and node not in alive]:
             if across and host not in lost:
