@@ -38,7 +38,7 @@ from training.config import TrialConfig
 from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
 from training.failure import DISK_FULL, SIGNAL, USER, Failure, clear_failure, exit_description, read_failure, signal_name
-from training.fence import lease_problem
+from training.fence import launched_again, lease_problem
 from training.files import DiskFull, private_temp_dir, size_text, write_atomic
 from training.manifest import TMP_PREFIX
 from training.loopback import BIND_ENV
@@ -1038,7 +1038,8 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     trial_dir.mkdir(parents=True, exist_ok=True)
 
     def update(**fields) -> TrialRecord:
-        if not record:
+        if not record or launched_again(config.lease or {}):
+            # (a segment of a launch the trial no longer runs under: the record is the new one's)
             return TrialRecord()
         try:
             return update_record(trial_dir, **fields)

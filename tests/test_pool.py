@@ -59,6 +59,35 @@ def test_the_pool_inventory_is_its_live_nodes_devices_and_survives_json():
     assert [d.id for d in merged.devices] == [d.id for d in a.devices] and merged.link(*[d.id for d in a.devices]) == Link.NVLINK
 
 
+def test_a_patient_call_waits_out_a_server_away_and_holds_off_judging_nodes(monkeypatch):
+    """Within `server_patience` a call that finds the server away is tried again until it
+    answers (said once each way), and for a while after it no node is judged by its
+    heartbeats; without patience, or once the campaign stops, the PoolError comes at once."""
+    from flows.pool import nodes
+
+    monkeypatch.setattr(nodes, "AWAY_POLL_S", 0.01)
+    monkeypatch.setattr(nodes, "_trouble_at", float("-inf"))
+    failures = iter([OSError("connection refused"), OSError("connection refused")])
+
+    def away_twice() -> str:
+        if (e := next(failures, None)) is not None:
+            raise e
+        return "answered"
+
+    with pytest.raises(PoolError, match="does not answer"):
+        nodes.patiently(away_twice)  # no patience: at once
+    assert nodes.server_trouble_within(60.0)
+    monkeypatch.setattr(nodes, "_trouble_at", float("-inf"))
+    said: list[str] = []
+    with nodes.server_patience(60.0, said.append):
+        assert nodes.patiently(away_twice) == "answered"
+    assert len(said) == 2 and said[0].endswith("waiting for it (up to 60 s)") and said[1].startswith("the Prefect server answers again")
+    assert nodes.server_trouble_within(60.0) and not nodes.server_trouble_within(0.0)
+    failures = iter([OSError("connection refused")] * 3)
+    with nodes.server_patience(60.0, said.append, give_up=lambda: True), pytest.raises(PoolError):
+        nodes.patiently(away_twice)  # the campaign stops: no waiting
+
+
 def test_a_node_finds_its_interface_and_refuses_an_address_it_does_not_have(monkeypatch):
     from flows.pool.segment import ADDRESS_ENV, INTERFACE_ENV, NODE_ENV
     from flows.pool.worker import interface_of, python_here, require_server, worker_env

@@ -97,27 +97,33 @@ def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
 # ---------------------------------------------------------------- Prefect
 
 AWAY_POLL_S = 5.0  # how often a patient caller asks a server that does not answer again
+SLOW_CALL_S = 10.0  # a call that took this long met a server away (its client retried meanwhile)
+# After that, no node is judged by its heartbeats for this long: a node's Prefect worker backs
+# off while the server is away (its client's retries, then longer beats) before it beats again.
+NODE_GRACE_S = 120.0
 _patience = threading.local()  # this thread's `server_patience`, if any
-_answered_again_at = -math.inf  # time.monotonic() when the server last answered after not answering
+_trouble_at = -math.inf  # time.monotonic() when a call last found the server away or slow
 
 
 @contextlib.contextmanager
-def server_patience(seconds: float, say: Callable[[str], None]):
-    """Calls in this thread wait out a server that does not answer, for up to `seconds` in
-    all (then PoolError, as without), saying so once through `say`, and once it is back. For
-    the campaign following its trials' segments: they train on meanwhile, and a restart of the
-    server (a crash, its host's service restarted) is no reason to fail them."""
-    _patience.limit = (seconds, say)
+def server_patience(seconds: float, say: Callable[[str], None], give_up: Callable[[], bool] = lambda: False):
+    """Calls in this thread (`call`, `patiently`) wait out a server that does not answer, for
+    up to `seconds` in all (then PoolError, as without), saying so once through `say`, and
+    once it is back. For the campaign following its trials' segments: they train on meanwhile,
+    and a restart of the server (a crash, its host's service restarted) is no reason to fail
+    them. `give_up`: asked at each try; True ends the wait at once (a campaign that stops)."""
+    _patience.limit = (seconds, say, give_up)
     try:
         yield
     finally:
         _patience.limit = None
 
 
-def answered_again_within(seconds: float) -> bool:
-    """Whether the server answered again, after not answering, within the last `seconds`: the
-    nodes' heartbeats had nowhere to go meanwhile, so none is judged dead by them yet."""
-    return time.monotonic() - _answered_again_at < seconds
+def server_trouble_within(seconds: float) -> bool:
+    """Whether a call found the server away (or waited on it) within the last `seconds`: the
+    nodes' heartbeats had nowhere to go then, and their workers back off before they beat
+    again, so no node is judged dead by its heartbeats until this has passed."""
+    return time.monotonic() - _trouble_at < seconds
 
 
 def call(coro_fn):
@@ -129,37 +135,48 @@ def call(coro_fn):
     daemon thread, for as long as this process talks to the same server: a trial on the
     pool polls it several times a second, and a new client per call cost a connection and a
     token fetch before every write (each POST was two requests)."""
-    global _answered_again_at
+    import asyncio
+
+    def once():
+        client = _client_thread()
+        return asyncio.run_coroutine_threadsafe(coro_fn(client.client), client.loop).result()
+
+    return patiently(once)
+
+
+def patiently(fn: Callable[[], Any]) -> Any:
+    """`fn()`, a call to the Prefect server (through `call`, or Prefect's own helpers such as
+    `run_deployment`), its transport errors a PoolError, waited out within `server_patience`."""
+    global _trouble_at
     limit = getattr(_patience, "limit", None)
     away_since = None
     while True:
+        started = time.monotonic()
         try:
-            result = _call_once(coro_fn)
+            result = _said_as_pool_error(fn)
         except PoolError as e:
+            now = _trouble_at = time.monotonic()
             if limit is None:
                 raise
-            now = time.monotonic()
             if away_since is None:
                 away_since = now
                 limit[1](f"{e}; waiting for it (up to {limit[0]:.0f} s)")
-            if now - away_since > limit[0]:
+            if limit[2]() or now - away_since > limit[0]:
                 raise
-            time.sleep(AWAY_POLL_S)
+            time.sleep(AWAY_POLL_S)  # (each try itself takes the client's own retries: about a minute)
             continue
+        if time.monotonic() - started > SLOW_CALL_S:
+            _trouble_at = time.monotonic()
         if away_since is not None:
-            _answered_again_at = time.monotonic()
-            limit[1](f"the Prefect server answers again, after {_answered_again_at - away_since:.0f} s")
+            limit[1](f"the Prefect server answers again, after {time.monotonic() - away_since:.0f} s")
         return result
 
 
-def _call_once(coro_fn):
-    import asyncio
-
+def _said_as_pool_error(fn: Callable[[], Any]) -> Any:
     import httpx
 
     try:
-        client = _client_thread()
-        return asyncio.run_coroutine_threadsafe(coro_fn(client.client), client.loop).result()
+        return fn()
     except (OSError, httpx.TransportError) as e:
         raise PoolError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} does not answer ({e.__class__.__name__}: {e}): "
                         "a pool needs it running, reachable from this host and every node") from None

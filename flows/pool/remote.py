@@ -31,8 +31,8 @@ from prefect import task
 from cluster.types import Device, Inventory
 from flows.pool.mirror import CampaignMirror
 from flows.pool.secret import load_secret, signed_segment
-from flows.pool.nodes import (HEARTBEAT_S, MISSED_HEARTBEATS, PoolError, PoolNode, answered_again_within, call, ensure_segment_deployment,
-                             pool_inventory, read_pool, server_patience)
+from flows.pool.nodes import (HEARTBEAT_S, MISSED_HEARTBEATS, NODE_GRACE_S, PoolError, PoolNode, call, ensure_segment_deployment, patiently,
+                             pool_inventory, read_pool, server_patience, server_trouble_within)
 from tasks.records import completed_result, log_allocation, update_record
 from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
 from tasks.watchdog import FLOOR_S, Stall, StallClock, seen_since
@@ -43,7 +43,9 @@ from training.progress import read_progress
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
-SERVER_PATIENCE_S = 1800.0  # how long a trial's segments are followed through a Prefect server that does not answer
+# How long a trial's segments are followed through a Prefect server that does not answer: a
+# node's Prefect worker gives up after about 12 minutes of it, and its node is lost then anyway.
+SERVER_PATIENCE_S = 600.0
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
 _mirrors: dict[str, CampaignMirror] = {}  # a running trial's copy of its files (no shared storage): its hosts' too
@@ -148,7 +150,7 @@ def _lost_within(pool: str, nodes: list[str], seconds: float) -> str | None:
     deadline = time.time() + seconds
     while True:
         alive = {n.name for n in pool_nodes(pool) if n.live}
-        if dead := [node for node in nodes if node not in alive]:
+        if (dead := [node for node in nodes if node not in alive]) and not server_trouble_within(NODE_GRACE_S):
             return dead[0]
         if time.time() > deadline:
             return None
@@ -197,8 +199,9 @@ def start_host(config: TrialConfig, node: str, devices: list[Device], node_devic
         if (mirror := _mirrors.get(config.trial_id)) is None:
             return None
         params["files"] = mirror.add(node)
-    run = run_deployment(deployment, parameters=signed_segment(load_secret(pool), params), work_queue_name=node,
-                         timeout=0, flow_run_name=f"{config.trial_id} host on {node}", tags=[segment_tag(campaign, config.trial_id)])
+    signed = signed_segment(load_secret(pool), params)
+    run = patiently(lambda: run_deployment(deployment, parameters=signed, work_queue_name=node, timeout=0,
+                                           flow_run_name=f"{config.trial_id} host on {node}", tags=[segment_tag(campaign, config.trial_id)]))
     return str(run.id)
 
 
@@ -240,9 +243,15 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
         raise TrialStopped(f"trial {config.trial_id}: not sent to the pool, the campaign is stopping")
     # A server that stops answering (a crash, its host's service restarted) is waited for: the
     # segments train on meanwhile, and failing the trial would leave them with nobody following.
-    with server_patience(SERVER_PATIENCE_S, lambda line: print(f"trial {config.trial_id}: {line}", flush=True)):
-        return _run_remote_trial(config, devices, cwd, deployment, pool, campaign, elastic, node_devices, shared_storage,
-                                 memory_bytes)
+    try:
+        with server_patience(SERVER_PATIENCE_S, lambda line: print(f"trial {config.trial_id}: {line}", flush=True),
+                             give_up=lambda: campaign_stopping(config.trial_id)):
+            return _run_remote_trial(config, devices, cwd, deployment, pool, campaign, elastic, node_devices, shared_storage,
+                                     memory_bytes)
+    except PoolError:
+        if campaign_stopping(config.trial_id):  # it stopped waiting for the server because the campaign stops
+            raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint") from None
+        raise
 
 
 def _run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
@@ -302,10 +311,9 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
     def send(node: str):
         if mirror is not None:  # the artifacts its files travel through, its own each time it is sent
             segments[node]["files"] = mirror.add(node)
-        return run_deployment(
-            deployment, parameters=signed_segment(secret, segments[node]),  # a new attempt each send: a node runs each once
-            work_queue_name=node, timeout=0, flow_run_name=f"{config.trial_id} on {node}", tags=[tag],
-        ).id
+        signed = signed_segment(secret, segments[node])  # a new attempt each send: a node runs each once (a retried send too)
+        return patiently(lambda: run_deployment(deployment, parameters=signed, work_queue_name=node, timeout=0,
+                                                flow_run_name=f"{config.trial_id} on {node}", tags=[tag])).id
 
     runs = {node: send(node) for node in segments}
 
@@ -413,9 +421,10 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
         if campaign_stopping(config.trial_id):
             cancel_others()
             raise TrialStopped(f"trial {config.trial_id} was stopped with its campaign; it resumes from its last checkpoint")
-        if answered_again_within(LOST_WITHIN_S):
+        nodes_now = pool_nodes(pool)
+        if server_trouble_within(NODE_GRACE_S):
             continue  # the nodes' heartbeats had nowhere to go while the server was away: none is judged by them yet
-        alive = {n.name for n in pool_nodes(pool) if n.live}
+        alive = {n.name for n in nodes_now if n.live}
         if lost := [node for node in runs if node not in states and node not in alive]:
             if across and host not in lost:
                 left_behind(lost)

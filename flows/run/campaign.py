@@ -47,7 +47,7 @@ from flows.run.handover import STAGE_DEPTH, RunOpener, Staged, may_stage, next_e
 from flows.run.heartbeat import heartbeats
 from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
 from flows.run.live_view import CampaignLog
-from flows.pool.nodes import PoolError
+from flows.pool.nodes import NODE_GRACE_S, PoolError, server_trouble_within
 from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_recall, live_inventory, pool_nodes, prepare_pool, recall,
                                run_remote_trial, start_host)
 from flows.run.scheduler import LiveScheduler, live_policy, usable_devices
@@ -785,6 +785,8 @@ class CampaignRun:
         except PoolError as e:  # the server may be back at the next look; running trials go on meanwhile
             self.logger.warning(f"could not read pool {self.pool}: {e}")
             return
+        if server_trouble_within(NODE_GRACE_S):
+            return  # just back from not answering: the nodes have not beaten again yet
         live = {n.name: n for n in nodes if n.live}
         for name, node in live.items():
             if name not in self.inventory.nodes and node.inventory.devices:
