@@ -29,7 +29,6 @@ commits no checkpoint once it is not.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -40,6 +39,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from training.files import read_json
 
 
 FENCED = 75  # exit code of a launch refused for a lost lease (EX_TEMPFAIL: the campaign queues the trial again)
@@ -90,7 +91,7 @@ def launched_again(lease: dict[str, Any]) -> str | None:
     if not path:
         return None
     try:
-        current = json.loads(Path(path).read_text())["launch"]
+        current = (read_json(Path(path)) or {})["launch"]  # bounded: a file in a folder others write
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if current == lease["launch"]:
