@@ -56,6 +56,7 @@ from tasks.trial import (Successor, TrialFailed, accept_launches, close_warm_wor
                          stage_successor, start_in_idle_worker, stop_launched_trials, ticket_taken, trial_process_groups,
                          unstage_successor)
 from tasks.device_settings import check_device_settings
+from training.agent_state import read_agent_state
 from training.config import TrialConfig
 from training.agent_commands import clear_commands
 from training.batch_choice import batch_choice_now
@@ -728,9 +729,15 @@ class CampaignRun:
             self.finished_s.append(time.time() - began)
         if job.relaunch is not None:
             answer(job.trial_dir, job.relaunch[1], "finished", f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before it could move")
-        if job.awaiting is not None:  # it reached its end before a resize (a preemption) landed: say so
-            answer(job.trial_dir, job.awaiting[2], "finished",
-                   f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
+        if job.awaiting is not None:  # it reached its end with a resize asked: say whether that landed first
+            seq, devices, request_id = job.awaiting
+            state = read_agent_state(trial_files(job.trial_dir).control)
+            if state is not None and state.seq >= seq and sorted(state.devices) == sorted(d.id for d in devices):
+                # (its short rest of training ended before this loop read the agent's "running")
+                answer(job.trial_dir, request_id, "applied", f"now on {', '.join(sorted(state.devices))}; it finished there")
+            else:
+                answer(job.trial_dir, request_id, "finished",
+                       f"trial {job.trial.id} finished on {', '.join(job.device_ids)} before the resize could happen")
             job.awaiting = None
         if self.scheduler is not None:
             self.scheduler.finish(job.trial.id)
