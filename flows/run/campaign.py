@@ -45,7 +45,7 @@ from flows.servers.ui import mlflow_ui
 from tasks.tracking import campaign_view_url, run_experiment, save_campaign_view, close_campaign_run, close_trial_run, log_files, mark_killed, mark_running, open_campaign_run, open_trial_run, settle_finished_run, trial_run_id
 from flows.run.handover import STAGE_DEPTH, RunOpener, Staged, may_stage, next_end, restage_moves, seconds_left, stage_ahead_s, staging_order
 from flows.run.heartbeat import heartbeats
-from flows.run.live import Hosts, LeaseHeartbeat, Running, serve_resizes
+from flows.run.live import Hosts, LeaseHeartbeat, Running, resize_landed, serve_resizes
 from flows.run.live_view import CampaignLog
 from flows.pool.nodes import NODE_GRACE_S, PoolError, server_trouble_within
 from flows.pool.remote import (agent_across_nodes, by_node, end_host, forget_recall, live_inventory, pool_nodes, prepare_pool, recall,
@@ -732,7 +732,7 @@ class CampaignRun:
         if job.awaiting is not None:  # it reached its end with a resize asked: say whether that landed first
             seq, devices, request_id = job.awaiting
             state = read_agent_state(trial_files(job.trial_dir).control)
-            if state is not None and state.seq >= seq and sorted(state.devices) == sorted(d.id for d in devices):
+            if resize_landed(state, seq, devices):
                 # (its short rest of training ended before this loop read the agent's "running")
                 answer(job.trial_dir, request_id, "applied", f"now on {', '.join(sorted(state.devices))}; it finished there")
             else:

@@ -261,6 +261,11 @@ def claims(job: Running, devices: list[Device]) -> dict[str, int]:
     return {d.id: claim_bytes(memory, d.memory_bytes) for d in devices}
 
 
+def resize_landed(state, seq: int, devices) -> bool:
+    """Whether the agent's state (training.agent_state) has command `seq` applied on `devices`."""
+    return state is not None and state.seq >= seq and sorted(state.devices) == sorted(d.id for d in devices)
+
+
 def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacity: dict[str, int],
                   recall: Callable[[str], None] | None = None, hosts: Hosts | None = None) -> str | None:
     """Move a running elastic trial's pending resize one step on; a line to log, if any.
@@ -289,7 +294,7 @@ def serve_resizes(job: Running, inventory: Inventory, store: LeaseStore, capacit
         if state is None or state.seq < seq or not devices:
             return None  # not applied yet (a preemption ends with the task)
         job.awaiting = None
-        landed = sorted(state.devices) == sorted(d.id for d in devices)
+        landed = resize_landed(state, seq, devices)
         if state.status == "finished" and not landed:
             # The agent took the command but training ended before the resize landed: the
             # trial never ran on the new devices, so say so, and give back what a grow took.
