@@ -44,7 +44,7 @@ from training.progress import read_progress
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
 # How long a trial's segments are followed through a Prefect server that does not answer: a
-# node's Prefect worker gives up after about 12 minutes of it, and its node is lost then anyway.
+# node's Prefect worker gives up after about 12 minutes of it (its code's backoff, not measured): its node is lost then anyway.
 SERVER_PATIENCE_S = 600.0
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
