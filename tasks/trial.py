@@ -33,7 +33,7 @@ from cluster.types import Device
 from tasks import timings
 from tasks.records import TrialRecord, completed_result, read_trial_record, update_record
 from tasks.trial_log import LogForwarder
-from tasks.watchdog import RESIZE_STALL, Watchdog, trial_processes
+from tasks.watchdog import Watchdog, queued_again, trial_processes
 from training.config import TrialConfig
 from training.agent_commands import clear_commands, write_command
 from training.errors import CampaignError
@@ -1086,11 +1086,7 @@ def run_plan(plan: LaunchPlan, config: TrialConfig, devices: list[Device], recor
     if config.trial_id in _revoked:
         update(state="lease lost", exit_code=code)
         raise TrialStopped(f"trial {config.trial_id} was stopped: its leases were lost; it resumes from its last checkpoint")
-    if watchdog.stall is not None and watchdog.stall.resizing and not (held.reason or "").startswith(RESIZE_STALL):
-        # A resize that hung (a worker that never let go, a checkpoint pulled too slowly):
-        # nothing says a fresh start hangs too, so it is queued again like a preemption and
-        # resumes from its last checkpoint. Once: a second such stall in a row is final (it
-        # would come back into the same hang at every resize).
+    if watchdog.stall is not None and queued_again(watchdog.stall, held.reason):
         update(state="preempted", exit_code=code, reason=watchdog.stall.reason)
         return {"preempted": True, "stalled": watchdog.stall.reason}
     if watchdog.stall is not None:  # stopped by its watchdog: a final failure, its devices free for the queue

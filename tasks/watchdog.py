@@ -103,6 +103,16 @@ class Stall:
         return f"stalled at step {self.step} for {self.waited_s:.0f} s" + (" (no progress since its launch)" if self.silent else "")
 
 
+def queued_again(stall: Stall, reason_before: str | None) -> bool:
+    """Whether a trial its watchdog stopped is queued again, like a preemption, to resume from
+    its last checkpoint, rather than failed for good. A resize that hung (a worker that never
+    let go, a rendezvous or a checkpoint load that never ended: a node taken back across
+    nodes) says nothing of a fresh start, so it is; once: a trial whose run before this one
+    (`reason_before`, its record's reason at this launch) ended the same way would come back
+    into the same hang at every resize. Any other stall is final."""
+    return stall.resizing and not (reason_before or "").startswith(RESIZE_STALL)
+
+
 def default_limit_s(step_time_s: float | None, longest_gap_s: float) -> float:
     """`auto`: the longest of FLOOR_S, STEP_TIME_MULTIPLE step times and GAP_MULTIPLE times the
     longest wait between two steps seen so far (an evaluation or a checkpoint's staging makes

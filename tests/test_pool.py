@@ -485,7 +485,7 @@ def test_a_stopped_campaign_stops_its_trials_on_the_nodes(tmp_path, digits_npz, 
         _, _, _, launch = launch_held(tmp_path, digits_npz, api, "stopped")
         node_leases = LeaseStore(tmp_path / "leases-a.db")
         assert {lease.device_id for lease in node_leases.leases()} == {"a/cpu0", "a/cpu1"}
-        trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        trial_pids = trial_processes("a")
         assert trial_pids
 
         launch.send_signal(signal.SIGTERM)
@@ -514,7 +514,7 @@ def test_a_killed_campaigns_segment_is_ended_before_its_trial_is_launched_again(
     launch = None
     try:
         params, trial_dir, env, launch = launch_held(tmp_path, digits_npz, api, "twice")
-        trial_pids = [pid for pid in processes_of("a") if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        trial_pids = trial_processes("a")
         assert trial_pids
         launch.kill()
         launch.wait(timeout=60)
@@ -541,8 +541,18 @@ def cut_off(ns: str) -> None:
             ip("-n", ns, "link", "set", "dev", name, "down")
 
 
-def trial_processes(node: str) -> list[int]:
-    return [pid for pid in processes_of(node) if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+def node_processes(node: str | None, part: bytes) -> list[int]:
+    """The node's processes whose command line holds `part` (one that ends meanwhile is not)."""
+    found = []
+    for pid in processes_of(node):
+        with contextlib.suppress(OSError):
+            if part in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def trial_processes(node: str | None) -> list[int]:
+    return node_processes(node, b"training.")
 
 
 @pytest.mark.slow
@@ -579,8 +589,7 @@ def stop_prefect_server(port: int) -> None:
     for pid in leaders:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
-    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and b"warmup" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                             for pid in leaders), 60, "the Prefect server to stop")
+    wait_for(lambda: not any(_cmdline_has(Path(f"/proc/{pid}"), b"warmup") for pid in leaders), 60, "the Prefect server to stop")
 
 
 def _cmdline_has(proc: Path, *parts: bytes) -> bool:
@@ -597,9 +606,17 @@ def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_n
     """The pool's Prefect server stops for longer than its client's own retries cover (a
     crash, a restart of the host's service), and starts again on the same port and database.
     The trial's segment trains on meanwhile; the campaign waits for the server instead of
-    failing the trial (and leaving its segment training with nobody following it), takes no
-    node for dead while its heartbeats had nowhere to go, and the trial finishes without a
-    restart."""
+    failing the trial (and leaving its segment training with nobody following it), and takes
+    no node for dead while its heartbeats had nowhere to go. The trial finishes while the
+    server is still away: its segment waits for the server to report its end (else its flow
+    run would read as running for good, and the campaign wait on it), and the campaign
+    collects the trial, never restarted."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import temporary_settings
+
+    from flows.pool.nodes import call
+    from flows.pool.remote import segment_tag
+
     head, api, nodes = lab
     port = int(api.rsplit(":", 1)[1].split("/")[0])
     worker = start_live_worker(api, tmp_path, "a", *nodes["a"], 2)
@@ -615,14 +632,26 @@ def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_n
         wait_for(lambda: "waiting for it (up to" in log.read_text() or launch.poll() is not None, 300,
                  "the campaign's loop that follows the trial to miss the server")
         assert launch.poll() is None, log.read_text()[-3000:]
-        restarted = start_servers("http://no-mlflow-here", tmp_path / "server-logs-again", prefect_port=port, host=head,
-                                  prefect_home=tmp_path / "prefect-head", auth_string=os.environ[CLIENT_AUTH_ENV])
         assert all(Path(f"/proc/{pid}").exists() for pid in pids)  # trained on, held, through the outage
         trial_files(trial_dir).hold.unlink()
+        wait_for(lambda: not trial_processes("a"), 120, "the trial to end while the server is away")
+        # Its segment then waits for the server (it says so), or, if it did not, has given up
+        # reporting its end and gone, as the flow run's process did before it waited.
+        worker_log = tmp_path / "worker-a.log"
+        wait_for(lambda: "waiting for it (up to" in worker_log.read_text(errors="replace")
+                 or not node_processes("a", b"prefect.engine"),
+                 300, "the segment to wait for the server, or to end")
+        restarted = start_servers("http://no-mlflow-here", tmp_path / "server-logs-again", prefect_port=port, host=head,
+                                  prefect_home=tmp_path / "prefect-head", auth_string=os.environ[CLIENT_AUTH_ENV])
         assert launch.wait(timeout=300) == 0, log.read_text()[-3000:]
         result = read_json(trial_files(trial_dir).result)
         assert result["steps"] == 150 and result["resumed_from_step"] == 0, result  # never restarted
         assert "answers again" in log.read_text()
+        # Its end reported by the segment itself: not a run its worker later found crashed.
+        with temporary_settings(updates=pool_settings(api)):
+            (segment,) = call(lambda client: client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[segment_tag("outage", trial_dir.name)]))))
+        assert segment.state.is_completed(), segment.state
     finally:
         end_launch_and_workers(launch, [worker])
         if restarted is not None:
@@ -662,8 +691,7 @@ def test_a_trial_across_nodes_that_stalls_is_stopped_on_every_node_and_failed(tm
         record = read_trial_record(tmp_path / "runs" / "hung" / trial_id)
         assert record.state == "failed" and record.reason.startswith("stalled at step"), (record, said)
         assert record.attempts == 1, said  # not retried into the same hang
-        wait_for(lambda: not [pid for node in ("a", "b") for pid in processes_of(node)
-                              if b"training." in Path(f"/proc/{pid}/cmdline").read_bytes()], 60, "the trial's processes to end")
+        wait_for(lambda: not trial_processes("a") + trial_processes("b"), 60, "the trial's processes to end")
         for node in ("a", "b"):
             assert not LeaseStore(tmp_path / f"leases-{node}.db").leases(), node
     finally:

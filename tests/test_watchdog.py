@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.watchdog import AUTO, FLOOR_S, Seen, StallClock, Watchdog, catches, default_limit_s, dump_stacks, seen_in, seen_since
+from tasks.watchdog import (AUTO, FLOOR_S, Seen, Stall, StallClock, Watchdog, catches, default_limit_s, dump_stacks, queued_again, seen_in,
+                            seen_since)
 from training.progress import Progress, progress_now
 from training.spec import SpecError, parse_spec
 
@@ -117,6 +118,15 @@ def test_a_resize_whose_next_generation_never_trains_is_a_stall_after_at_least_t
     assert resized.observe(Seen("running", 4, None, updated=250.0), 250.0) is None
     stall = resized.observe(Seen("running", 4, None, updated=250.0), 250.0 + resized.limit_s() + 1)
     assert not stall.resizing and stall.reason.startswith("stalled at step 4")
+
+
+def test_a_resize_that_hung_is_queued_again_once_and_any_other_stall_is_final():
+    """The rule a trial's segment on one machine and the campaign over several nodes both
+    follow: a resize that hung resumes from its checkpoint, but not twice in a row."""
+    in_resize, at_step = Stall(3, 400.0, silent=False, resizing=True), Stall(3, 400.0, silent=False)
+    assert queued_again(in_resize, None) and queued_again(in_resize, "stalled at step 2 for 90 s")
+    assert not queued_again(in_resize, in_resize.reason)  # the run before hung in a resize too
+    assert not queued_again(at_step, None) and not queued_again(Stall(3, 400.0, silent=False, finished=True), None)
 
 
 def test_an_evaluation_writes_progress_as_it_goes(tmp_path, digits_npz, monkeypatch):

@@ -97,6 +97,10 @@ def pool_inventory(nodes: Iterable[PoolNode]) -> Inventory:
 # ---------------------------------------------------------------- Prefect
 
 AWAY_POLL_S = 5.0  # how often a patient caller asks a server that does not answer again
+# How long the campaign follows a trial's segments, and a segment waits to report its end,
+# through a Prefect server that does not answer: a node's Prefect worker gives up after about
+# 12 minutes of it (its code's backoff, not measured): its node is lost then anyway.
+SERVER_PATIENCE_S = 600.0
 SLOW_CALL_S = 10.0  # a call that took this long met a server away (its client retried meanwhile)
 # After that, no node is judged by its heartbeats for this long: a node's Prefect worker backs
 # off while the server is away (its client's retries, then longer beats) before it beats again.
@@ -170,6 +174,16 @@ def patiently(fn: Callable[[], Any]) -> Any:
         if away_since is not None:
             limit[1](f"the Prefect server answers again, after {time.monotonic() - away_since:.0f} s")
         return result
+
+
+def server_answers() -> None:
+    """Returns once the Prefect server answers (within `server_patience`, waiting for it; PoolError
+    past that, or at once without)."""
+    async def health(client) -> None:
+        if (error := await client.api_healthcheck()) is not None:
+            raise error
+
+    call(health)
 
 
 def _said_as_pool_error(fn: Callable[[], Any]) -> Any:

@@ -31,11 +31,12 @@ from prefect import task
 from cluster.types import Device, Inventory
 from flows.pool.mirror import CampaignMirror
 from flows.pool.secret import load_secret, signed_segment
-from flows.pool.nodes import (HEARTBEAT_S, MISSED_HEARTBEATS, NODE_GRACE_S, PoolError, PoolNode, call, ensure_segment_deployment, patiently,
-                             pool_inventory, read_pool, server_patience, server_trouble_within)
-from tasks.records import completed_result, log_allocation, update_record
+from flows.pool.nodes import (HEARTBEAT_S, MISSED_HEARTBEATS, NODE_GRACE_S, SERVER_PATIENCE_S, PoolError, PoolNode, call,
+                             ensure_segment_deployment, patiently, pool_inventory, read_pool, server_patience,
+                             server_trouble_within)
+from tasks.records import completed_result, log_allocation, read_trial_record, update_record
 from tasks.trial import TrialFailed, TrialStalled, TrialStopped, campaign_stopping, log_tail
-from tasks.watchdog import FLOOR_S, Stall, StallClock, seen_since
+from tasks.watchdog import FLOOR_S, Stall, StallClock, queued_again, seen_since
 from training.config import TrialConfig
 from training.files import write_json_atomic
 from training.layout import trial_files
@@ -43,9 +44,6 @@ from training.progress import read_progress
 
 POLL_S = 1.0  # the flow run's state, and the node's heartbeat, this often
 RECALL_WAIT_S = 60.0  # how long a recalled trial's segments have to end once asked (then once cancelled)
-# How long a trial's segments are followed through a Prefect server that does not answer: a
-# node's Prefect worker gives up after about 12 minutes of it (its code's backoff, not measured): its node is lost then anyway.
-SERVER_PATIENCE_S = 600.0
 
 _recalled: set[str] = set()  # trials the campaign moves to other nodes: their segments stop now
 _mirrors: dict[str, CampaignMirror] = {}  # a running trial's copy of its files (no shared storage): its hosts' too
@@ -257,6 +255,7 @@ def run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deplo
 def _run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, deployment: str, pool: str, campaign: str,
                       elastic: bool, node_devices: list[Device], shared_storage: bool, memory_bytes: int | None) -> dict[str, Any]:
     end_earlier_segments(config, campaign, pool)
+    reason_before = read_trial_record(Path(config.trial_dir)).reason  # before its host segment's start clears it
     groups = by_node(devices)
     attempt = uuid.uuid4().hex[:12]
     if shared_storage:
@@ -286,16 +285,18 @@ def _run_remote_trial(config: TrialConfig, devices: list[Device], cwd: str, depl
         _mirrors[config.trial_id] = mirror  # its host segments' files travel with this attempt's (start_host)
     try:
         return _follow_segments(config, devices, pool, elastic, attempt, across, segments, mirror, deployment,
-                                segment_tag(campaign, config.trial_id))
+                                segment_tag(campaign, config.trial_id), reason_before)
     finally:
         if mirror is not None and _mirrors.get(config.trial_id) is mirror:
             del _mirrors[config.trial_id]
 
 
 def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elastic: bool, attempt: str, across: bool,
-                     segments: dict[str, dict], mirror: CampaignMirror | None, deployment: str, tag: str) -> dict[str, Any]:
+                     segments: dict[str, dict], mirror: CampaignMirror | None, deployment: str, tag: str,
+                     reason_before: str | None) -> dict[str, Any]:
     """run_remote_trial's segments (`segments`: node -> its parameters), sent with `tag` and
-    followed until the trial ends on them."""
+    followed until the trial ends on them. `reason_before`: the trial's record's reason as
+    this launch began (a resize that hung before it: tasks.watchdog.queued_again)."""
     from prefect.deployments import run_deployment
 
     secret = load_secret(pool)  # the node runs a segment only if the pool's key signed it (flows/pool/segment.py)
@@ -356,7 +357,8 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
 
     def stalled(stall: Stall) -> dict[str, Any]:
         """Its step stood still past the limit: every segment cancelled and waited for, then
-        the trial failed for good, as a stall on one machine (tasks/watchdog.py)."""
+        the trial queued again (a resize that hung, the first time) or failed for good, as a
+        stall on one machine (tasks/watchdog.py)."""
         print(f"trial {config.trial_id} {stall.reason}: its segments on {', '.join(runs)} are cancelled "
               "(training.stall_timeout_s)", flush=True)
         for node, run_id in runs.items():
@@ -366,6 +368,9 @@ def _follow_segments(config: TrialConfig, devices: list[Device], pool: str, elas
         copy_files(last=True)
         if (result := completed_result(Path(config.trial_dir))) is not None:
             return result  # it finished as it was stopped
+        if queued_again(stall, reason_before):
+            update_record(Path(config.trial_dir), state="preempted", reason=stall.reason)
+            return {"preempted": True, "stalled": stall.reason}
         update_record(Path(config.trial_dir), state="failed", reason=stall.reason)
         raise TrialStalled(f"trial {config.trial_id} {stall.reason}: stopped on {', '.join(runs)}, not retried "
                            f"(training.stall_timeout_s: {config.stall_timeout_s}; raise it, or null, if it was only slow)")

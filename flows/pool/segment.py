@@ -36,6 +36,7 @@ from cluster.leases import LeaseStore
 from cluster.types import WHOLE_DEVICE, Device, claim_bytes
 from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
+from flows.pool.nodes import SERVER_PATIENCE_S, PoolError, server_answers, server_patience
 from flows.pool.secret import accept_segment, node_secret
 from flows.pool.relay import CommandRelay
 from tasks.trial import (LaunchPlan, NodeRole, TrialFailed, control_dir, plan_host_launch, plan_launch, plan_node_launch, revoke,
@@ -141,6 +142,28 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     params |= {key: value for key, value in (("attempt_id", attempt_id), ("expires_at", expires_at)) if value is not None}
     accept_segment(node_secret(), params, signature, node=os.environ.get(NODE_ENV, ""))  # before anything is leased or run
     cfg = TrialConfig(**config)
+
+    def say(line: str) -> None:
+        print(f"trial {cfg.trial_id} on node {os.environ.get(NODE_ENV, '')}: {line}", flush=True)
+
+    # How the segment ended reaches the campaign only through the Prefect server (its flow
+    # run's state; without shared storage, its last files too): a server away as it ends (a
+    # crash, a restart of its service) is waited for, or its run would read as running for
+    # good and the campaign would wait on it forever. Its devices are released before.
+    with server_patience(SERVER_PATIENCE_S, say):
+        try:
+            return _segment(cfg, devices, cwd, campaign, span, elastic, node_devices, files, agent_across, host, memory_bytes,
+                            launch_id)
+        finally:
+            try:
+                server_answers()
+            except PoolError as e:
+                say(f"its end cannot be reported: {e}")
+
+
+def _segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
+             elastic: bool, node_devices: list[dict[str, Any]] | None, files: dict[str, str] | None, agent_across: bool,
+             host: dict[str, Any] | None, memory_bytes: int | None, launch_id: str | None) -> dict[str, Any]:
     if files is None:
         return _run_segment(cfg, devices, cwd, campaign, span, elastic, node_devices, agent_across, host, memory_bytes, launch_id)
     local = node_trial_dir(campaign, cfg.trial_id)
