@@ -600,6 +600,68 @@ def _cmdline_has(proc: Path, *parts: bytes) -> bool:
     return all(part in args or any(arg.endswith(part) for arg in args) for part in parts)
 
 
+def segment_runs(api: str, campaign: str, trial_id: str) -> list:
+    """The flow runs of the trial's segments, as the lab's server has them."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import temporary_settings
+
+    from flows.pool.nodes import call
+    from flows.pool.remote import segment_tag
+
+    with temporary_settings(updates=pool_settings(api)):
+        return call(lambda client: client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[segment_tag(campaign, trial_id)]))))
+
+
+def restart_prefect_server(tmp_path: Path, head: str, api: str, launch: subprocess.Popen):
+    """Stop the lab's Prefect server until the campaign's loop that follows its trial has
+    missed it (its own words: the pool look's "does not answer" can come first, while the
+    loop's call still rides on its client's retries), then start it again on its port and
+    database; the servers started."""
+    port = int(api.rsplit(":", 1)[1].split("/")[0])
+    stop_prefect_server(port)
+    log = tmp_path / "launch.log"
+    wait_for(lambda: "waiting for it (up to" in log.read_text() or launch.poll() is not None, 300,
+             "the campaign's loop that follows the trial to miss the server")
+    assert launch.poll() is None, log.read_text()[-3000:]
+    return start_servers("http://no-mlflow-here", tmp_path / "server-logs-again", prefect_port=port, host=head,
+                         prefect_home=tmp_path / "prefect-head", auth_string=os.environ[CLIENT_AUTH_ENV])
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_campaign_stopped_after_a_prefect_server_restart_still_stops_its_trial_on_the_node(tmp_path, digits_npz, lab):
+    """The pool's Prefect server stops for a minute and starts again while a trial trains on
+    node a. Prefect's worker there then ends no cancelled run any more (its cancel observer
+    gives up for good after three failed polls). SIGTERM to the campaign still ends the
+    trial's processes on the node and releases its lease there: the segment watches its own
+    run, stops its trial itself, and its run ends Cancelled."""
+    from cluster.leases import LeaseStore
+
+    head, api, nodes = lab
+    worker = start_live_worker(api, tmp_path, "a", *nodes["a"], 2)
+    launch, restarted = None, None
+    try:
+        _, trial_dir, _, launch = launch_held(tmp_path, digits_npz, api, "restop")
+        pids = trial_processes("a")
+        restarted = restart_prefect_server(tmp_path, head, api, launch)
+        log = tmp_path / "launch.log"
+        wait_for(lambda: "answers again" in log.read_text() or launch.poll() is not None, 300, "the campaign to find the server back")
+        assert launch.poll() is None, log.read_text()[-3000:]
+        launch.send_signal(signal.SIGTERM)
+        assert launch.wait(timeout=120) == 143, log.read_text()[-3000:]
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 120, "the trial's processes on node a to end")
+        wait_for(lambda: not LeaseStore(tmp_path / "leases-a.db").leases(), 60, "node a's lease to go")
+        (segment,) = wait_for(lambda: [run for run in segment_runs(api, "restop", trial_dir.name) if run.state.is_final()], 60,
+                              "the segment's run to end")
+        assert segment.state.is_cancelled(), segment.state
+        assert worker.poll() is None  # the node goes on serving the pool
+    finally:
+        end_launch_and_workers(launch, [worker])
+        if restarted is not None:
+            stop_servers(restarted)
+
+
 @pytest.mark.slow
 @pytest.mark.waits
 def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_npz, lab):
@@ -611,12 +673,6 @@ def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_n
     server is still away: its segment waits for the server to report its end (else its flow
     run would read as running for good, and the campaign wait on it), and the campaign
     collects the trial, never restarted."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-    from prefect.settings import temporary_settings
-
-    from flows.pool.nodes import call
-    from flows.pool.remote import segment_tag
-
     head, api, nodes = lab
     port = int(api.rsplit(":", 1)[1].split("/")[0])
     worker = start_live_worker(api, tmp_path, "a", *nodes["a"], 2)
@@ -648,9 +704,7 @@ def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_n
         assert result["steps"] == 150 and result["resumed_from_step"] == 0, result  # never restarted
         assert "answers again" in log.read_text()
         # Its end reported by the segment itself: not a run its worker later found crashed.
-        with temporary_settings(updates=pool_settings(api)):
-            (segment,) = call(lambda client: client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[segment_tag("outage", trial_dir.name)]))))
+        (segment,) = segment_runs(api, "outage", trial_dir.name)
         assert segment.state.is_completed(), segment.state
     finally:
         end_launch_and_workers(launch, [worker])

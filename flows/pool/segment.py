@@ -26,21 +26,24 @@ import dataclasses
 import os
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow
+from prefect.context import FlowRunContext
+from prefect.exceptions import Abort
 
 from cluster.leases import LeaseStore
 from cluster.types import WHOLE_DEVICE, Device, claim_bytes
 from flows.run.live import LeaseHeartbeat
 from flows.pool.mirror import NodeMirror, node_trial_dir
-from flows.pool.nodes import SERVER_PATIENCE_S, PoolError, server_answers, server_patience
+from flows.pool.nodes import SERVER_PATIENCE_S, PoolError, call, server_answers, server_patience
 from flows.pool.secret import accept_segment, node_secret
 from flows.pool.relay import CommandRelay
 from tasks.trial import (LaunchPlan, NodeRole, TrialFailed, control_dir, plan_host_launch, plan_launch, plan_node_launch, revoke,
-                         run_host, run_plan)
+                         run_host, run_plan, stop_launched_trials)
 from training.config import TrialConfig
 from training.agent_commands import clear_commands
 from training.agent_state import read_agent_state
@@ -53,6 +56,63 @@ NODE_ENV = "CAMPAIGN_NODE"  # set by `campaign worker`: the node's name
 ADDRESS_ENV = "CAMPAIGN_NODE_ADDRESS"  # its address (a trial across nodes listens there; one on the node, on loopback)
 INTERFACE_ENV = "CAMPAIGN_NODE_INTERFACE"  # and the network interface of that address
 RENDEZVOUS_WAIT_S = 120.0  # how long a node waits for the host node's endpoint
+CANCEL_POLL_S = 2.0  # how often a segment reads its own flow run's state (CancelWatch)
+# How long it leaves a cancel to its Prefect worker first: the worker ends a cancelled run
+# within a second or two while its observer works, and this backstop then never acts.
+CANCEL_GRACE_S = 10.0
+
+
+class CancelWatch:
+    """The segment's own watch on its flow run: cancelled (`Cancelling`) and not ended by its
+    worker within CANCEL_GRACE_S, the segment stops its trial itself, as the campaign's stop
+    does (its processes end, its devices are released), and `cancelled` is set. Prefect's
+    worker honours a cancel through an observer whose polling gives up for good once the
+    server has been away for about 20 s (three failed polls), so after a restart of the
+    server no cancel reached a node that lived through it: a stopped campaign's trial there
+    trained on, and held its devices, until it ended by itself."""
+
+    def __init__(self, flow_run_id, on_cancel: Callable[[], object]):
+        self.flow_run_id, self.on_cancel = flow_run_id, on_cancel
+        self.cancelled = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="segment-cancel-watch", daemon=True)
+
+    def __enter__(self) -> "CancelWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=CANCEL_POLL_S + 30.0)
+
+    def _cancelling(self) -> bool:
+        from prefect.client.schemas.objects import StateType
+
+        try:
+            run = call(lambda client: client.read_flow_run(self.flow_run_id))
+        except Exception:  # the server away a moment: the next poll asks again
+            return False
+        return run.state is not None and run.state.type == StateType.CANCELLING
+
+    def _run(self) -> None:
+        since = None
+        while not self._done.wait(CANCEL_POLL_S):
+            if not self._cancelling():
+                since = None
+            elif since is None:
+                since = time.monotonic()
+            elif time.monotonic() - since >= CANCEL_GRACE_S:
+                self.cancelled.set()
+                self.on_cancel()
+                return
+
+
+def mark_cancelled(flow_run_id) -> None:
+    """The segment's run ends `Cancelled`, as its worker would have marked it after a cancel."""
+    from prefect.states import Cancelled
+
+    call(lambda client: client.set_flow_run_state(flow_run_id, Cancelled(message="cancelled: the segment stopped its trial"),
+                                                  force=True))
 
 
 def free_port(address: str) -> int:
@@ -150,13 +210,20 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     # run's state; without shared storage, its last files too): a server away as it ends (a
     # crash, a restart of its service) is waited for, or its run would read as running for
     # good and the campaign would wait on it forever. Its devices are released before.
-    with server_patience(SERVER_PATIENCE_S, say):
+    run_id = FlowRunContext.get().flow_run.id
+    with server_patience(SERVER_PATIENCE_S, say), CancelWatch(run_id, stop_launched_trials) as watch:
         try:
             return _segment(cfg, devices, cwd, campaign, span, elastic, node_devices, files, agent_across, host, memory_bytes,
                             launch_id)
         finally:
             try:
                 server_answers()
+                if watch.cancelled.is_set():
+                    say("cancelled: its trial was stopped here (its Prefect worker no longer ends cancelled runs)")
+                    mark_cancelled(run_id)
+                    # Its end is said: the engine then exits without proposing a state of its
+                    # own (Failed, for the stopped trial), as a run its worker ended would.
+                    raise Abort("the segment was cancelled; it stopped its trial")
             except PoolError as e:
                 say(f"its end cannot be reported: {e}")
 
