@@ -650,11 +650,13 @@ def test_a_campaign_stopped_after_a_prefect_server_restart_still_stops_its_trial
         assert launch.poll() is None, log.read_text()[-3000:]
         launch.send_signal(signal.SIGTERM)
         assert launch.wait(timeout=120) == 143, log.read_text()[-3000:]
-        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 120, "the trial's processes on node a to end")
+        # The segment's watch leaves the cancel to the worker for a minute first.
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 240, "the trial's processes on node a to end")
         wait_for(lambda: not LeaseStore(tmp_path / "leases-a.db").leases(), 60, "node a's lease to go")
-        (segment,) = wait_for(lambda: [run for run in segment_runs(api, "restop", trial_dir.name) if run.state.is_final()], 60,
+        (segment,) = wait_for(lambda: [run for run in segment_runs(api, "restop", trial_dir.name) if run.state.is_final()], 120,
                               "the segment's run to end")
         assert segment.state.is_cancelled(), segment.state
+        assert "stopped by the segment itself" in (tmp_path / "worker-a.log").read_text(errors="replace")
         assert worker.poll() is None  # the node goes on serving the pool
     finally:
         end_launch_and_workers(launch, [worker])

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from prefect import flow
 from prefect.context import FlowRunContext
-from prefect.exceptions import Abort
+from prefect.exceptions import Abort, TerminationSignal
 
 from cluster.leases import LeaseStore
 from cluster.types import WHOLE_DEVICE, Device, claim_bytes
@@ -57,54 +57,67 @@ ADDRESS_ENV = "CAMPAIGN_NODE_ADDRESS"  # its address (a trial across nodes liste
 INTERFACE_ENV = "CAMPAIGN_NODE_INTERFACE"  # and the network interface of that address
 RENDEZVOUS_WAIT_S = 120.0  # how long a node waits for the host node's endpoint
 CANCEL_POLL_S = 2.0  # how often a segment reads its own flow run's state (CancelWatch)
-# How long it leaves a cancel to its Prefect worker first: the worker ends a cancelled run
-# within a second or two while its observer works, and this backstop then never acts.
-CANCEL_GRACE_S = 10.0
+# How long it leaves a cancel to its Prefect worker first: past the worker's own worst case
+# (its observer polls every 10 s, give or take 30 %, once its websocket dropped, then gives
+# the run 30 s to end after SIGTERM), so that it acts only where the worker no longer does.
+CANCEL_GRACE_S = 60.0
+CANCEL_STOP_WAIT_S = 60.0  # the segment's end waits this long for a stop the watch began
 
 
 class CancelWatch:
     """The segment's own watch on its flow run: cancelled (`Cancelling`) and not ended by its
     worker within CANCEL_GRACE_S, the segment stops its trial itself, as the campaign's stop
-    does (its processes end, its devices are released), and `cancelled` is set. Prefect's
-    worker honours a cancel through an observer whose polling gives up for good once the
-    server has been away for about 20 s (three failed polls), so after a restart of the
-    server no cancel reached a node that lived through it: a stopped campaign's trial there
-    trained on, and held its devices, until it ended by itself."""
+    does (its processes end, its devices are released). Prefect's worker ends a cancelled run
+    through an observer made for each run, whose polling gives up for good once the server
+    has been away for about 20 s (three failed polls; 22 s in the test's log): a run that
+    lived through a restart of the server could no longer be cancelled, and a stopped
+    campaign's trial trained on there, holding its devices, until it ended by itself."""
 
     def __init__(self, flow_run_id, on_cancel: Callable[[], object]):
         self.flow_run_id, self.on_cancel = flow_run_id, on_cancel
-        self.cancelled = threading.Event()
+        self.acting = threading.Event()  # it stops the trial...
+        self.acted = threading.Event()  # ...and has stopped it
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="segment-cancel-watch", daemon=True)
 
-    def __enter__(self) -> "CancelWatch":
+    def start(self) -> None:
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """The segment ends: the watch acts no more, and a stop it began is waited for (not a
+        poll that rides on its client's retries: it ends by itself)."""
         self._done.set()
-        self._thread.join(timeout=CANCEL_POLL_S + 30.0)
-
-    def _cancelling(self) -> bool:
-        from prefect.client.schemas.objects import StateType
-
-        try:
-            run = call(lambda client: client.read_flow_run(self.flow_run_id))
-        except Exception:  # the server away a moment: the next poll asks again
-            return False
-        return run.state is not None and run.state.type == StateType.CANCELLING
+        if self.acting.is_set():
+            self.acted.wait(CANCEL_STOP_WAIT_S)
 
     def _run(self) -> None:
         since = None
         while not self._done.wait(CANCEL_POLL_S):
-            if not self._cancelling():
+            cancelling = run_cancelling(self.flow_run_id)
+            if self._done.is_set():
+                return
+            if not cancelling:
                 since = None
             elif since is None:
                 since = time.monotonic()
             elif time.monotonic() - since >= CANCEL_GRACE_S:
-                self.cancelled.set()
-                self.on_cancel()
+                self.acting.set()
+                try:
+                    self.on_cancel()
+                finally:
+                    self.acted.set()
                 return
+
+
+def run_cancelling(flow_run_id) -> bool:
+    """Whether the run is being cancelled (False when the server does not answer)."""
+    from prefect.client.schemas.objects import StateType
+
+    try:
+        run = call(lambda client: client.read_flow_run(flow_run_id))
+    except Exception:  # the server away a moment: the next poll asks again
+        return False
+    return run.state is not None and run.state.type == StateType.CANCELLING
 
 
 def mark_cancelled(flow_run_id) -> None:
@@ -210,22 +223,43 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
     # run's state; without shared storage, its last files too): a server away as it ends (a
     # crash, a restart of its service) is waited for, or its run would read as running for
     # good and the campaign would wait on it forever. Its devices are released before.
-    run_id = FlowRunContext.get().flow_run.id
-    with server_patience(SERVER_PATIENCE_S, say), CancelWatch(run_id, stop_launched_trials) as watch:
+    context = FlowRunContext.get()
+    if context is None:  # called as a function, not as a worker's flow run: nothing to report through
+        return _segment(cfg, devices, cwd, campaign, span, elastic, node_devices, files, agent_across, host, memory_bytes, launch_id)
+    run_id = context.flow_run.id
+    watch = CancelWatch(run_id, stop_launched_trials)
+    with server_patience(SERVER_PATIENCE_S, say):
+        watch.start()
+        error = None
         try:
             return _segment(cfg, devices, cwd, campaign, span, elastic, node_devices, files, agent_across, host, memory_bytes,
                             launch_id)
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            try:
-                server_answers()
-                if watch.cancelled.is_set():
-                    say("cancelled: its trial was stopped here (its Prefect worker no longer ends cancelled runs)")
-                    mark_cancelled(run_id)
-                    # Its end is said: the engine then exits without proposing a state of its
-                    # own (Failed, for the stopped trial), as a run its worker ended would.
-                    raise Abort("the segment was cancelled; it stopped its trial")
-            except PoolError as e:
-                say(f"its end cannot be reported: {e}")
+            watch.close()
+            if not isinstance(error, TerminationSignal):  # not its worker's own cancel, which Prefect ends as it does
+                _report_end(run_id, watch, error, say)
+
+
+def _report_end(run_id, watch: CancelWatch, error: BaseException | None, say: Callable[[str], None]) -> None:
+    """After the segment's work (its devices released): wait for the server, and if the run is
+    being cancelled, end it `Cancelled` and the engine with it, without a state of its own (it
+    would propose Completed or Failed, which the server refuses a run being cancelled: the run
+    would then stay `Cancelling` for good where its worker no longer ends cancelled runs)."""
+    cancelled = False
+    try:
+        server_answers()
+        if cancelled := run_cancelling(run_id):
+            mark_cancelled(run_id)
+    except Exception as e:  # the run's own end (its result, or its error) stands
+        say(f"its end cannot be reported ({e.__class__.__name__}: {e})")
+    if cancelled:
+        by = " by the segment itself (its Prefect worker did not end it)" if watch.acted.is_set() else ""
+        ended = f"; it ended with {error.__class__.__name__}: {error}" if error is not None else ""
+        say(f"cancelled: its trial was stopped{by}{ended}")
+        raise Abort("the segment's run was cancelled")
 
 
 def _segment(cfg: TrialConfig, devices: list[dict[str, Any]], cwd: str, campaign: str, span: dict[str, Any] | None,
