@@ -221,8 +221,9 @@ def trial_segment(config: dict[str, Any], devices: list[dict[str, Any]], cwd: st
 
     # How the segment ended reaches the campaign only through the Prefect server (its flow
     # run's state; without shared storage, its last files too): a server away as it ends (a
-    # crash, a restart of its service) is waited for, or its run would read as running for
-    # good and the campaign would wait on it forever. Its devices are released before.
+    # crash, a restart of its service) is waited for, or its worker would later report the run
+    # crashed and, with nothing shared, its result would never be sent. Its devices are
+    # released before.
     context = FlowRunContext.get()
     if context is None:  # called as a function, not as a worker's flow run: nothing to report through
         return _segment(cfg, devices, cwd, campaign, span, elastic, node_devices, files, agent_across, host, memory_bytes, launch_id)
