@@ -632,8 +632,8 @@ def restart_prefect_server(tmp_path: Path, head: str, api: str, launch: subproce
 @pytest.mark.waits
 def test_a_campaign_stopped_after_a_prefect_server_restart_still_stops_its_trial_on_the_node(tmp_path, digits_npz, lab):
     """The pool's Prefect server stops for a minute and starts again while a trial trains on
-    node a. Prefect's worker there then ends no cancelled run any more (its cancel observer
-    gives up for good after three failed polls). SIGTERM to the campaign still ends the
+    node a. Prefect's worker there then no longer ends that run when it is cancelled (the
+    observer it made for the run gives up for good after three failed polls). SIGTERM to the campaign still ends the
     trial's processes on the node and releases its lease there: the segment watches its own
     run, stops its trial itself, and its run ends Cancelled."""
     from cluster.leases import LeaseStore
@@ -672,9 +672,9 @@ def test_a_trial_on_a_node_rides_out_a_prefect_server_restart(tmp_path, digits_n
     The trial's segment trains on meanwhile; the campaign waits for the server instead of
     failing the trial (and leaving its segment training with nobody following it), and takes
     no node for dead while its heartbeats had nowhere to go. The trial finishes while the
-    server is still away: its segment waits for the server to report its end (else its flow
-    run would read as running for good, and the campaign wait on it), and the campaign
-    collects the trial, never restarted."""
+    server is still away: its segment waits for the server to report its end (else its worker
+    later reports the run crashed, and with nothing shared its last files are never sent),
+    and the campaign collects the trial, never restarted."""
     head, api, nodes = lab
     port = int(api.rsplit(":", 1)[1].split("/")[0])
     worker = start_live_worker(api, tmp_path, "a", *nodes["a"], 2)
